@@ -1,0 +1,40 @@
+"""The one place that decides which implementation of an op runs.
+
+CUDA/ROCm devices get the Pallas implementation where the op has one; every other platform (CPU, a vendor PJRT
+plugin such as MUSA) gets the plain-XLA reference. The decision is made at trace time from the platform of the
+default devices. `impl=` on an op, or `DAYZERO_KERNELS=reference|pallas|interpret` for a whole process, overrides it
+for experiments; an override naming an implementation the op lacks falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+IMPLS = ("reference", "pallas", "interpret")
+PALLAS_PLATFORMS = ("gpu", "cuda", "rocm")
+ENV_OVERRIDE = "DAYZERO_KERNELS"
+
+
+def current_platform() -> str:
+    """Platform name of the default devices ('cpu', 'cuda', 'rocm', or a plugin's name such as 'musa')."""
+    return jax.devices()[0].platform
+
+
+def choose(available: tuple[str, ...], impl: str | None = None, platform: str | None = None) -> str:
+    """Returns the implementation to run among `available` (always including "reference").
+
+    `impl` (or the DAYZERO_KERNELS variable) forces a choice; otherwise Pallas on CUDA/ROCm, reference elsewhere.
+    """
+    forced = impl or os.environ.get(ENV_OVERRIDE) or None
+    if forced is not None:
+        if forced not in IMPLS:
+            raise ValueError(f"kernel implementation '{forced}' is not one of {IMPLS}")
+        if forced == "interpret" and "pallas" in available:
+            return "interpret"
+        return forced if forced in available else "reference"
+    platform = platform or current_platform()
+    if platform in PALLAS_PLATFORMS and "pallas" in available:
+        return "pallas"
+    return "reference"

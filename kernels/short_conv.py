@@ -1,0 +1,30 @@
+"""Short causal depthwise convolution (the KDA layer's q/k/v conv), plain jnp.
+
+y[t, c] = act(sum_j w[c, j] * x[t - (W - 1) + j, c]), with the W - 1 tokens before the sequence taken from
+`initial_state` (zeros when absent). The returned state is the last W - 1 inputs, channel-major [B, C, W - 1].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def causal_conv1d(x: jax.Array, weight: jax.Array, initial_state: jax.Array | None = None,
+                  activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
+    """x [B, T, C], weight [C, W] -> (y [B, T, C] in x.dtype, final state [B, C, W - 1] in x.dtype)."""
+    batch, length, channels = x.shape
+    width = weight.shape[-1]
+    if initial_state is None:
+        history = jnp.zeros((batch, width - 1, channels), x.dtype)
+    else:
+        history = jnp.swapaxes(initial_state, 1, 2).astype(x.dtype)
+    padded = jnp.concatenate([history, x], axis=1)  # [B, W - 1 + T, C]
+    w = weight.astype(x.dtype)
+    y = sum(padded[:, j:j + length, :] * w[:, j] for j in range(width))
+    if activation == "silu":
+        y = jax.nn.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unsupported activation {activation!r}")
+    state = jnp.swapaxes(padded[:, padded.shape[1] - (width - 1):, :], 1, 2)
+    return y.astype(x.dtype), state

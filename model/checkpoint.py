@@ -1,0 +1,258 @@
+"""Loading hub checkpoints (safetensors, single file or sharded) into dayzero's params pytree.
+
+Two passes. The first reads only headers: every tensor name is mapped to a param (published names of kimi_linear,
+deepseek_v3/v32 and kimi_k2), and missing, unexpected, shape- or dtype-mismatched tensors are collected and raised
+together as one CheckpointError. The second streams tensors one at a time (FP8 e4m3 weights dequantized with their
+128x128 `weight_scale_inv` blocks, linear weights transposed to [in, out], experts stacked per projection), casts
+each to its param dtype and places it on the device(s) at once, so host memory stays near one tensor (one stacked
+expert projection) at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from .config import ModelConfig
+from .errors import CheckpointError
+from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, open_checkpoint_files
+
+ParamPath = tuple[str, ...]
+
+LINEAR_MODULES = frozenset({
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+    "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj", "wq_b", "wk", "weights_proj",
+    "gate_proj", "up_proj", "down_proj",
+})
+EXPERT_PROJECTIONS = {"gate_proj": "w_gate", "w1": "w_gate", "up_proj": "w_up", "w3": "w_up",
+                      "down_proj": "w_down", "w2": "w_down"}
+FLOAT_SOURCES = frozenset({"F64", "F32", "F16", "BF16"})
+FP8_SOURCES = frozenset({"F8_E4M3", "F8_E5M2"})
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)\.weight")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a checkpoint tensor goes. kind: copy | linear (transpose) | conv ([C,1,W] -> [C,W]) | flat (reshape)
+    | expert (transpose into slot `expert` of a stacked [E, ...] param)."""
+
+    path: ParamPath
+    kind: str
+    expert: int = -1
+
+
+IGNORE = Target((), "ignore")
+
+
+def map_tensor_name(name: str, config: ModelConfig) -> Target | None:
+    """Maps a published tensor name to its param, IGNORE for tensors dayzero deliberately skips (DeepSeek's MTP
+    layers, tied lm_head copies, rotary buffers), or None when the name is not part of the architecture."""
+    if name == "lm_head.weight":
+        return IGNORE if config.tie_word_embeddings else Target(("lm_head",), "linear")
+    if name == "model.embed_tokens.weight":
+        return Target(("embed_tokens",), "copy")
+    if name == "model.norm.weight":
+        return Target(("norm", "weight"), "copy")
+    if name.endswith("rotary_emb.inv_freq"):
+        return IGNORE
+    m = _LAYER.fullmatch(name)
+    if m is None:
+        return None
+    index, sub = int(m[1]), m[2]
+    if index >= config.num_layers:
+        return IGNORE if index < config.num_layers + config.num_mtp_layers else None
+    layer = f"layers_{index}"
+    if sub.startswith("block_sparse_moe."):  # Kimi's published name for the MLP / MoE block
+        sub = "mlp." + sub[len("block_sparse_moe."):]
+    m = _EXPERT.fullmatch(sub)
+    if m is not None:
+        proj = EXPERT_PROJECTIONS.get(m[2])
+        return None if proj is None else Target((layer, "mlp", "experts", proj), "expert", int(m[1]))
+    parts = tuple(sub.split("."))
+    if len(parts) >= 2 and parts[-2] in LINEAR_MODULES and parts[-1] == "weight":
+        return Target((layer, *parts[:-1], "kernel"), "linear")
+    if len(parts) >= 2 and parts[-2] in LINEAR_MODULES and parts[-1] == "bias":
+        return Target((layer, *parts[:-1], "bias"), "copy")
+    if len(parts) == 3 and parts[-2].endswith("_conv1d") and parts[-1] == "weight":
+        return Target((layer, *parts), "conv")
+    if sub in ("self_attn.A_log", "self_attn.dt_bias"):
+        return Target((layer, *parts), "flat")
+    return Target((layer, *parts), "copy")
+
+
+def published_name(path: ParamPath) -> str:
+    """The canonical published tensor name for a param path (for messages)."""
+    if path == ("lm_head",):
+        return "lm_head.weight"
+    if path == ("embed_tokens",):
+        return "model.embed_tokens.weight"
+    parts = list(path)
+    if parts[0].startswith("layers_"):
+        parts[0:1] = ["layers", parts[0][len("layers_"):]]
+    if parts[-1] == "kernel":
+        parts[-1] = "weight"
+    if len(parts) >= 2 and parts[-2] == "experts":
+        parts[-1] = {"w_gate": "N.gate_proj.weight", "w_up": "N.up_proj.weight", "w_down": "N.down_proj.weight"}[
+            parts[-1]]
+    return "model." + ".".join(parts)
+
+
+def _transformed_shape(target: Target, shape: tuple[int, ...], expected: tuple[int, ...]) -> tuple[int, ...] | None:
+    if target.kind == "copy":
+        return shape
+    if target.kind in ("linear", "expert"):
+        return tuple(reversed(shape)) if len(shape) == 2 else None
+    if target.kind == "conv":
+        if len(shape) == 3 and shape[1] == 1:
+            return (shape[0], shape[2])
+        return shape if len(shape) == 2 else None
+    if target.kind == "flat":
+        return expected if int(np.prod(shape)) == int(np.prod(expected)) else shape
+    raise AssertionError(target.kind)
+
+
+@dataclass
+class LoadPlan:
+    """Header-only result of matching a checkpoint against the expected params."""
+
+    sources: dict[ParamPath, list[tuple[TensorInfo, Target]]] = field(default_factory=dict)
+    scales: dict[str, TensorInfo] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.ShapeDtypeStruct],
+              config: ModelConfig) -> LoadPlan:
+    """Matches every checkpoint tensor to a param and lists every problem (nothing is read but headers)."""
+    plan = LoadPlan()
+    infos = {name: f.tensors[name] for name, f in files.items()}
+    scale_names = {n for n in infos if n.endswith(".weight_scale_inv")}
+    unexpected, missing, mismatched, bad_dtype = [], [], [], []
+    for name in sorted(infos):
+        if name in scale_names:
+            continue
+        info = infos[name]
+        target = map_tensor_name(name, config)
+        if target is IGNORE:
+            continue
+        if target is None or target.path not in expected:
+            unexpected.append(f"unexpected tensor '{name}' {list(info.shape)} ({info.dtype})")
+            continue
+        want = expected[target.path]
+        want_shape = want.shape[1:] if target.kind == "expert" else want.shape
+        got = _transformed_shape(target, info.shape, tuple(want_shape))
+        if got != tuple(want_shape):
+            hint = " (after transposing [out, in] to [in, out])" if target.kind in ("linear", "expert") else ""
+            mismatched.append(f"shape mismatch: '{name}' is {list(info.shape)}, the model expects "
+                              f"{list(want_shape)}{hint}")
+            continue
+        if target.kind == "expert" and not 0 <= target.expert < want.shape[0]:
+            unexpected.append(f"unexpected tensor '{name}': expert {target.expert} is outside 0..{want.shape[0] - 1}")
+            continue
+        if info.dtype in FP8_SOURCES:
+            scale = name[: -len("weight")] + "weight_scale_inv"
+            if scale not in infos:
+                bad_dtype.append(f"dtype mismatch: '{name}' is {info.dtype} but '{scale}' (its block scales) is absent")
+                continue
+            if config.weight_block_size is None:
+                bad_dtype.append(f"dtype mismatch: '{name}' is {info.dtype} but config.json has no fp8 "
+                                 "quantization_config.weight_block_size")
+                continue
+            block = config.weight_block_size
+            need = tuple(-(-d // b) for d, b in zip(info.shape, block))
+            if len(info.shape) != 2 or infos[scale].shape != need:
+                mismatched.append(f"shape mismatch: '{scale}' is {list(infos[scale].shape)}, blocks of {list(block)} "
+                                  f"over {list(info.shape)} need {list(need)}")
+                continue
+            plan.scales[name] = infos[scale]
+        elif info.dtype not in FLOAT_SOURCES:
+            bad_dtype.append(f"dtype mismatch: '{name}' is {info.dtype}, expected a floating-point tensor")
+            continue
+        plan.sources.setdefault(target.path, []).append((info, target))
+    for name in sorted(scale_names):
+        weight = name[: -len("weight_scale_inv")] + "weight"
+        if weight not in infos:
+            unexpected.append(f"unexpected tensor '{name}' (no weight '{weight}' beside it)")
+    for path, want in expected.items():
+        srcs = plan.sources.get(path)
+        if len(path) >= 2 and path[-2] == "experts":
+            have = sorted(t.expert for _, t in srcs or [])
+            dupes = sorted({e for e in have if have.count(e) > 1})
+            absent = sorted(set(range(want.shape[0])) - set(have))
+            layer = published_name(path).replace(".N.", ".{" + ",".join(map(str, absent)) + "}.")
+            if absent:
+                missing.append(f"missing tensor(s) {layer}" if len(absent) < want.shape[0]
+                               else f"missing tensor(s) {published_name(path)} for all {want.shape[0]} experts")
+            if dupes:
+                mismatched.append(f"experts {dupes} of {published_name(path)} appear more than once")
+        elif not srcs:
+            missing.append(f"missing tensor '{published_name(path)}' {list(want.shape)}")
+        elif len(srcs) > 1:
+            mismatched.append(f"'{published_name(path)}' is given by several tensors: "
+                              + ", ".join(i.name for i, _ in srcs))
+    plan.problems = missing + unexpected + mismatched + bad_dtype
+    return plan
+
+
+def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """w [out, in] float8 with scale_inv [ceil(out/b0), ceil(in/b1)] -> float32 w * scale per block."""
+    out_dim, in_dim = weight.shape
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
+    return weight.astype(np.float32) * scale[:out_dim, :in_dim]
+
+
+def _read(files, info: TensorInfo, plan: LoadPlan, config: ModelConfig) -> np.ndarray:
+    array = files[info.name].read(info.name)
+    if info.name in plan.scales:
+        scale = plan.scales[info.name]
+        array = dequantize_fp8_blocks(array, files[scale.name].read(scale.name), config.weight_block_size)
+    return array
+
+
+def _transform(array: np.ndarray, target: Target, shape: tuple[int, ...]) -> np.ndarray:
+    if target.kind in ("linear", "expert"):
+        return array.T
+    return array.reshape(shape)
+
+
+def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
+                sharding_for=None, progress: bool | None = None) -> dict[ParamPath, jax.Array]:
+    """Streams the checkpoint in `directory` into device arrays keyed by param path.
+
+    `sharding_for(path) -> jax.sharding.Sharding | None` places each param as it is read (None: default device).
+    Raises CheckpointError listing every problem before any tensor data is read.
+    """
+    files = open_checkpoint_files(directory)
+    plan = plan_load(files, expected, config)
+    if plan.problems:
+        raise CheckpointError(f"{directory}: the checkpoint does not match the {config.model_type} model "
+                              f"({len(plan.problems)} problem(s))", plan.problems)
+    params: dict[ParamPath, jax.Array] = {}
+    bar = tqdm(total=sum(len(v) for v in plan.sources.values()), unit="tensor", desc="loading",
+               disable=True if progress is False else None, leave=False)
+    for path, want in expected.items():
+        dtype = np.dtype(want.dtype)
+        sources = plan.sources[path]
+        if sources[0][1].kind == "expert":
+            host = np.empty(want.shape, dtype)
+            for info, target in sources:
+                host[target.expert] = _transform(_read(files, info, plan, config), target, want.shape[1:])
+                bar.update(1)
+        else:
+            info, target = sources[0]
+            host = np.ascontiguousarray(_transform(_read(files, info, plan, config), target, want.shape)).astype(
+                dtype, copy=False)
+            bar.update(1)
+        sharding = sharding_for(path) if sharding_for is not None else None
+        params[path] = jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host)
+        del host
+    bar.close()
+    return params
+
+
+__all__ = ["load_params", "plan_load", "map_tensor_name", "published_name", "dequantize_fp8_blocks", "DTYPES"]

@@ -1,0 +1,486 @@
+"""`ModelConfig`: one frozen dataclass for the whole family, parsed from a hub `config.json`.
+
+Supported `model_type`s: `kimi_linear` (KDA + MLA-NoPE + MoE, in the published `linear_attn_config` form and in
+the form transformers writes), `deepseek_v3`, `kimi_k2` (MLA + MoE) and `deepseek_v32` (MLA + DSA indexer + MoE).
+A hybrid (KDA + MLA with DSA + MoE) is just a config: a `kimi_linear` config that also carries `index_*` fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+LAYER_KDA = "kda"
+LAYER_MLA = "mla"
+MLP_DENSE = "dense"
+MLP_MOE = "moe"
+
+SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2", "deepseek_v32")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters. `kind` is "default" or "yarn" (YaRN with DeepSeek's mscale)."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def yarn_mscale(self, scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """Factor applied to cos/sin (YaRN's attention factor; 1 for default rope)."""
+        if self.kind != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return self.yarn_mscale(self.factor, self.mscale) / self.yarn_mscale(self.factor, self.mscale_all_dim)
+        return self.yarn_mscale(self.factor)
+
+    def softmax_scale_multiplier(self) -> float:
+        """DeepSeek multiplies the attention softmax scale by mscale(factor, mscale_all_dim)**2 under YaRN."""
+        if self.kind == "default" or not self.mscale_all_dim:
+            return 1.0
+        m = self.yarn_mscale(self.factor, self.mscale_all_dim)
+        return m * m
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Every architecture of the family as one frozen dataclass.
+
+    `layer_types[i]` is "kda" or "mla"; `mlp_types[i]` is "dense" or "moe". MLA layers use DSA (the lightning
+    indexer's top-k selection) when `index_topk > 0`.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    mlp_types: tuple[str, ...]
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    # MLA
+    num_heads: int = 0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    attention_bias: bool = False
+    mla_use_rope: bool = True
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    # DSA indexer
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    # KDA
+    kda_num_heads: int = 0
+    kda_head_dim: int = 0
+    kda_conv_size: int = 4
+    kda_gate_lower_bound: float | None = None
+    # MoE
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    router_activation: str = "sigmoid"
+    routed_scaling_factor: float = 1.0
+    renormalize: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    router_bias: bool = True  # noaux_tc: e_score_correction_bias added for selection only
+    # special tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    # storage
+    checkpoint_dtype: str | None = None
+    quant_method: str | None = None
+    weight_block_size: tuple[int, int] | None = None
+    num_mtp_layers: int = 0
+
+    def __post_init__(self):
+        self.validate()
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def use_dsa(self) -> bool:
+        return self.index_topk > 0
+
+    @property
+    def kda_dim(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def mla_softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        if self.mla_use_rope:
+            scale *= self.rope.softmax_scale_multiplier()
+        return scale
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ checks
+    def validate(self) -> None:
+        def need(name: str, ok: bool, msg: str):
+            if not ok:
+                raise ConfigError(name, msg)
+
+        for name in ("vocab_size", "hidden_size", "num_layers"):
+            need(name, isinstance(getattr(self, name), int) and getattr(self, name) > 0, "must be a positive integer")
+        need("layer_types", len(self.layer_types) == self.num_layers,
+             f"has {len(self.layer_types)} entries for {self.num_layers} layers")
+        need("mlp_types", len(self.mlp_types) == self.num_layers,
+             f"has {len(self.mlp_types)} entries for {self.num_layers} layers")
+        bad = sorted({t for t in self.layer_types if t not in (LAYER_KDA, LAYER_MLA)})
+        need("layer_types", not bad, f"unknown layer type(s) {bad}")
+        bad = sorted({t for t in self.mlp_types if t not in (MLP_DENSE, MLP_MOE)})
+        need("mlp_types", not bad, f"unknown mlp type(s) {bad}")
+        need("hidden_act", self.hidden_act == "silu", f"'{self.hidden_act}' is not supported (only 'silu')")
+        if LAYER_MLA in self.layer_types:
+            for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+                need(name, getattr(self, name) > 0, "must be positive for MLA layers")
+            need("qk_rope_head_dim", self.qk_rope_head_dim >= 0 and self.qk_rope_head_dim % 2 == 0,
+                 "must be a non-negative even number")
+            if self.q_lora_rank is not None:
+                need("q_lora_rank", self.q_lora_rank > 0, "must be positive or null")
+            need("rope.kind", self.rope.kind in ("default", "yarn"),
+                 f"rope type '{self.rope.kind}' is not supported (default, yarn)")
+            if self.rope.kind == "yarn":
+                need("rope_scaling.factor", self.rope.factor > 0, "must be positive for YaRN")
+                need("rope_scaling.original_max_position_embeddings",
+                     self.rope.original_max_position_embeddings is not None, "is required for YaRN")
+        if self.use_dsa:
+            need("index_n_heads", self.index_n_heads > 0, "must be positive when index_topk > 0")
+            need("index_head_dim", self.index_head_dim >= self.qk_rope_head_dim,
+                 f"({self.index_head_dim}) must be at least qk_rope_head_dim ({self.qk_rope_head_dim})")
+            need("q_lora_rank", self.q_lora_rank is not None, "DSA's indexer reads the q-LoRA latent: it must be set")
+            need("layer_types", LAYER_MLA in self.layer_types, "index_topk is set but there is no MLA layer")
+        if LAYER_KDA in self.layer_types:
+            need("linear_attn_config.num_heads", self.kda_num_heads > 0, "must be positive for KDA layers")
+            need("linear_attn_config.head_dim", self.kda_head_dim > 0, "must be positive for KDA layers")
+            need("linear_attn_config.short_conv_kernel_size", self.kda_conv_size >= 1, "must be at least 1")
+        if MLP_DENSE in self.mlp_types:
+            need("intermediate_size", self.intermediate_size > 0, "must be positive for dense MLP layers")
+        if MLP_MOE in self.mlp_types:
+            need("num_experts", self.num_experts > 0, "must be positive for MoE layers")
+            need("num_experts_per_token", 0 < self.num_experts_per_token <= self.num_experts,
+                 f"({self.num_experts_per_token}) must be in 1..num_experts ({self.num_experts})")
+            need("moe_intermediate_size", self.moe_intermediate_size > 0, "must be positive for MoE layers")
+            need("router_activation", self.router_activation in ("sigmoid", "softmax"),
+                 f"'{self.router_activation}' is not supported (sigmoid, softmax)")
+            need("n_group", self.n_group >= 1 and self.num_experts % self.n_group == 0,
+                 f"({self.n_group}) must divide num_experts ({self.num_experts})")
+            need("topk_group", 1 <= self.topk_group <= self.n_group,
+                 f"({self.topk_group}) must be in 1..n_group ({self.n_group})")
+            if self.n_group > 1:
+                need("n_group", self.num_experts // self.n_group >= 2,
+                     "grouped top-k scores each group by its best two experts: groups need at least 2")
+                need("num_experts_per_token",
+                     self.num_experts_per_token <= self.topk_group * (self.num_experts // self.n_group),
+                     "exceeds the experts available in the selected groups")
+        if self.quant_method is not None:
+            need("quantization_config.quant_method", self.quant_method in ("fp8", "mxfp4"),
+                 f"'{self.quant_method}' is not supported (fp8, mxfp4)")
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Reads `path/config.json` (or `path` itself when it is a file)."""
+        path = os.fspath(path)
+        file = path if os.path.isfile(path) else os.path.join(path, "config.json")
+        try:
+            with open(file) as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError("config.json", f"no config.json at {file}") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError("config.json", f"{file} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(raw)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        """Parses a hub config dict, in the published form or in the form transformers writes."""
+        if not isinstance(raw, dict):
+            raise ConfigError("config.json", "must be a JSON object")
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            hint = " (the vision model needs the kimi_k25 support of a later release)" if model_type == "kimi_k25" else ""
+            raise ConfigError("model_type", f"unknown model_type {model_type!r}{hint}; supported: "
+                              + ", ".join(SUPPORTED_MODEL_TYPES))
+        r = _Reader(raw)
+        if model_type == "kimi_linear":
+            return _parse_kimi_linear(r)
+        return _parse_deepseek(r, model_type)
+
+
+class _Reader:
+    """Typed access to a raw config dict with aliases; every error names the field."""
+
+    def __init__(self, raw: dict[str, Any]):
+        self.raw = raw
+
+    def get(self, *names: str, default: Any = None, kind: type | tuple | None = None, required: bool = False):
+        for name in names:
+            if name in self.raw and self.raw[name] is not None:
+                value = self.raw[name]
+                if kind is not None and not _is_kind(value, kind):
+                    raise ConfigError(name, f"expected {_kind_name(kind)}, got {value!r}")
+                return value
+        if required:
+            raise ConfigError(names[0], "is required")
+        return default
+
+    def int(self, *names, default=None, required=False) -> int | None:
+        return self.get(*names, default=default, kind=int, required=required)
+
+    def float(self, *names, default=None, required=False) -> float | None:
+        v = self.get(*names, default=default, kind=(int, float), required=required)
+        return None if v is None else float(v)
+
+
+def _is_kind(value, kind) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        return False
+    return isinstance(value, kinds)
+
+
+def _kind_name(kind) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def _eos_ids(r: _Reader) -> tuple[int, ...]:
+    eos = r.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ConfigError("eos_token_id", f"expected an integer or a list of integers, got {eos!r}")
+    return tuple(ids)
+
+
+def _parse_rope(r: _Reader) -> RopeConfig:
+    params = r.get("rope_parameters", "rope_scaling", default=None, kind=dict)
+    field_name = "rope_parameters" if "rope_parameters" in r.raw else "rope_scaling"
+    theta = r.float("rope_theta", default=None)
+    if params is None:
+        return RopeConfig(theta=theta if theta is not None else 10000.0)
+    p = _Reader(params)
+    kind = p.get("rope_type", "type", default="default", kind=str)
+    if theta is None:
+        theta = p.float("rope_theta", default=10000.0)
+    if kind not in ("default", "yarn"):
+        raise ConfigError(f"{field_name}.rope_type", f"rope type '{kind}' is not supported (default, yarn)")
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    omax = p.int("original_max_position_embeddings", default=r.int("original_max_position_embeddings"))
+    factor = p.float("factor", default=None)
+    if factor is None:
+        if omax is None:
+            raise ConfigError(f"{field_name}.factor", "YaRN needs factor or original_max_position_embeddings")
+        factor = r.int("max_position_embeddings", required=True) / omax
+    if omax is None:
+        omax = r.int("max_position_embeddings", default=None)
+        if omax is None:
+            raise ConfigError(f"{field_name}.original_max_position_embeddings", "is required for YaRN")
+    return RopeConfig(
+        theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=omax,
+        beta_fast=p.float("beta_fast", default=32.0) or 32.0, beta_slow=p.float("beta_slow", default=1.0) or 1.0,
+        mscale=p.float("mscale"), mscale_all_dim=p.float("mscale_all_dim"),
+        attention_factor=p.float("attention_factor"), truncate=bool(p.get("truncate", default=True, kind=bool)),
+    )
+
+
+def _mlp_types(r: _Reader, n_layers: int, first_dense_default: int) -> tuple[str, ...]:
+    listed = r.get("mlp_layer_types", kind=list)
+    if listed is not None:
+        if len(listed) != n_layers:
+            raise ConfigError("mlp_layer_types", f"has {len(listed)} entries for {n_layers} layers")
+        mapping = {"dense": MLP_DENSE, "sparse": MLP_MOE, "moe": MLP_MOE}
+        bad = sorted({str(t) for t in listed if t not in mapping})
+        if bad:
+            raise ConfigError("mlp_layer_types", f"unknown entries {bad} (dense, sparse)")
+        return tuple(mapping[t] for t in listed)
+    first_dense = r.int("first_k_dense_replace", default=first_dense_default)
+    freq = r.int("moe_layer_freq", default=1)
+    if freq < 1:
+        raise ConfigError("moe_layer_freq", "must be at least 1")
+    has_experts = (r.int("num_experts", "n_routed_experts", "num_local_experts", default=0) or 0) > 0
+    return tuple(MLP_MOE if has_experts and i >= first_dense and i % freq == 0 else MLP_DENSE for i in range(n_layers))
+
+
+def _moe_fields(r: _Reader) -> dict[str, Any]:
+    topk_method = r.get("topk_method", default="noaux_tc", kind=str)
+    if topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+        raise ConfigError("topk_method", f"'{topk_method}' is not supported (noaux_tc, greedy, group_limited_greedy)")
+    activation = r.get("moe_router_activation_func", "scoring_func", default="sigmoid", kind=str)
+    grouped = r.get("use_grouped_topk", default=True, kind=bool)
+    n_group = r.int("n_group", "num_expert_group", default=1) if grouped else 1
+    topk_group = r.int("topk_group", default=1) if grouped else 1
+    if topk_method == "greedy":
+        n_group, topk_group = 1, 1
+    return dict(
+        num_experts=r.int("num_experts", "n_routed_experts", "num_local_experts", default=0),
+        num_experts_per_token=r.int("num_experts_per_token", "num_experts_per_tok", default=0),
+        moe_intermediate_size=r.int("moe_intermediate_size", default=0),
+        num_shared_experts=r.int("num_shared_experts", "n_shared_experts", default=0),
+        router_activation=activation,
+        routed_scaling_factor=r.float("routed_scaling_factor", default=1.0),
+        renormalize=bool(r.get("moe_renormalize", "norm_topk_prob", default=True, kind=bool)),
+        n_group=n_group, topk_group=topk_group, router_bias=topk_method == "noaux_tc",
+    )
+
+
+def _quant_fields(r: _Reader) -> dict[str, Any]:
+    q = r.get("quantization_config", kind=dict)
+    if q is None:
+        return {}
+    qr = _Reader(q)
+    method = qr.get("quant_method", kind=str, required=True)
+    out: dict[str, Any] = {"quant_method": method}
+    if method == "fp8":
+        block = qr.get("weight_block_size", default=[128, 128], kind=list)
+        if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+            raise ConfigError("quantization_config.weight_block_size", f"expected two positive integers, got {block}")
+        fmt = qr.get("fmt", default="e4m3", kind=str)
+        if fmt != "e4m3":
+            raise ConfigError("quantization_config.fmt", f"'{fmt}' is not supported (e4m3)")
+        out["weight_block_size"] = (block[0], block[1])
+    return out
+
+
+def _common(r: _Reader, n_layers: int) -> dict[str, Any]:
+    return dict(
+        vocab_size=r.int("vocab_size", required=True),
+        hidden_size=r.int("hidden_size", required=True),
+        num_layers=n_layers,
+        intermediate_size=r.int("intermediate_size", default=0),
+        rms_norm_eps=r.float("rms_norm_eps", default=1e-6),
+        hidden_act=r.get("hidden_act", default="silu", kind=str),
+        tie_word_embeddings=bool(r.get("tie_word_embeddings", default=False, kind=bool)),
+        num_heads=r.int("num_attention_heads", default=0),
+        q_lora_rank=r.int("q_lora_rank", default=None),
+        kv_lora_rank=r.int("kv_lora_rank", default=0),
+        qk_nope_head_dim=r.int("qk_nope_head_dim", default=0),
+        qk_rope_head_dim=r.int("qk_rope_head_dim", default=0),
+        v_head_dim=r.int("v_head_dim", default=0),
+        attention_bias=bool(r.get("attention_bias", default=False, kind=bool)),
+        index_n_heads=r.int("index_n_heads", default=0),
+        index_head_dim=r.int("index_head_dim", default=0),
+        index_topk=r.int("index_topk", default=0),
+        bos_token_id=r.int("bos_token_id"),
+        eos_token_ids=_eos_ids(r),
+        pad_token_id=r.int("pad_token_id"),
+        checkpoint_dtype=r.get("dtype", "torch_dtype", kind=str),
+        **_moe_fields(r),
+        **_quant_fields(r),
+    )
+
+
+def _check_kv_heads(r: _Reader):
+    kv = r.int("num_key_value_heads")
+    heads = r.int("num_attention_heads")
+    if kv is not None and heads is not None and kv != heads:
+        raise ConfigError("num_key_value_heads", f"MLA needs num_key_value_heads == num_attention_heads ({heads}), got {kv}")
+
+
+def _parse_deepseek(r: _Reader, model_type: str) -> ModelConfig:
+    n = r.int("num_hidden_layers", required=True)
+    _check_kv_heads(r)
+    fields = _common(r, n)
+    if model_type != "deepseek_v32":
+        fields.update(index_n_heads=0, index_head_dim=0, index_topk=0)
+    return ModelConfig(
+        model_type=model_type,
+        layer_types=(LAYER_MLA,) * n,
+        mlp_types=_mlp_types(r, n, first_dense_default=3 if model_type == "deepseek_v32" else 0),
+        max_position_embeddings=r.int("max_position_embeddings", default=4096),
+        mla_use_rope=True,
+        rope=_parse_rope(r),
+        num_mtp_layers=r.int("num_nextn_predict_layers", "num_mtp_layers", default=0),
+        **fields,
+    )
+
+
+def _parse_kimi_linear(r: _Reader) -> ModelConfig:
+    n = r.int("num_hidden_layers", required=True)
+    _check_kv_heads(r)
+    lac = r.get("linear_attn_config", kind=dict)
+    lr = _Reader(lac or {})
+    prefix = "linear_attn_config." if lac is not None else ""
+    layer_types = _kimi_layer_types(r, lr, n, prefix)
+    kda_heads = lr.int("num_heads", default=None) if lac is not None else None
+    kda_dim = lr.int("head_dim", default=None) if lac is not None else None
+    conv = lr.int("short_conv_kernel_size", default=None) if lac is not None else None
+    lower = lr.float("gate_lower_bound", default=None) if lac is not None else None
+    fields = _common(r, n)
+    use_nope = r.get("mla_use_nope", default=True, kind=bool)
+    return ModelConfig(
+        model_type="kimi_linear",
+        layer_types=layer_types,
+        mlp_types=_mlp_types(r, n, first_dense_default=1),
+        max_position_embeddings=r.int("model_max_length", "max_position_embeddings", default=1048576),
+        mla_use_rope=not use_nope,
+        rope=_parse_rope(r),
+        kda_num_heads=kda_heads if kda_heads is not None else r.int("linear_num_heads", default=32),
+        kda_head_dim=kda_dim if kda_dim is not None else r.int("linear_head_dim", default=128),
+        kda_conv_size=conv if conv is not None else r.int("linear_conv_kernel_dim", default=4),
+        kda_gate_lower_bound=lower if lower is not None else r.float("linear_gate_lower_bound", "gate_lower_bound"),
+        **fields,
+    )
+
+
+def _kimi_layer_types(r: _Reader, lr: _Reader, n: int, prefix: str) -> tuple[str, ...]:
+    listed = r.get("layer_types", kind=list)
+    if listed is not None:
+        if len(listed) != n:
+            raise ConfigError("layer_types", f"has {len(listed)} entries for {n} layers")
+        mapping = {"linear_attention": LAYER_KDA, "full_attention": LAYER_MLA, "kda": LAYER_KDA, "mla": LAYER_MLA}
+        bad = sorted({str(t) for t in listed if t not in mapping})
+        if bad:
+            raise ConfigError("layer_types", f"unknown entries {bad} (linear_attention, full_attention)")
+        return tuple(mapping[t] for t in listed)
+    kda = lr.get("kda_layers", kind=list)
+    full = lr.get("full_attn_layers", kind=list)
+    if kda is None or full is None:
+        return tuple(LAYER_MLA if i and i % 4 == 0 else LAYER_KDA for i in range(n))
+    types: list[str | None] = [None] * n
+    for name, ids, kind in (("full_attn_layers", full, LAYER_MLA), ("kda_layers", kda, LAYER_KDA)):
+        for i in ids:
+            if not isinstance(i, int) or not 1 <= i <= n:
+                raise ConfigError(f"{prefix}{name}", f"layer {i!r} is outside 1..{n} (the list is 1-indexed)")
+            if types[i - 1] is not None:
+                raise ConfigError(f"{prefix}{name}", f"layer {i} is listed both as KDA and as full attention")
+            types[i - 1] = kind
+    missing = [i + 1 for i, t in enumerate(types) if t is None]
+    if missing:
+        raise ConfigError(f"{prefix}kda_layers", f"layers {missing} are in neither kda_layers nor full_attn_layers")
+    return tuple(types)  # type: ignore[arg-type]

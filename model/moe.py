@@ -1,0 +1,101 @@
+"""Mixture-of-Experts block (Flax Linen): router with sigmoid/softmax scoring, grouped (noaux_tc) top-k with the
+score-correction bias, renormalisation and routed scaling; routed SwiGLU experts; shared experts; and the dense MLP."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dayzero.kernels import moe as moe_kernels
+
+from .config import ModelConfig
+from .mla import dense
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x))."""
+
+    intermediate_size: int
+    hidden_size: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        gate = dense(self.intermediate_size, self.dtype, name="gate_proj")(x)
+        up = dense(self.intermediate_size, self.dtype, name="up_proj")(x)
+        return dense(self.hidden_size, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
+
+
+def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Router logits [N, E] float32 -> (topk_ids [N, k] int32, topk_weights [N, k] float32).
+
+    Selection uses scores (+ the correction bias when present), restricted to the `topk_group` best groups (a group
+    scores the sum of its two best experts); weights are the unbiased scores of the chosen experts, renormalised
+    when configured, times `routed_scaling_factor`.
+    """
+    scores = jax.nn.sigmoid(logits) if cfg.router_activation == "sigmoid" else jax.nn.softmax(logits, axis=-1)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+        grouped = choice.reshape(choice.shape[0], cfg.n_group, -1)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
+        _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep = jnp.zeros(group_scores.shape, bool).at[jnp.arange(choice.shape[0])[:, None], top_groups].set(True)
+        choice = jnp.where(jnp.repeat(keep, cfg.num_experts // cfg.n_group, axis=-1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_token)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if cfg.renormalize and cfg.num_experts_per_token > 1:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+class Router(nn.Module):
+    """Params: `weight` [E, D] (checkpoint layout, model dtype) and `e_score_correction_bias` [E] float32."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        weight = self.param("weight", nn.initializers.normal(0.02), (cfg.num_experts, cfg.hidden_size), self.dtype)
+        bias = None
+        if cfg.router_bias:
+            bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
+        logits = x.astype(jnp.float32) @ weight.astype(jnp.float32).T
+        return route(logits, bias, cfg)
+
+
+class Experts(nn.Module):
+    """Routed experts stacked per projection: w_gate, w_up [E, D, I] and w_down [E, I, D]."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, ids, weights):
+        cfg = self.config
+        e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        init = nn.initializers.normal(0.02)
+        w_gate = self.param("w_gate", init, (e, d, i), self.dtype)
+        w_up = self.param("w_up", init, (e, d, i), self.dtype)
+        w_down = self.param("w_down", init, (e, i, d), self.dtype)
+        return moe_kernels.moe_experts(x, ids, weights, w_gate, w_up, w_down)
+
+
+class MoE(nn.Module):
+    """Routed experts plus shared experts (unscaled). x [B, T, D] -> [B, T, D]."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        flat = x.reshape(-1, x.shape[-1])
+        ids, weights = Router(cfg, self.dtype, name="gate")(flat)
+        y = Experts(cfg, self.dtype, name="experts")(flat, ids, weights).reshape(x.shape)
+        if cfg.num_shared_experts:
+            y = y + MLP(cfg.moe_intermediate_size * cfg.num_shared_experts, cfg.hidden_size, self.dtype,
+                        name="shared_experts")(x)
+        return y

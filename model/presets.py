@@ -1,0 +1,115 @@
+"""Built-in configs: `tiny` (tests, the demo), `medium_hybrid` (the ~5 B config measured in ../shared/anchors) and
+`k3_3t` (a ~3 T-parameter K3-style hybrid used for memory planning), plus per-component parameter accounting."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import jax.numpy as jnp
+import numpy as np
+
+from .config import LAYER_KDA, LAYER_MLA, MLP_DENSE, MLP_MOE, ModelConfig, RopeConfig
+
+MXFP4_BITS_PER_WEIGHT = 4.25  # 4-bit E2M1 elements + one 8-bit E8M0 scale per 32
+
+
+def _every_fourth_mla(n: int) -> tuple[str, ...]:
+    return tuple(LAYER_MLA if (i + 1) % 4 == 0 else LAYER_KDA for i in range(n))
+
+
+def tiny() -> ModelConfig:
+    """A 4-layer KDA + MLA/DSA + MoE hybrid with odd sizes, for tests and the demo."""
+    return ModelConfig(
+        model_type="kimi_linear", vocab_size=320, hidden_size=48, num_layers=4,
+        layer_types=(LAYER_KDA, LAYER_MLA, LAYER_KDA, LAYER_MLA), mlp_types=(MLP_DENSE, MLP_MOE, MLP_MOE, MLP_MOE),
+        intermediate_size=80, rms_norm_eps=1e-5, num_heads=3, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=12, mla_use_rope=False, rope=RopeConfig(),
+        index_n_heads=16, index_head_dim=8, index_topk=6,
+        kda_num_heads=3, kda_head_dim=8, kda_conv_size=4,
+        num_experts=6, num_experts_per_token=2, moe_intermediate_size=20, num_shared_experts=1,
+        routed_scaling_factor=2.0, n_group=1, topk_group=1, bos_token_id=1, eos_token_ids=(2,), pad_token_id=0,
+        max_position_embeddings=4096,
+    )
+
+
+def medium_hybrid() -> ModelConfig:
+    """The anchors' medium hybrid: 16 layers (12 KDA + 4 MLA), hidden 2048, 64 experts top-6, ~5.0 B params."""
+    n = 16
+    return ModelConfig(
+        model_type="kimi_linear", vocab_size=32000, hidden_size=2048, num_layers=n, layer_types=_every_fourth_mla(n),
+        mlp_types=(MLP_DENSE,) + (MLP_MOE,) * (n - 1), intermediate_size=6144, rms_norm_eps=1e-5,
+        num_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        mla_use_rope=False, kda_num_heads=16, kda_head_dim=128, kda_conv_size=4,
+        num_experts=64, num_experts_per_token=6, moe_intermediate_size=768, num_shared_experts=1,
+        routed_scaling_factor=2.446, bos_token_id=1, eos_token_ids=(2,), pad_token_id=0, max_position_embeddings=1048576,
+    )
+
+
+def k3_3t() -> ModelConfig:
+    """A K3-style hybrid of ~3 T params: 68 layers, 3 KDA : 1 MLA with DSA, 1024 MXFP4 experts (top-16), hidden 7168."""
+    n = 68
+    return ModelConfig(
+        model_type="kimi_linear", vocab_size=163840, hidden_size=7168, num_layers=n, layer_types=_every_fourth_mla(n),
+        mlp_types=(MLP_DENSE,) + (MLP_MOE,) * (n - 1), intermediate_size=18432, rms_norm_eps=1e-5,
+        num_heads=64, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, mla_use_rope=True, rope=RopeConfig(theta=50000.0),
+        index_n_heads=64, index_head_dim=128, index_topk=2048,
+        kda_num_heads=64, kda_head_dim=128, kda_conv_size=4,
+        num_experts=1024, num_experts_per_token=16, moe_intermediate_size=2048, num_shared_experts=1,
+        routed_scaling_factor=2.827, n_group=1, topk_group=1, bos_token_id=163584, eos_token_ids=(163585,),
+        max_position_embeddings=1048576, quant_method="mxfp4",
+    )
+
+
+PRESETS = {"tiny": tiny, "medium_hybrid": medium_hybrid, "k3_3t": k3_3t}
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise KeyError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}") from None
+
+
+def component_of(path: tuple[str, ...]) -> str:
+    """The accounting component a param path belongs to."""
+    if path[0] == "embed_tokens":
+        return "embedding"
+    if path[0] == "lm_head":
+        return "lm_head"
+    if len(path) >= 3 and path[1] == "self_attn":
+        return "dsa indexer" if path[2] == "indexer" else ("norms" if path[2] == "o_norm" else "attention")
+    if len(path) >= 3 and path[1] == "mlp":
+        return {"experts": "routed experts", "shared_experts": "shared experts", "gate": "router"}.get(
+            path[2], "dense mlp")
+    return "norms"
+
+
+def parameter_table(config: ModelConfig, dtype=jnp.bfloat16, experts_mxfp4: bool | None = None) -> "OrderedDict":
+    """{component: (params, bytes)} with dense weights in `dtype` and routed experts in MXFP4 when the config
+    says so (or `experts_mxfp4`). Computed from shapes only: nothing is allocated."""
+    from .model import expected_params
+
+    if experts_mxfp4 is None:
+        experts_mxfp4 = config.quant_method == "mxfp4"
+    item = jnp.dtype(dtype).itemsize
+    table: OrderedDict[str, list] = OrderedDict()
+    for path, leaf in expected_params(config, dtype).items():
+        count = int(np.prod(leaf.shape))
+        comp = component_of(path)
+        if comp == "routed experts" and experts_mxfp4:
+            nbytes = count * MXFP4_BITS_PER_WEIGHT / 8
+        else:
+            nbytes = count * jnp.dtype(leaf.dtype).itemsize if leaf.dtype == jnp.float32 else count * item
+        entry = table.setdefault(comp, [0, 0.0])
+        entry[0] += count
+        entry[1] += nbytes
+    return OrderedDict((k, (v[0], int(v[1]))) for k, v in table.items())
+
+
+def active_parameters(config: ModelConfig) -> int:
+    """Params touched per token: everything except the unchosen routed experts."""
+    table = parameter_table(config, experts_mxfp4=False)
+    total = sum(c for c, _ in table.values())
+    routed = table.get("routed experts", (0, 0))[0]
+    return total - routed + routed * config.num_experts_per_token // max(config.num_experts, 1)
