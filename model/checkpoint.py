@@ -133,6 +133,7 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
     infos = {name: f.tensors[name] for name, f in files.items()}
     scale_names = {n for n in infos if n.endswith(".weight_scale_inv")}
     unexpected, missing, mismatched, bad_dtype = [], [], [], []
+    rejected: set[tuple[ParamPath, int]] = set()  # present but unusable: reported once, not also as missing
     for name in sorted(infos):
         if name in scale_names:
             continue
@@ -144,6 +145,7 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
             unexpected.append(f"unexpected tensor '{name}' {list(info.shape)} ({info.dtype})")
             continue
         want = expected[target.path]
+        rejected.add((target.path, target.expert))
         want_shape = want.shape[1:] if target.kind == "expert" else want.shape
         got = _transformed_shape(target, info.shape, tuple(want_shape))
         if got != tuple(want_shape):
@@ -183,16 +185,16 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
         if len(path) >= 2 and path[-2] == "experts":
             have = sorted(t.expert for _, t in srcs or [])
             dupes = sorted({e for e in have if have.count(e) > 1})
-            absent = sorted(set(range(want.shape[0])) - set(have))
+            absent = sorted(e for e in set(range(want.shape[0])) - set(have) if (path, e) not in rejected)
             layer = published_name(path).replace(".N.", ".{" + ",".join(map(str, absent)) + "}.")
             if absent:
                 missing.append(f"missing tensor(s) {layer}" if len(absent) < want.shape[0]
                                else f"missing tensor(s) {published_name(path)} for all {want.shape[0]} experts")
             if dupes:
                 mismatched.append(f"experts {dupes} of {published_name(path)} appear more than once")
-        elif not srcs:
+        elif not srcs and (path, -1) not in rejected:
             missing.append(f"missing tensor '{published_name(path)}' {list(want.shape)}")
-        elif len(srcs) > 1:
+        elif srcs and len(srcs) > 1:
             mismatched.append(f"'{published_name(path)}' is given by several tensors: "
                               + ", ".join(i.name for i, _ in srcs))
     plan.problems = missing + unexpected + mismatched + bad_dtype
