@@ -8,7 +8,6 @@ import os
 import numpy as np
 import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 SEQ_LEN = 77  # not a multiple of 64: KDA chunks and DSA selection both see a ragged tail
 
 

@@ -171,15 +171,21 @@ def test_explicit_scale(seed):
 @pytest.mark.parametrize("T", [7, 65, 130])
 @pytest.mark.parametrize("g_max,g_extreme", [(8.0, None), (8.0, -50.0), (1.0, -50.0)])
 def test_strong_decay(seed, T, g_max, g_extreme):
-    """Log-decays of -5 per step and beyond (up to -8), and a third of the entries at -50."""
+    """Log-decays of -5 per step and beyond (up to -8), and a third of the entries at -50.
+
+    With -50 entries the within-chunk cumulative log-decay reaches ~-1e3, where float32 resolves ~6e-5: the chunk
+    form's exp(G_t - G_s) then carries relative errors of that order (transformers' torch chunk form too). Over 600
+    draws chunk vs recurrent peaked at 9.7e-5, hence 3e-4 there; without the -50 entries it stays under 1e-5.
+    """
+    rtol = 1e-4 if g_extreme is None else 3e-4
     inputs = std_inputs(seed, T, g_max=g_max, g_extreme=g_extreme)
     o_c, s_c = run_kda(chunk_kda, inputs, l2norm=True)
     o_r, s_r = run_kda(fused_recurrent_kda, inputs, l2norm=True)
     what = f"g_max={g_max}, extreme={g_extreme}"
     for name, x in (("chunk out", o_c), ("chunk state", s_c), ("rec out", o_r), ("rec state", s_r)):
         assert np.all(np.isfinite(to_np(x))), f"{name} not finite ({what}, seed={seed})"
-    assert_close(o_c, o_r, 1e-4, f"strong decay output ({what})", seed)
-    assert_close(s_c, s_r, 1e-4, f"strong decay state ({what})", seed)
+    assert_close(o_c, o_r, rtol, f"strong decay output ({what})", seed)
+    assert_close(s_c, s_r, rtol, f"strong decay state ({what})", seed)
 
 
 def test_absurd_decay_stays_finite(seed):
@@ -242,8 +248,8 @@ def test_kda_strong_decay_matches_transformers(seed):
     inputs = std_inputs(seed, 130, g_max=8.0, g_extreme=-50.0)
     hf_o, hf_s = _hf_kda(hf_recurrent_kda, inputs, True)
     o, s = run_kda(chunk_kda, inputs, l2norm=True)
-    assert_close(o, hf_o, 1e-4, "strong decay vs transformers output", seed)
-    assert_close(s, hf_s, 1e-4, "strong decay vs transformers state", seed)
+    assert_close(o, hf_o, 3e-4, "strong decay vs transformers output", seed)  # see test_strong_decay
+    assert_close(s, hf_s, 3e-4, "strong decay vs transformers state", seed)
 
 
 # ------------------------------------------------------------------------------------------------ KDA: state carry
