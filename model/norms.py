@@ -7,6 +7,12 @@ import jax
 import jax.numpy as jnp
 
 
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x / rms(x) over the last axis, in float32."""
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nn.Module):
     """y = weight * (x / rms(x)).astype(x.dtype); statistics in float32. Param `weight` [D]."""
 
@@ -16,9 +22,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (weight * normed.astype(x.dtype)).astype(x.dtype)
+        return (weight * rms_normalize(x, self.eps).astype(x.dtype)).astype(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -30,8 +34,7 @@ class GatedRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        normed = rms_normalize(x, self.eps)
         return (weight.astype(jnp.float32) * normed * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
 
 

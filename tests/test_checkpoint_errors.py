@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import rewrite_config
+from tiny_checkpoints import rewrite_config
 from dayzero.model import CheckpointError, ConfigError, load_checkpoint
 
 

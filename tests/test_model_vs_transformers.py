@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import (BUILDERS, build_hf_model, hf_logits, relative_error, rewrite_config, save_hf_model)
+from tiny_checkpoints import (BUILDERS, build_hf_model, hf_logits, relative_error, rewrite_config, save_hf_model)
 from dayzero.model import load_checkpoint
 
 

@@ -66,6 +66,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     out_dtype = q.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel)
     batch, length, heads, _ = k.shape
+    if length == 0:
+        return jnp.zeros(v.shape, out_dtype), (state if output_final_state else None)
     pad = (-length) % chunk_size
     if pad:  # padded tokens: g = 0 and beta = 0 leave the state unchanged
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))

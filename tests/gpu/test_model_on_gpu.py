@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 
 from dayzero.model import Model
 from dayzero.model.presets import tiny
+
+pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices()),
+                                reason="no GPU on this machine")
 
 
 def test_tiny_hybrid_gpu_matches_cpu():
