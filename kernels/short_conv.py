@@ -11,8 +11,12 @@ import jax.numpy as jnp
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, initial_state: jax.Array | None = None,
-                  activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
-    """x [B, T, C], weight [C, W] -> (y [B, T, C] in x.dtype, final state [B, C, W - 1] in x.dtype)."""
+                  activation: str | None = "silu", lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, C], weight [C, W] -> (y [B, T, C] in x.dtype, final state [B, C, W - 1] in x.dtype).
+
+    `lengths` [B] (valid tokens per row, the rest padding at the end) makes the state the last W - 1 inputs
+    before each row's padding; by default every token is valid.
+    """
     batch, length, channels = x.shape
     width = weight.shape[-1]
     if initial_state is None:
@@ -26,5 +30,10 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, initial_state: jax.Array | No
         y = jax.nn.silu(y)
     elif activation is not None:
         raise ValueError(f"unsupported activation {activation!r}")
-    state = jnp.swapaxes(padded[:, padded.shape[1] - (width - 1):, :], 1, 2)
+    if lengths is None:
+        state = padded[:, padded.shape[1] - (width - 1):, :]
+    else:  # padded index of the last W - 1 valid inputs: lengths .. lengths + W - 2
+        index = lengths[:, None] + jnp.arange(width - 1)[None, :]
+        state = jnp.take_along_axis(padded, index[:, :, None], axis=1)
+    state = jnp.swapaxes(state, 1, 2)
     return y.astype(x.dtype), state

@@ -1,4 +1,8 @@
-"""The decoder stack (Flax Linen): embedding, hybrid KDA/MLA layers with dense or MoE MLPs, final norm, LM head."""
+"""The decoder stack (Flax Linen): embedding, hybrid KDA/MLA layers with dense or MoE MLPs, final norm, LM head.
+
+`__call__` is the full-sequence path; `step` runs a batch of new tokens against the serving caches (see
+`cache.py`) and returns the logits of each row's last valid token.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,16 @@ from .moe import MLP, MoE
 from .norms import RMSNorm
 
 
+def layer_slots(config: ModelConfig) -> list[int]:
+    """Per layer, its index among the layers of its kind (KDA layers and MLA layers are counted separately)."""
+    counts = {}
+    slots = []
+    for kind in config.layer_types:
+        slots.append(counts.get(kind, 0))
+        counts[kind] = slots[-1] + 1
+    return slots
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
 
@@ -20,21 +34,37 @@ class DecoderLayer(nn.Module):
     layer: int
     dtype: jnp.dtype
 
-    @nn.compact
-    def __call__(self, x, positions):
+    def setup(self):
         cfg = self.config
-        h = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(x)
-        if cfg.layer_types[self.layer] == LAYER_KDA:
-            h = KimiDeltaAttention(cfg, self.dtype, name="self_attn")(h)
-        else:
-            h = MLAttention(cfg, self.dtype, name="self_attn")(h, positions)
-        x = x + h
-        h = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(x)
+        self.is_kda = cfg.layer_types[self.layer] == LAYER_KDA
+        self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        self.self_attn = (KimiDeltaAttention if self.is_kda else MLAttention)(cfg, self.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if cfg.mlp_types[self.layer] == MLP_MOE:
-            h = MoE(cfg, self.dtype, name="mlp")(h)
+            self.mlp = MoE(cfg, self.dtype)
         else:
-            h = MLP(cfg.intermediate_size, cfg.hidden_size, self.dtype, name="mlp")(h)
-        return x + h
+            self.mlp = MLP(cfg.intermediate_size, cfg.hidden_size, self.dtype)
+
+    def _mlp(self, x):
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def __call__(self, x, positions):
+        h = self.input_layernorm(x)
+        h = self.self_attn(h) if self.is_kda else self.self_attn(h, positions)
+        return self._mlp(x + h)
+
+    def step(self, x, positions, valid, cache: dict, block_tables, slots, decode: bool):
+        """Cached step of this layer; returns (x, cache)."""
+        h = self.input_layernorm(x)
+        index = layer_slots(self.config)[self.layer]
+        if self.is_kda:
+            h, conv, state = self.self_attn.step(h, valid, cache["conv"][index, slots], cache["state"][index, slots],
+                                                 decode)
+            cache = dict(cache, conv=cache["conv"].at[index, slots].set(conv.astype(cache["conv"].dtype)),
+                         state=cache["state"].at[index, slots].set(state))
+        else:
+            h, cache = self.self_attn.step(h, positions, valid, cache, index, block_tables)
+        return self._mlp(x + h), cache
 
 
 class Decoder(nn.Module):
@@ -44,25 +74,40 @@ class Decoder(nn.Module):
     config: ModelConfig
     dtype: jnp.dtype = jnp.bfloat16
 
-    @nn.compact
-    def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None, return_hidden_states: bool = False):
+    def setup(self):
         cfg = self.config
+        self.embed_tokens = self.param("embed_tokens", nn.initializers.normal(0.02),
+                                       (cfg.vocab_size, cfg.hidden_size), self.dtype)
+        self.layers = [DecoderLayer(cfg, i, self.dtype) for i in range(cfg.num_layers)]
+        self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size),
+                                      self.dtype)
+
+    def _logits(self, x):
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("...d,vd->...v", x, self.embed_tokens, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", x, self.lm_head, preferred_element_type=jnp.float32)
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None, return_hidden_states: bool = False):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
-        embed = self.param("embed_tokens", nn.initializers.normal(0.02), (cfg.vocab_size, cfg.hidden_size),
-                           self.dtype)
-        x = jnp.take(embed, token_ids, axis=0)
+        x = jnp.take(self.embed_tokens, token_ids, axis=0)
         hidden = [x]
-        for i in range(cfg.num_layers):
-            x = DecoderLayer(cfg, i, self.dtype, name=f"layers_{i}")(x, positions)
+        for layer in self.layers:
+            x = layer(x, positions)
             hidden.append(x)
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="norm")(x)
+        x = self.norm(x)
         hidden[-1] = x
-        if cfg.tie_word_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, embed, preferred_element_type=jnp.float32)
-        else:
-            head = self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size), self.dtype)
-            logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
-        if return_hidden_states:
-            return logits, hidden
-        return logits
+        logits = self._logits(x)
+        return (logits, hidden) if return_hidden_states else logits
+
+    def step(self, token_ids, positions, valid, cache: dict, block_tables, slots, decode: bool = False):
+        """A serving step. token_ids/positions/valid [B, T] (valid tokens first in each row), block_tables
+        [B, max_blocks], slots [B] -> (logits [B, V] float32 of each row's last valid token, updated cache)."""
+        x = jnp.take(self.embed_tokens, token_ids, axis=0)
+        for layer in self.layers:
+            x, cache = layer.step(x, positions, valid, cache, block_tables, slots, decode)
+        last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+        x = self.norm(jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0])
+        return self._logits(x), cache

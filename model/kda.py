@@ -1,13 +1,16 @@
 """Kimi Delta Attention layer (Flax Linen): q/k/v projections with short causal convs + SiLU, the per-channel forget
-gate, beta, the chunked delta-rule scan, a gated RMSNorm and the output projection."""
+gate, beta, the delta-rule scan, a gated RMSNorm and the output projection.
+
+`__call__` runs whole sequences from zero state; `step` continues from per-request state slots (conv state
+[3, dim, W - 1] for q/k/v and recurrent state [H, K, V] float32), chunked for prefill and recurrent for decode.
+"""
 
 from __future__ import annotations
-
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dayzero.kernels import kda as kda_kernels
 from dayzero.kernels import short_conv
@@ -22,7 +25,7 @@ def _a_log_init(key, shape, dtype):
 
 
 def _dt_bias_init(key, shape, dtype):
-    dt = jnp.maximum(jnp.exp(jax.random.uniform(key, shape, jnp.float32, math.log(1e-3), math.log(1e-1))), 1e-4)
+    dt = jnp.maximum(jnp.exp(jax.random.uniform(key, shape, jnp.float32, np.log(1e-3), np.log(1e-1))), 1e-4)
     return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)  # inverse softplus
 
 
@@ -41,46 +44,78 @@ def forget_gate(raw: jax.Array, a_log: jax.Array, dt_bias: jax.Array, lower_boun
     return -rate * softplus
 
 
-class KimiDeltaAttention(nn.Module):
-    """KDA over a full sequence. Params: q/k/v_proj, q/k/v_conv1d (`weight` [C, W]), f_a_proj, f_b_proj,
-    A_log [H], dt_bias [H*K], b_proj, g_a_proj, g_b_proj, o_norm, o_proj."""
-
-    config: ModelConfig
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [B, T, D] -> [B, T, D]."""
-        cfg = self.config
-        batch, length, _ = x.shape
-        heads, head_dim, width = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_conv_size
-        dim = heads * head_dim
-
-        q, k, v = (
-            ShortConv(dim, width, self.dtype, name=f"{name}_conv1d")(
-                dense(dim, self.dtype, name=f"{name}_proj")(x)).reshape(batch, length, heads, head_dim)
-            for name in ("q", "k", "v"))
-        a_log = self.param("A_log", _a_log_init, (heads,), jnp.float32)
-        dt_bias = self.param("dt_bias", _dt_bias_init, (dim,), jnp.float32)
-        raw = dense(dim, self.dtype, name="f_b_proj")(dense(head_dim, self.dtype, name="f_a_proj")(x))
-        g = forget_gate(raw, a_log, dt_bias, cfg.kda_gate_lower_bound)
-        beta = jax.nn.sigmoid(dense(heads, self.dtype, name="b_proj")(x).astype(jnp.float32))
-        o, _ = kda_kernels.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-        gate = dense(dim, self.dtype, name="g_b_proj")(dense(head_dim, self.dtype, name="g_a_proj")(x))
-        o = GatedRMSNorm(eps=cfg.rms_norm_eps, param_dtype=self.dtype, name="o_norm")(
-            o, gate.reshape(batch, length, heads, head_dim))
-        return dense(cfg.hidden_size, self.dtype, name="o_proj")(o.reshape(batch, length, dim))
-
-
 class ShortConv(nn.Module):
-    """Depthwise causal conv + SiLU with param `weight` [C, W]."""
+    """Depthwise causal conv + SiLU with param `weight` [C, W]. Returns (y, state [B, C, W - 1])."""
 
     channels: int
     width: int
     dtype: jnp.dtype
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, initial_state=None, lengths=None):
         weight = self.param("weight", nn.initializers.normal(0.2), (self.channels, self.width), self.dtype)
-        y, _ = short_conv.causal_conv1d(x, weight, activation="silu")
-        return y
+        return short_conv.causal_conv1d(x, weight, initial_state, activation="silu", lengths=lengths)
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA. Params: q/k/v_proj, q/k/v_conv1d (`weight` [C, W]), f_a_proj, f_b_proj, A_log [H], dt_bias [H*K],
+    b_proj, g_a_proj, g_b_proj, o_norm, o_proj."""
+
+    config: ModelConfig
+    dtype: jnp.dtype
+
+    def setup(self):
+        cfg = self.config
+        heads, head_dim = cfg.kda_num_heads, cfg.kda_head_dim
+        dim = cfg.kda_dim
+        self.q_proj, self.k_proj, self.v_proj = (dense(dim, self.dtype) for _ in range(3))
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            ShortConv(dim, cfg.kda_conv_size, self.dtype) for _ in range(3))
+        self.A_log = self.param("A_log", _a_log_init, (heads,), jnp.float32)
+        self.dt_bias = self.param("dt_bias", _dt_bias_init, (dim,), jnp.float32)
+        self.f_a_proj = dense(head_dim, self.dtype)
+        self.f_b_proj = dense(dim, self.dtype)
+        self.b_proj = dense(heads, self.dtype)
+        self.g_a_proj = dense(head_dim, self.dtype)
+        self.g_b_proj = dense(dim, self.dtype)
+        self.o_norm = GatedRMSNorm(eps=cfg.rms_norm_eps, param_dtype=self.dtype)
+        self.o_proj = dense(cfg.hidden_size, self.dtype)
+
+    def _inputs(self, x, conv_state=None, lengths=None):
+        """-> q, k, v [B, T, H, K], g [B, T, H, K] f32, beta [B, T, H] f32, conv state [B, 3, dim, W - 1]."""
+        cfg = self.config
+        batch, length, _ = x.shape
+        shape = (batch, length, cfg.kda_num_heads, cfg.kda_head_dim)
+        streams, states = [], []
+        for i, (proj, conv) in enumerate(((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d),
+                                          (self.v_proj, self.v_conv1d))):
+            y, state = conv(proj(x), None if conv_state is None else conv_state[:, i], lengths)
+            streams.append(y.reshape(shape))
+            states.append(state)
+        g = forget_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, cfg.kda_gate_lower_bound)
+        beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
+        return (*streams, g, beta, jnp.stack(states, axis=1))
+
+    def _output(self, x, o):
+        batch, length, heads, head_dim = o.shape
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(o.shape)
+        return self.o_proj(self.o_norm(o, gate).reshape(batch, length, heads * head_dim))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Whole sequences from zero state: x [B, T, D] -> [B, T, D]."""
+        q, k, v, g, beta, _ = self._inputs(x)
+        o, _ = kda_kernels.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+        return self._output(x, o)
+
+    def step(self, x, valid, conv_state, state, decode: bool):
+        """Continues from slot states: x [B, T, D], valid [B, T] (padding at the end of rows), conv_state
+        [B, 3, dim, W - 1], state [B, H, K, V] f32 -> (out [B, T, D], new conv_state, new state). Padded tokens
+        leave both states unchanged (zero log-decay, zero beta, conv state taken before the padding)."""
+        lengths = jnp.sum(valid, axis=1).astype(jnp.int32)
+        q, k, v, g, beta, conv_state = self._inputs(x, conv_state, lengths)
+        g = jnp.where(valid[:, :, None, None], g, 0.0)
+        beta = jnp.where(valid[:, :, None], beta, 0.0)
+        kernel = kda_kernels.fused_recurrent_kda if decode else kda_kernels.chunk_kda
+        o, state = kernel(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+        return self._output(x, o), conv_state, state

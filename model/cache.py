@@ -1,0 +1,52 @@
+"""Serving cache layouts (allocated by `dayzero.serving`, read and written by `Decoder.step`).
+
+- "latent": [mla_layers, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (MLA latent + shared rope key)
+- "index_keys": [mla_layers, num_blocks, block_size, index_head_dim] (DSA models only)
+- "conv": [kda_layers, num_slots, 3, kda_dim, conv_size - 1] (q/k/v short-conv states)
+- "state": [kda_layers, num_slots, H, K, V] float32 (KDA recurrent states)
+Block 0 and slot 0 are scratch: padding writes there and nothing reads them.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .config import LAYER_KDA, LAYER_MLA, ModelConfig
+
+BLOCK_SIZE = 64
+
+
+def cache_shapes(config: ModelConfig, num_blocks: int, num_slots: int, dtype,
+                 block_size: int = BLOCK_SIZE) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
+    """{name: (shape, dtype)} of every cache array."""
+    n_mla = config.layer_types.count(LAYER_MLA)
+    n_kda = config.layer_types.count(LAYER_KDA)
+    shapes = {}
+    if n_mla:
+        shapes["latent"] = ((n_mla, num_blocks, block_size, config.kv_lora_rank + config.qk_rope_head_dim), dtype)
+        if config.use_dsa:
+            shapes["index_keys"] = ((n_mla, num_blocks, block_size, config.index_head_dim), dtype)
+    if n_kda:
+        shapes["conv"] = ((n_kda, num_slots, 3, config.kda_dim, config.kda_conv_size - 1), dtype)
+        shapes["state"] = ((n_kda, num_slots, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim),
+                           jnp.float32)
+    return shapes
+
+
+def init_cache(config: ModelConfig, num_blocks: int, num_slots: int, dtype, block_size: int = BLOCK_SIZE):
+    """Zeroed cache arrays (see the module docstring)."""
+    return {name: jnp.zeros(shape, dt) for name, (shape, dt) in
+            cache_shapes(config, num_blocks, num_slots, dtype, block_size).items()}
+
+
+def bytes_per_block(config: ModelConfig, dtype, block_size: int = BLOCK_SIZE) -> int:
+    """Cache bytes one 64-token block costs across all MLA layers (latents + indexer keys)."""
+    return sum(int(np.prod(s[0][2:])) * jnp.dtype(s[1]).itemsize * s[0][0]
+               for k, s in cache_shapes(config, 1, 1, dtype, block_size).items() if k in ("latent", "index_keys"))
+
+
+def bytes_per_slot(config: ModelConfig, dtype) -> int:
+    """KDA state bytes one request slot costs across all KDA layers (conv + recurrent)."""
+    return sum(int(np.prod(s[0][2:])) * jnp.dtype(s[1]).itemsize * s[0][0]
+               for k, s in cache_shapes(config, 1, 1, dtype).items() if k in ("conv", "state"))

@@ -1,0 +1,306 @@
+"""`Engine`: continuous-batching generation over a paged cache (the DESIGN.md contract).
+
+    engine = Engine.from_checkpoint("path/to/checkpoint", max_num_seqs=16)
+    outputs = engine.generate(["Hello"], sampling_params=SamplingParams(max_tokens=32))
+
+The engine admits requests, runs jitted prefill and decode steps (`runner.ModelRunner`), samples on the device,
+checks stop conditions on the host, and reports per-request timings. A bad request fails alone with a RequestError
+(from `add_request`) or an output whose `finish_reason` is "error" (from `generate`); the others run on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from dayzero.model.cache import bytes_per_block, bytes_per_slot
+from dayzero.model.config import LAYER_KDA
+from dayzero.model.errors import RequestError
+from dayzero.model.model import Model, load_checkpoint
+
+from .block_pool import blocks_for_budget
+from .request import Request, RequestOutput, Status
+from .runner import ModelRunner, StepRows, bucket, powers_of_two
+from .sampling import SamplingParams, StopChecker, request_key
+from .scheduler import ScheduledRow, Scheduler, SchedulerConfig
+from .tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine options. `num_blocks=None` sizes the block pool from `cache_memory_bytes` (default: room for every
+    sequence at `max_model_len`); `num_snapshots` KDA state snapshots back the prefix cache of hybrid models."""
+
+    max_num_seqs: int = 16
+    max_model_len: int = 2048
+    max_prefill_tokens: int = 512
+    max_prefill_rows: int = 8
+    block_size: int = 64
+    num_blocks: int | None = None
+    cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    num_snapshots: int = 64
+    seed: int | None = None
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "max_prefill_rows", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine option {name} must be at least 1")
+        if self.max_prefill_tokens < self.block_size:
+            raise ValueError(f"max_prefill_tokens ({self.max_prefill_tokens}) must be at least block_size")
+
+
+class Engine:
+    """Generation engine for one `Model` (and its tokenizer, when the checkpoint ships one)."""
+
+    def __init__(self, model: Model, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config = config or EngineConfig()
+        mcfg = model.config
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            per_block = max(bytes_per_block(mcfg, model.dtype, config.block_size), 1)
+            budget = config.cache_memory_bytes or per_block * self.max_blocks_per_seq * config.max_num_seqs
+            num_blocks = blocks_for_budget(budget, per_block) + 1
+        hybrid = LAYER_KDA in mcfg.layer_types
+        num_slots = config.max_num_seqs + 1
+        self.runner = ModelRunner(model, num_blocks, num_slots, config.num_snapshots if hybrid else 0,
+                                  config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_prefill_tokens, config.max_prefill_rows,
+                            config.max_model_len, config.block_size, config.enable_prefix_caching),
+            num_blocks, num_slots, config.num_snapshots, hybrid, self.runner)
+        self.decode_buckets = powers_of_two(1, config.max_num_seqs)
+        self.prefill_row_buckets = powers_of_two(1, config.max_prefill_rows)
+        self.prefill_len_buckets = powers_of_two(min(32, config.max_prefill_tokens), config.max_prefill_tokens)
+        self.block_buckets = powers_of_two(1, self.max_blocks_per_seq)
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None and tokenizer.eos_token_ids \
+            else mcfg.eos_token_ids
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._entropy = np.random.default_rng(config.seed if config.seed is not None else secrets.randbits(63))
+        self.cache_bytes = num_blocks * bytes_per_block(mcfg, model.dtype, config.block_size) + \
+            num_slots * bytes_per_slot(mcfg, model.dtype)
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike, dtype: Any = None, mesh=None, **engine_options) -> "Engine":
+        """Loads a checkpoint directory (and its tokenizer, if any) into an engine; options go to EngineConfig."""
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(engine_options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        model = load_checkpoint(path, dtype=dtype, mesh=mesh)
+        return cls(model, load_tokenizer(path), EngineConfig(**engine_options))
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+                    sampling_params: SamplingParams | None = None, request_id: str | None = None,
+                    images: Sequence[Any] | None = None) -> str:
+        """Queues one request; raises RequestError (naming it) when it is invalid. Returns its id."""
+        request_id = str(request_id if request_id is not None else next(self._ids))
+        if request_id in self._requests:
+            raise RequestError(request_id, "a request with this id is already in the engine")
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(request_id, f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(request_id)
+        if images:
+            raise RequestError(request_id, f"this {self.model.config.model_type} model has no vision tower; "
+                                           "images cannot be given")
+        ids = self._prompt_ids(request_id, prompt, prompt_token_ids)
+        if len(ids) >= self.config.max_model_len:
+            raise RequestError(request_id, f"prompt has {len(ids)} tokens; the maximum is "
+                                           f"{self.config.max_model_len - 1} (max_model_len {self.config.max_model_len})")
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        checker = StopChecker(params, self.eos_token_ids, decode, request_id)
+        seed = params.seed if params.seed is not None else int(self._entropy.integers(1 << 62))
+        request = Request(request_id, ids, params, checker, seed, prompt=prompt)
+        self.scheduler.check_fits(request)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def _prompt_ids(self, request_id, prompt, prompt_token_ids) -> list[int]:
+        if (prompt is None) == (prompt_token_ids is None):
+            raise RequestError(request_id, "give exactly one of prompt (text) and prompt_token_ids")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise RequestError(request_id, f"prompt must be a string, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise RequestError(request_id, "this checkpoint has no tokenizer: pass prompt_token_ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            try:
+                ids = [int(t) for t in np.asarray(prompt_token_ids).reshape(-1)]
+            except (TypeError, ValueError):
+                raise RequestError(request_id, "prompt_token_ids must be a sequence of integers") from None
+        if not ids:
+            raise RequestError(request_id, "the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(request_id, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Cancels a request; its resources are released at once. Unknown or finished ids are ignored."""
+        request = self._requests.get(str(request_id))
+        if request is not None and request.status is not Status.FINISHED:
+            request.finish_reason = "abort"
+            self.scheduler.finish(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ stepping
+    def _rows(self, rows: list[ScheduledRow], decode: bool) -> StepRows:
+        n_rows = bucket(len(rows), self.decode_buckets if decode else self.prefill_row_buckets)
+        n_tok = 1 if decode else bucket(max(r.length for r in rows), self.prefill_len_buckets)
+        n_blk = bucket(max(len(r.request.table) for r in rows), self.block_buckets)
+        out = StepRows(
+            tokens=np.zeros((n_rows, n_tok), np.int32), positions=np.zeros((n_rows, n_tok), np.int32),
+            valid=np.zeros((n_rows, n_tok), bool), block_tables=np.zeros((n_rows, n_blk), np.int32),
+            slots=np.zeros((n_rows,), np.int32), temperature=np.zeros((n_rows,), np.float32),
+            top_k=np.full((n_rows,), -1, np.int32), top_p=np.ones((n_rows,), np.float32),
+            min_p=np.zeros((n_rows,), np.float32), keys=np.zeros((n_rows, 2), np.uint32))
+        for i, row in enumerate(rows):
+            req, p = row.request, row.request.params
+            tokens = req.tokens
+            out.tokens[i, :row.length] = tokens[row.start:row.start + row.length]
+            out.positions[i, :row.length] = np.arange(row.start, row.start + row.length)
+            out.valid[i, :row.length] = True
+            out.block_tables[i] = req.table.as_array(n_blk)
+            out.slots[i] = req.slot
+            out.temperature[i], out.top_k[i], out.top_p[i], out.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            out.keys[i] = request_key(req.seed, 0, len(req.output_token_ids))
+        return out
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step; returns an output for every request that got a token or finished."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return [self._fail_stuck(r) for r in list(self.scheduler.waiting)]
+        tokens, logprobs = self.runner.run(self._rows(plan.rows, plan.decode), plan.decode)
+        now = time.perf_counter()
+        updates = []
+        for i, row in enumerate(plan.rows):
+            req = row.request
+            if plan.decode:
+                self.scheduler.after_decode(req)
+            else:
+                self.scheduler.after_prefill_chunk(row)
+                if req.is_prefilling:
+                    continue
+            self._append_token(req, int(tokens[i]), float(logprobs[i]), now)
+            updates.append(self._output(req))
+        return updates
+
+    def _append_token(self, req: Request, token: int, logprob: float, now: float) -> None:
+        req.output_token_ids.append(token)
+        req.output_logprobs.append(logprob)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.token_times.append(now)
+        reason, trim = req.stop_checker.check(req.output_token_ids)
+        if reason is None and req.num_tokens >= self.config.max_model_len:
+            reason = "length"
+        if reason is not None:
+            del req.output_token_ids[req.stop_checker.num_tokens or len(req.output_token_ids):]
+            req.finish_reason, req.text_trim = reason, trim
+            self.scheduler.finish(req)
+
+    def _fail_stuck(self, req: Request) -> RequestOutput:
+        req.finish_reason, req.error = "error", "the request cannot be scheduled with the cache available"
+        self.scheduler.finish(req)
+        return self._output(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = req.stop_checker.text if req.params.stop else self.tokenizer.decode(req.output_token_ids)
+            if req.text_trim is not None:
+                text = text[:req.text_trim]
+        times = req.token_times
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
+            token_ids=list(req.output_token_ids), text=text, finished=req.status is Status.FINISHED,
+            finish_reason=req.finish_reason, error=req.error,
+            logprobs=list(req.output_logprobs[:len(req.output_token_ids)]) if req.params.logprobs else None,
+            ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            itl=list(np.diff(times)) if len(times) > 1 else [], num_cached_tokens=req.num_cached_tokens,
+            num_preemptions=req.num_preemptions)
+
+    # ------------------------------------------------------------------ batch API
+    def generate(self, prompts: Sequence[str] | str | None = None,
+                 prompt_token_ids: Sequence[Sequence[int]] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 images: Sequence[Any] | None = None, progress: bool = False) -> list[RequestOutput]:
+        """Generates for every prompt (text or token ids); one RequestOutput each, in order. Invalid requests
+        come back with finish_reason "error" and the reason in `.error`; the others are unaffected."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        entries = [(p, None) for p in prompts] if prompts is not None else [(None, t) for t in prompt_token_ids or []]
+        if not isinstance(sampling_params, (list, tuple)):
+            sampling_params = [sampling_params] * len(entries)
+        if len(sampling_params) != len(entries):
+            raise ValueError(f"{len(sampling_params)} sampling_params for {len(entries)} prompts")
+        images = list(images) if images is not None else [None] * len(entries)
+        order, results = [], {}
+        for (text, ids), params, image in zip(entries, sampling_params, images):
+            request_id = f"gen-{next(self._ids)}"
+            order.append(request_id)
+            try:
+                self.add_request(text, ids, params, request_id, images=[image] if image is not None else None)
+            except RequestError as e:
+                results[request_id] = RequestOutput(request_id, text, list(ids) if ids is not None else [], [],
+                                                    None, True, "error", str(e))
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(order), desc="generating", unit="req")
+        while any(rid not in results for rid in order):
+            for out in self.step():
+                if out.finished and out.request_id in order:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        for rid in order:
+            self._requests.pop(rid, None)
+        return [results[rid] for rid in order]
+
+    def stream(self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+               sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields the request's output after every new token (other queued requests advance meanwhile)."""
+        request_id = self.add_request(prompt, prompt_token_ids, sampling_params, f"stream-{next(self._ids)}")
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.abort(request_id)
+            self._requests.pop(request_id, None)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_compilations(self) -> int:
+        return self.runner.num_compilations
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {"num_compilations": self.num_compilations, "blocks_total": s.pool.num_usable,
+                "blocks_free": s.pool.num_free, "blocks_cached": s.cache.num_cached_blocks,
+                "slots_free": s.slots.num_free, "running": len(s.running), "waiting": len(s.waiting),
+                "prefix_hit_rate": s.cache.stats.hit_rate, "cache_bytes": self.cache_bytes}

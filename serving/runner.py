@@ -1,0 +1,128 @@
+"""The device side of the engine: cache arrays, KDA state snapshots, and the jitted prefill and decode steps.
+
+Prefill and decode are separate jitted functions (prefill: many tokens per row, chunked KDA and batched attention;
+decode: one token per row, recurrent KDA). Each is compiled once per bucketed shape (rows, tokens, blocks per row)
+with the cache donated, and samples the next token on the device. `num_compilations` counts the shapes compiled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dayzero.model.cache import init_cache
+from dayzero.model.config import LAYER_KDA
+from dayzero.model.model import Model
+
+from . import sampling
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n (buckets ascending)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """low, 2*low, ... up to and including the first value >= high."""
+    out = [low]
+    while out[-1] < high:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+@dataclass
+class StepRows:
+    """Host-side arrays of one step, already padded to the bucket: tokens/positions/valid [B, T], block_tables
+    [B, NB], slots [B], and the sampling arrays [B] (keys [B, 2])."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    valid: np.ndarray
+    block_tables: np.ndarray
+    slots: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    keys: np.ndarray
+
+
+class ModelRunner:
+    """Owns the cache (and snapshot) arrays of one model and runs steps on them."""
+
+    def __init__(self, model: Model, num_blocks: int, num_slots: int, num_snapshots: int, block_size: int = 64):
+        self.model = model
+        self.block_size = block_size
+        self.cache = init_cache(model.config, num_blocks, num_slots, model.dtype, block_size)
+        self.has_kda = LAYER_KDA in model.config.layer_types
+        self.snapshots = {}
+        if self.has_kda and num_snapshots > 0:
+            self.snapshots = {k: jnp.zeros((v.shape[0], num_snapshots, *v.shape[2:]), v.dtype)
+                              for k, v in self.cache.items() if k in ("conv", "state")}
+        self._shapes: set[tuple] = set()
+        module = model.module
+
+        def run(params, cache, rows: dict, decode: bool):
+            logits, cache = module.apply({"params": params}, rows["tokens"], rows["positions"], rows["valid"], cache,
+                                         rows["block_tables"], rows["slots"], decode, method="step")
+            tokens, logprobs = sampling.sample(logits, rows["temperature"], rows["top_k"], rows["top_p"],
+                                               rows["min_p"], rows["keys"])
+            return tokens, logprobs, cache
+
+        self._prefill = jax.jit(lambda p, c, r: run(p, c, r, False), donate_argnums=(1,))
+        self._decode = jax.jit(lambda p, c, r: run(p, c, r, True), donate_argnums=(1,))
+
+        def reset(cache, slots):
+            cache = dict(cache)
+            for name in ("conv", "state"):
+                if name in cache:
+                    cache[name] = cache[name].at[:, slots].set(0)
+            return cache
+
+        def save(cache, snaps, slot, snap):
+            return {k: snaps[k].at[:, snap].set(cache[k][:, slot]) for k in snaps}
+
+        def restore(cache, snaps, slot, snap):
+            cache = dict(cache)
+            for k in snaps:
+                cache[k] = cache[k].at[:, slot].set(snaps[k][:, snap])
+            return cache
+
+        self._reset = jax.jit(reset, donate_argnums=(0,))
+        self._save = jax.jit(save, donate_argnums=(1,))
+        self._restore = jax.jit(restore, donate_argnums=(0,))
+
+    @property
+    def num_compilations(self) -> int:
+        """Distinct (kind, shape) step functions compiled so far."""
+        return len(self._shapes)
+
+    def run(self, rows: StepRows, decode: bool) -> tuple[np.ndarray, np.ndarray]:
+        """One step; returns (sampled token ids [B], their logprobs [B]) as numpy (this waits for the device)."""
+        tokens, logprobs = self.dispatch(rows, decode)
+        return np.asarray(tokens), np.asarray(logprobs)
+
+    def dispatch(self, rows: StepRows, decode: bool):
+        """Launches one step and returns device arrays without waiting (JAX dispatch is asynchronous)."""
+        self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1]))
+        arrays = {k: jnp.asarray(v) for k, v in vars(rows).items()}
+        fn = self._decode if decode else self._prefill
+        tokens, logprobs, self.cache = fn(self.model.params, self.cache, arrays)
+        return tokens, logprobs
+
+    def reset_slots(self, slots: list[int]) -> None:
+        """Zeroes the KDA states of `slots` (a request starting from scratch)."""
+        if self.has_kda and slots:
+            self.cache = self._reset(self.cache, jnp.asarray(slots, jnp.int32))
+
+    def save_snapshot(self, slot: int, snapshot: int) -> None:
+        self.snapshots = self._save(self.cache, self.snapshots, jnp.int32(slot), jnp.int32(snapshot))
+
+    def restore_snapshot(self, snapshot: int, slot: int) -> None:
+        self.cache = self._restore(self.cache, self.snapshots, jnp.int32(slot), jnp.int32(snapshot))
