@@ -1,8 +1,10 @@
-"""dayzero.serving: the engine side (paged caches, scheduler, jitted prefill/decode steps, sampling).
-
-This release ships the request error type the engine uses; the engine itself lands with the serving issue.
-"""
+"""dayzero.serving: the engine (paged caches, continuous batching, prefix caching, jitted prefill/decode steps,
+sampling), its tokenizer loading and the `dayzero-generate` command."""
 
 from dayzero.model.errors import RequestError
 
-__all__ = ["RequestError"]
+from .engine import Engine, EngineConfig
+from .request import RequestOutput
+from .sampling import SamplingParams
+
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams", "RequestError"]

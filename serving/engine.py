@@ -47,6 +47,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_snapshots: int = 64
     seed: int | None = None
+    decode_buckets: tuple[int, ...] | None = None       # rows per decode step (default: powers of two)
+    prefill_len_buckets: tuple[int, ...] | None = None  # tokens per prefill row (default: powers of two from 32)
+    block_buckets: tuple[int, ...] | None = None        # blocks per row gathered (default: powers of two)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "max_prefill_rows", "block_size"):
@@ -78,10 +81,16 @@ class Engine:
             SchedulerConfig(config.max_num_seqs, config.max_prefill_tokens, config.max_prefill_rows,
                             config.max_model_len, config.block_size, config.enable_prefix_caching),
             num_blocks, num_slots, config.num_snapshots, hybrid, self.runner)
-        self.decode_buckets = powers_of_two(1, config.max_num_seqs)
+        self.decode_buckets = config.decode_buckets or powers_of_two(1, config.max_num_seqs)
         self.prefill_row_buckets = powers_of_two(1, config.max_prefill_rows)
-        self.prefill_len_buckets = powers_of_two(min(32, config.max_prefill_tokens), config.max_prefill_tokens)
-        self.block_buckets = powers_of_two(1, self.max_blocks_per_seq)
+        self.prefill_len_buckets = config.prefill_len_buckets or powers_of_two(
+            min(32, config.max_prefill_tokens), config.max_prefill_tokens)
+        self.block_buckets = config.block_buckets or powers_of_two(1, self.max_blocks_per_seq)
+        for name, buckets, need in (("decode_buckets", self.decode_buckets, config.max_num_seqs),
+                                    ("prefill_len_buckets", self.prefill_len_buckets, config.max_prefill_tokens),
+                                    ("block_buckets", self.block_buckets, self.max_blocks_per_seq)):
+            if max(buckets) < need:
+                raise ValueError(f"engine option {name} {buckets} does not reach {need}")
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None and tokenizer.eos_token_ids \
             else mcfg.eos_token_ids
         self._requests: dict[str, Request] = {}
@@ -292,6 +301,22 @@ class Engine:
         finally:
             self.abort(request_id)
             self._requests.pop(request_id, None)
+
+    def warmup(self) -> int:
+        """Compiles every bucketed prefill and decode shape now (rows of padding only: nothing is written but the
+        scratch block and slot), so serving never compiles. Returns the number of shapes."""
+        shapes = [(False, r, t, b) for r in self.prefill_row_buckets for t in self.prefill_len_buckets
+                  for b in self.block_buckets]
+        shapes += [(True, r, 1, b) for r in self.decode_buckets for b in self.block_buckets]
+        for decode, n_rows, n_tok, n_blk in shapes:
+            rows = StepRows(
+                tokens=np.zeros((n_rows, n_tok), np.int32), positions=np.zeros((n_rows, n_tok), np.int32),
+                valid=np.zeros((n_rows, n_tok), bool), block_tables=np.zeros((n_rows, n_blk), np.int32),
+                slots=np.zeros((n_rows,), np.int32), temperature=np.ones((n_rows,), np.float32),
+                top_k=np.full((n_rows,), -1, np.int32), top_p=np.ones((n_rows,), np.float32),
+                min_p=np.zeros((n_rows,), np.float32), keys=np.zeros((n_rows, 2), np.uint32))
+            self.runner.run(rows, decode)
+        return len(shapes)
 
     # ------------------------------------------------------------------ introspection
     @property

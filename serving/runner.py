@@ -53,6 +53,33 @@ class StepRows:
     keys: np.ndarray
 
 
+def _step(module, params, cache, rows: dict, decode: bool):
+    logits, cache = module.apply({"params": params}, rows["tokens"], rows["positions"], rows["valid"], cache,
+                                 rows["block_tables"], rows["slots"], decode, method="step")
+    tokens, logprobs = sampling.sample(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"],
+                                       rows["keys"])
+    return tokens, logprobs, cache
+
+
+def _reset(cache, slots):
+    return {k: v.at[:, slots].set(0) if k in ("conv", "state") else v for k, v in cache.items()}
+
+
+def _save(cache, snaps, slot, snap):
+    return {k: snaps[k].at[:, snap].set(cache[k][:, slot]) for k in snaps}
+
+
+def _restore(cache, snaps, slot, snap):
+    return {k: v.at[:, slot].set(snaps[k][:, snap]) if k in snaps else v for k, v in cache.items()}
+
+
+# Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
+_STEP = jax.jit(_step, static_argnums=(0, 4), donate_argnums=(2,))
+_RESET = jax.jit(_reset, donate_argnums=(0,))
+_SAVE = jax.jit(_save, donate_argnums=(1,))
+_RESTORE = jax.jit(_restore, donate_argnums=(0,))
+
+
 class ModelRunner:
     """Owns the cache (and snapshot) arrays of one model and runs steps on them."""
 
@@ -66,41 +93,10 @@ class ModelRunner:
             self.snapshots = {k: jnp.zeros((v.shape[0], num_snapshots, *v.shape[2:]), v.dtype)
                               for k, v in self.cache.items() if k in ("conv", "state")}
         self._shapes: set[tuple] = set()
-        module = model.module
-
-        def run(params, cache, rows: dict, decode: bool):
-            logits, cache = module.apply({"params": params}, rows["tokens"], rows["positions"], rows["valid"], cache,
-                                         rows["block_tables"], rows["slots"], decode, method="step")
-            tokens, logprobs = sampling.sample(logits, rows["temperature"], rows["top_k"], rows["top_p"],
-                                               rows["min_p"], rows["keys"])
-            return tokens, logprobs, cache
-
-        self._prefill = jax.jit(lambda p, c, r: run(p, c, r, False), donate_argnums=(1,))
-        self._decode = jax.jit(lambda p, c, r: run(p, c, r, True), donate_argnums=(1,))
-
-        def reset(cache, slots):
-            cache = dict(cache)
-            for name in ("conv", "state"):
-                if name in cache:
-                    cache[name] = cache[name].at[:, slots].set(0)
-            return cache
-
-        def save(cache, snaps, slot, snap):
-            return {k: snaps[k].at[:, snap].set(cache[k][:, slot]) for k in snaps}
-
-        def restore(cache, snaps, slot, snap):
-            cache = dict(cache)
-            for k in snaps:
-                cache[k] = cache[k].at[:, slot].set(snaps[k][:, snap])
-            return cache
-
-        self._reset = jax.jit(reset, donate_argnums=(0,))
-        self._save = jax.jit(save, donate_argnums=(1,))
-        self._restore = jax.jit(restore, donate_argnums=(0,))
 
     @property
     def num_compilations(self) -> int:
-        """Distinct (kind, shape) step functions compiled so far."""
+        """Distinct (kind, shape) step functions this runner has needed (each compiled once per process)."""
         return len(self._shapes)
 
     def run(self, rows: StepRows, decode: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -112,17 +108,16 @@ class ModelRunner:
         """Launches one step and returns device arrays without waiting (JAX dispatch is asynchronous)."""
         self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1]))
         arrays = {k: jnp.asarray(v) for k, v in vars(rows).items()}
-        fn = self._decode if decode else self._prefill
-        tokens, logprobs, self.cache = fn(self.model.params, self.cache, arrays)
+        tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays, decode)
         return tokens, logprobs
 
     def reset_slots(self, slots: list[int]) -> None:
         """Zeroes the KDA states of `slots` (a request starting from scratch)."""
-        if self.has_kda and slots:
-            self.cache = self._reset(self.cache, jnp.asarray(slots, jnp.int32))
+        for slot in slots if self.has_kda else ():
+            self.cache = _RESET(self.cache, jnp.asarray([slot], jnp.int32))
 
     def save_snapshot(self, slot: int, snapshot: int) -> None:
-        self.snapshots = self._save(self.cache, self.snapshots, jnp.int32(slot), jnp.int32(snapshot))
+        self.snapshots = _SAVE(self.cache, self.snapshots, jnp.int32(slot), jnp.int32(snapshot))
 
     def restore_snapshot(self, snapshot: int, slot: int) -> None:
-        self.cache = self._restore(self.cache, self.snapshots, jnp.int32(slot), jnp.int32(snapshot))
+        self.cache = _RESTORE(self.cache, self.snapshots, jnp.int32(slot), jnp.int32(snapshot))

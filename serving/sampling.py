@@ -226,15 +226,18 @@ class StopChecker:
     text_trim): finish_reason is "stop" (last id is a stop id, or an eos id unless ignore_eos, or the text now
     contains a stop string), "length" (max_tokens ids generated), or None. Stop wins over length on the same
     token. text_trim is None unless the request stopped and a `decode` was given: then the output text is
-    decode(generated)[:text_trim], i.e. cut before the stop string, or without the stop/eos token's own text
-    (vLLM's defaults). `text` holds the output text so far (final once finished), `stop_reason` the matched
-    stop id or string, `num_tokens` the ids consumed up to the finish (ids past it are not part of the output).
+    decode(generated[:num_tokens])[:text_trim], i.e. cut before the stop string, or without the stop/eos
+    token's own text (vLLM's defaults). `text` holds the output text so far (final once finished),
+    `stop_reason` the matched stop id or string, `num_tokens` the ids consumed up to the finish (ids past it
+    are not part of the output).
 
     Incremental: each new id is decoded in a short window (the previous step's ids as left context, the way
     vLLM/TGI detokenise; text ending in an incomplete UTF-8 char, U+FFFD, is held back), appended to `text`,
     and stop strings are searched only in the new text plus the last max(len(stop)) - 1 characters before it,
-    so matches spanning token boundaries are found. A list that is not an extension of the previous call's
-    (shorter, or a different id at the last checked position) restarts from scratch.
+    so matches spanning token boundaries are found. Once, at the finish, the output is decoded in full, so
+    `text` and text_trim agree exactly with `decode` even for tokenizers whose piecewise decoding differs
+    slightly from a full decode. A list that is not an extension of the previous call's (shorter, or a
+    different id at the last checked position) restarts from scratch.
     """
 
     def __init__(self, params: SamplingParams, eos_token_ids: Iterable[int] | int | None = (),
@@ -277,41 +280,44 @@ class StopChecker:
         tok = ids[i]
         self.num_tokens, self._last = i + 1, tok
         if int(tok) in self._stop_ids or int(tok) in self._eos_ids:
-            self._flush(ids, i)  # held-back text before the stop id, then drop the stop id's own text
-            if self.finish_reason is None:
-                self._finish("stop", int(tok))
-            return
-        if self._decode is not None:
-            self._append(self._decode_window(ids, i + 1, final=False))
-        if self.finish_reason is None and i + 1 >= self.max_tokens:
-            self._flush(ids, i + 1)
-            if self.finish_reason is None:
-                self.finish_reason = "length"
+            self._finish("stop", int(tok), ids, i)  # the stop id's own text is left out
+        elif self._decode is not None and (hit := self._append(self._decode_window(ids, i + 1))) is not None:
+            self._finish("stop", hit, ids, i + 1)
+        elif i + 1 >= self.max_tokens:
+            self._finish("length", None, ids, i + 1)
 
-    def _decode_window(self, ids: Sequence[int], end: int, final: bool) -> str:
+    def _decode_window(self, ids: Sequence[int], end: int) -> str:
         """New text of ids[_read:end], decoded with ids[_prefix:_read] as context; '' while incomplete."""
         context = self._decode(list(ids[self._prefix:self._read])) if self._read > self._prefix else ""
         full = self._decode(list(ids[self._prefix:end]))
-        if len(full) > len(context) and (final or not full.endswith("\ufffd")):
+        if len(full) > len(context) and not full.endswith("\ufffd"):
             self._prefix, self._read = self._read, end
             return full[len(context):]
         return ""
 
-    def _flush(self, ids: Sequence[int], end: int) -> None:
-        if self._decode is not None and self._read < end:
-            self._append(self._decode_window(ids, end, final=True))
-
-    def _append(self, new: str) -> None:
-        if not new:
-            return
+    def _append(self, new: str) -> str | None:
+        """Appends new text; returns the stop string now in `text` (earliest one), if any."""
+        if not new or not self._stop_strs:
+            self.text += new
+            return None
         start = max(0, len(self.text) - self._overlap)
         self.text += new
         hits = [(pos, s) for s in self._stop_strs if (pos := self.text.find(s, start)) >= 0]
-        if hits:
-            pos, s = min(hits, key=lambda h: h[0])
-            self.text = self.text[:pos]
-            self._finish("stop", s)
+        return min(hits, key=lambda h: h[0])[1] if hits else None
 
-    def _finish(self, reason: str, stop_reason) -> None:
+    def _finish(self, reason: str, stop_reason, ids: Sequence[int], end: int) -> None:
+        """Final text from one full decode of ids[:end]: cut before its earliest stop string, if any."""
         self.finish_reason, self.stop_reason = reason, stop_reason
-        self._trim = len(self.text) if self._decode is not None else None
+        if self._decode is None:
+            return
+        full = self._decode(list(ids[:end]))
+        hits = [(pos, s) for s in self._stop_strs if (pos := full.find(s)) >= 0]
+        if hits:  # also a stop string only visible in held-back text, or found at another offset in `full`
+            pos, s = min(hits, key=lambda h: h[0])
+            self.finish_reason, self.stop_reason, self.text, self._trim = "stop", s, full[:pos], pos
+        elif isinstance(stop_reason, str):  # piecewise decoding saw a stop string the full decode lacks
+            self._trim = self.text.find(stop_reason)
+            self.text = full[:self._trim]
+        else:
+            self.text = full
+            self._trim = len(full) if reason == "stop" else None

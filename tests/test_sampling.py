@@ -95,7 +95,8 @@ def check_distribution(ids, expected, msg):
     assert seen <= allowed, f"{msg}: tokens {sorted(seen - allowed)} outside the allowed set {sorted(allowed)}"
     freq = np.bincount(ids, minlength=len(expected)) / len(ids)
     diff = np.abs(freq - expected).max()
-    assert diff < 0.03, f"{msg}: max |freq - p| = {diff:.4f}\nfreq={freq[sorted(allowed)]}\np={expected[sorted(allowed)]}"
+    support = sorted(allowed)
+    assert diff < 0.03, f"{msg}: max |freq - p| = {diff:.4f}\nfreq={freq[support]}\np={expected[support]}"
 
 
 def random_logits(rng, shape, scale=1.5):
@@ -214,6 +215,8 @@ def test_same_seed_and_step_same_token_different_steps_vary(seed):
     a, _ = run(logits, 1.0, keys=keys)
     b, _ = run(logits, 1.0, keys=keys)
     np.testing.assert_array_equal(a, b, err_msg=f"seed={seed}")
+    typed, _ = run(logits, 1.0, keys=jax.random.wrap_key_data(keys, impl="threefry2x32"))
+    np.testing.assert_array_equal(typed, a, err_msg=f"seed={seed}: typed keys draw as their raw data")
     assert len(set(a.tolist())) > 5, f"seed={seed}: draws over 32 steps {a.tolist()}"
     other = request_keys(list(range(s + 1, s + 33)), [0] * 32, [0] * 32)
     c, _ = run(logits, 1.0, keys=other)
@@ -385,6 +388,36 @@ def test_stop_checker_matches_brute_force(seed):
             assert got == expected, f"{msg}: got {got}, expected {expected}"
             if expected[0] == "stop":
                 assert c.text == dec(ids[:expected[2]])[:expected[1]], msg
+
+
+def test_final_text_agrees_with_a_full_decode_that_is_not_piecewise(seed):
+    """A decode that cleans up spaces (" !" -> "!") differs piecewise; the finished text still equals
+    decode(generated[:num_tokens])[:text_trim] and the output without its stop id."""
+    rng = np.random.default_rng(seed)
+    vocab = ["<eos>", "a", "b", " ", "!", " .", "ab"]
+
+    def dec(ids):
+        return "".join(vocab[i] for i in ids if i != 0).replace(" !", "!").replace(" .", ".")
+
+    for trial in range(100):
+        ids = rng.integers(0, len(vocab), 25).tolist()
+        params = SamplingParams(stop=["b!"] if trial % 2 else [], stop_token_ids=[6], max_tokens=20)
+        c = StopChecker(params, eos_token_ids=[0], decode=dec)
+        for j in range(1, len(ids) + 1):
+            reason, trim = c.check(ids[:j])
+            if reason:
+                break
+        n = c.num_tokens
+        msg = f"seed={seed} trial={trial} ids={ids[:n]} reason={reason} text={c.text!r}"
+        assert reason is not None and n <= 20, msg
+        if reason == "length":
+            assert trim is None and c.text == dec(ids[:n]), msg
+        else:
+            assert dec(ids[:n])[:trim] == c.text, msg
+            if isinstance(c.stop_reason, int):
+                assert c.text == dec(ids[:n - 1]) and ids[n - 1] in (0, 6), msg
+            else:
+                assert "b!" not in c.text and "b!" in dec(ids[:n]), msg
 
 
 def test_stop_checker_restarts_on_a_list_that_is_not_an_extension():
