@@ -49,7 +49,7 @@ class EngineConfig:
     seed: int | None = None
     decode_buckets: tuple[int, ...] | None = None       # rows per decode step (default: powers of two)
     prefill_len_buckets: tuple[int, ...] | None = None  # tokens per prefill row (default: powers of two from 32)
-    block_buckets: tuple[int, ...] | None = None        # blocks per row gathered (default: powers of two)
+    block_buckets: tuple[int, ...] | None = None        # blocks per row gathered (default: powers of four)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "max_prefill_rows", "block_size"):
@@ -85,7 +85,7 @@ class Engine:
         self.prefill_row_buckets = powers_of_two(1, config.max_prefill_rows)
         self.prefill_len_buckets = config.prefill_len_buckets or powers_of_two(
             min(32, config.max_prefill_tokens), config.max_prefill_tokens)
-        self.block_buckets = config.block_buckets or powers_of_two(1, self.max_blocks_per_seq)
+        self.block_buckets = config.block_buckets or powers_of_two(1, self.max_blocks_per_seq, factor=4)
         for name, buckets, need in (("decode_buckets", self.decode_buckets, config.max_num_seqs),
                                     ("prefill_len_buckets", self.prefill_len_buckets, config.max_prefill_tokens),
                                     ("block_buckets", self.block_buckets, self.max_blocks_per_seq)):

@@ -28,11 +28,11 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
-def powers_of_two(low: int, high: int) -> tuple[int, ...]:
-    """low, 2*low, ... up to and including the first value >= high."""
+def powers_of_two(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
+    """low, factor*low, ... up to and including the first value >= high."""
     out = [low]
     while out[-1] < high:
-        out.append(out[-1] * 2)
+        out.append(out[-1] * factor)
     return tuple(out)
 
 
