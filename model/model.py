@@ -40,24 +40,28 @@ def expected_params(config: ModelConfig, dtype: jnp.dtype) -> dict[ParamPath, ja
 
 
 def random_params(config: ModelConfig, dtype: jnp.dtype, seed: int = 0) -> dict[str, Any]:
-    """Random params from the shapes alone (no forward trace): norms 1, biases 0, weights N(0, 0.02), KDA's
-    A_log = log U(1, 16) and dt_bias = softplus^-1(U_log(1e-3, 1e-1)), as transformers initialises them."""
-    rng = np.random.default_rng(seed)
+    """Random params from the shapes alone (no forward trace), drawn on the default device: norms 1, biases 0,
+    weights N(0, 0.02) (convs N(0, 0.2)), KDA's A_log = log U(1, 16) and dt_bias = softplus^-1(U_log(1e-3, 1e-1)),
+    as transformers initialises them."""
+    key = jax.random.key(seed)
     out = {}
-    for path, leaf in expected_params(config, dtype).items():
+    for i, (path, leaf) in enumerate(expected_params(config, dtype).items()):
+        k = jax.random.fold_in(key, i)
         name = path[-1]
         if name == "A_log":
-            value = np.log(rng.uniform(1.0, 16.0, leaf.shape))
+            value = jnp.log(jax.random.uniform(k, leaf.shape, jnp.float32, 1.0, 16.0))
         elif name == "dt_bias":
-            dt = np.maximum(np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), leaf.shape)), 1e-4)
-            value = dt + np.log(-np.expm1(-dt))
-        elif name == "bias" or name == "e_score_correction_bias":
-            value = np.zeros(leaf.shape)
+            dt = jnp.maximum(jnp.exp(jax.random.uniform(k, leaf.shape, jnp.float32, np.log(1e-3), np.log(1e-1))),
+                             1e-4)
+            value = dt + jnp.log(-jnp.expm1(-dt))
+        elif name in ("bias", "e_score_correction_bias"):
+            value = jnp.zeros(leaf.shape, jnp.float32)
         elif name == "weight" and len(leaf.shape) == 1:
-            value = np.ones(leaf.shape)
+            value = jnp.ones(leaf.shape, jnp.float32)
         else:
-            value = rng.normal(0.0, 0.2 if len(path) > 1 and path[-2].endswith("conv1d") else 0.02, leaf.shape)
-        out[path] = jnp.asarray(value.astype(np.float32), leaf.dtype)
+            std = 0.2 if len(path) > 1 and path[-2].endswith("conv1d") else 0.02
+            value = jax.random.normal(k, leaf.shape, leaf.dtype) * jnp.asarray(std, leaf.dtype)
+        out[path] = value.astype(leaf.dtype)
     return traverse_util.unflatten_dict(out)
 
 

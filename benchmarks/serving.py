@@ -1,0 +1,107 @@
+"""Serving benchmark: the medium hybrid preset (random weights, bf16) through dayzero's Engine on one GPU.
+
+Measures TTFT at prompts of 2K and 32K tokens, ITL and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens,
+64 new tokens each), every shape compiled before it is timed, and the bandwidth floor of a batch-1 decode step
+(active params in bf16 at 4.0 TB/s). With `--peer SCRIPT` it runs the peer stack's anchor script
+(../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same run and reports it beside ours.
+Prints a table and appends one dated line to the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from dayzero.model import Model
+from dayzero.model.presets import active_parameters, get_preset
+from dayzero.serving import Engine, EngineConfig, SamplingParams
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def timed_generate(engine: Engine, prompts, params):
+    engine.generate(prompt_token_ids=prompts, sampling_params=params)  # compiles the shapes this run uses
+    start = time.perf_counter()
+    outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    return outs, time.perf_counter() - start
+
+
+def run_peer(script: str) -> dict:
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-3000:], proc.stderr[-2000:] if proc.returncode else "", sep="\n")
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULTS "):
+            return json.loads(line[len("RESULTS "):])
+    return {}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="benchmarks/RESULTS.md")
+    parser.add_argument("--peer", help="path of the peer anchor script to run in the same process tree")
+    parser.add_argument("--long-prompt", type=int, default=32768)
+    args = parser.parse_args(argv)
+    device = jax.devices()[0]
+    config = get_preset("medium_hybrid")
+    t0 = time.perf_counter()
+    model = Model.random(config, dtype="bfloat16", seed=0)
+    jax.block_until_ready(model.params)
+    print(f"medium hybrid: {model.num_params() / 1e9:.2f} B params on {device.device_kind}, "
+          f"ready in {time.perf_counter() - t0:.1f} s")
+    floor_ms = active_parameters(config) * 2 / 4.0e12 * 1e3
+    engine = Engine(model, None, EngineConfig(
+        max_num_seqs=64, max_model_len=args.long_prompt + 256, max_prefill_tokens=4096, max_prefill_rows=16,
+        prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0))
+    rng = np.random.default_rng(0)
+    res = {}
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for length in (2048, args.long_prompt):
+        outs, wall = timed_generate(engine, [rng.integers(3, config.vocab_size, length).tolist()], one)
+        res[f"ttft_P{length}_ms"] = round(outs[0].ttft * 1e3, 2)
+        print(f"TTFT prompt {length}: {outs[0].ttft * 1e3:.1f} ms")
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for batch in (1, 16, 64):
+        prompts = [rng.integers(3, config.vocab_size, 128).tolist() for _ in range(batch)]
+        outs, wall = timed_generate(engine, prompts, params)
+        itl = float(np.median([x for o in outs for x in o.itl]))
+        tokens = sum(len(o.token_ids) for o in outs)
+        res[f"itl_B{batch}_ms"] = round(itl * 1e3, 3)
+        res[f"tok_s_B{batch}"] = round(tokens / wall, 1)
+        print(f"batch {batch}: ITL median {itl * 1e3:.2f} ms, {tokens / wall:.1f} tokens/s overall, "
+              f"decode-only {batch / itl:.1f} tokens/s")
+    res["bandwidth_floor_b1_ms"] = round(floor_ms, 3)
+    res["compilations"] = engine.num_compilations
+    peer = run_peer(args.peer) if args.peer else {}
+    print("\n| figure | dayzero | peer (transformers+fla) |\n|---|---|---|")
+    rows = [("TTFT 2K (ms)", res["ttft_P2048_ms"], peer.get("hf_B1_P2048_ttft_ms")),
+            ("ITL batch 1 (ms)", res["itl_B1_ms"], peer.get("hf_B1_P2048_itl_ms")),
+            ("ITL batch 16 (ms)", res["itl_B16_ms"], peer.get("hf_B16_P1024_itl_ms")),
+            ("ITL batch 64 (ms)", res["itl_B64_ms"], None),
+            (f"TTFT {args.long_prompt // 1024}K (ms)", res[f"ttft_P{args.long_prompt}_ms"], None),
+            ("bandwidth floor batch 1 (ms)", res["bandwidth_floor_b1_ms"], peer.get("roofline_bf16_b1_ms"))]
+    for name, ours, theirs in rows:
+        print(f"| {name} | {ours} | {theirs if theirs is not None else '-'} |")
+    line = (f"- {datetime.date.today()} serving.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}"
+            f" (reference kernels: no Pallas yet): dayzero {json.dumps(res)}; peer transformers+fla same run "
+            f"{json.dumps(peer) if peer else 'not run'}\n")
+    with open(args.results, "a") as f:
+        f.write(line)
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
