@@ -174,12 +174,7 @@ class Engine:
         n_rows = bucket(len(rows), self.decode_buckets if decode else self.prefill_row_buckets)
         n_tok = 1 if decode else bucket(max(r.length for r in rows), self.prefill_len_buckets)
         n_blk = bucket(max(len(r.request.table) for r in rows), self.block_buckets)
-        out = StepRows(
-            tokens=np.zeros((n_rows, n_tok), np.int32), positions=np.zeros((n_rows, n_tok), np.int32),
-            valid=np.zeros((n_rows, n_tok), bool), block_tables=np.zeros((n_rows, n_blk), np.int32),
-            slots=np.zeros((n_rows,), np.int32), temperature=np.zeros((n_rows,), np.float32),
-            top_k=np.full((n_rows,), -1, np.int32), top_p=np.ones((n_rows,), np.float32),
-            min_p=np.zeros((n_rows,), np.float32), keys=np.zeros((n_rows, 2), np.uint32))
+        out = StepRows.padding(n_rows, n_tok, n_blk)
         for i, row in enumerate(rows):
             req, p = row.request, row.request.params
             tokens = req.tokens
@@ -309,13 +304,7 @@ class Engine:
                   for b in self.block_buckets]
         shapes += [(True, r, 1, b) for r in self.decode_buckets for b in self.block_buckets]
         for decode, n_rows, n_tok, n_blk in shapes:
-            rows = StepRows(
-                tokens=np.zeros((n_rows, n_tok), np.int32), positions=np.zeros((n_rows, n_tok), np.int32),
-                valid=np.zeros((n_rows, n_tok), bool), block_tables=np.zeros((n_rows, n_blk), np.int32),
-                slots=np.zeros((n_rows,), np.int32), temperature=np.ones((n_rows,), np.float32),
-                top_k=np.full((n_rows,), -1, np.int32), top_p=np.ones((n_rows,), np.float32),
-                min_p=np.zeros((n_rows,), np.float32), keys=np.zeros((n_rows, 2), np.uint32))
-            self.runner.run(rows, decode)
+            self.runner.run(StepRows.padding(n_rows, n_tok, n_blk), decode)
         return len(shapes)
 
     # ------------------------------------------------------------------ introspection

@@ -52,6 +52,15 @@ class StepRows:
     min_p: np.ndarray
     keys: np.ndarray
 
+    @classmethod
+    def padding(cls, n_rows: int, n_tokens: int, n_blocks: int) -> "StepRows":
+        """Rows of padding only (invalid tokens, scratch block and slot, greedy); callers fill real rows in."""
+        return cls(tokens=np.zeros((n_rows, n_tokens), np.int32), positions=np.zeros((n_rows, n_tokens), np.int32),
+                   valid=np.zeros((n_rows, n_tokens), bool), block_tables=np.zeros((n_rows, n_blocks), np.int32),
+                   slots=np.zeros((n_rows,), np.int32), temperature=np.zeros((n_rows,), np.float32),
+                   top_k=np.full((n_rows,), -1, np.int32), top_p=np.ones((n_rows,), np.float32),
+                   min_p=np.zeros((n_rows,), np.float32), keys=np.zeros((n_rows, 2), np.uint32))
+
 
 def _step(module, params, cache, rows: dict, decode: bool):
     logits, cache = module.apply({"params": params}, rows["tokens"], rows["positions"], rows["valid"], cache,

@@ -24,6 +24,8 @@ Files that exist but cannot be read or parsed raise `CheckpointError` naming the
 
 from __future__ import annotations
 
+import abc
+
 import base64
 import binascii
 import json
@@ -161,19 +163,24 @@ class IncrementalDecoder:
 # Backends
 
 
-class _Backend:
+class _Backend(abc.ABC):
+    """What `Tokenizer` needs from a tokenizer library."""
+
     name: str
     vocab_size: int
     special_ids: frozenset[int]
 
+    @abc.abstractmethod
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        raise NotImplementedError
+        """Token ids of `text`."""
 
+    @abc.abstractmethod
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
-        raise NotImplementedError
+        """Text of `ids`."""
 
+    @abc.abstractmethod
     def token_to_id(self, token: str) -> int | None:
-        raise NotImplementedError
+        """Id of one token string, or None."""
 
 
 class _HFBackend(_Backend):
