@@ -167,3 +167,31 @@ def test_stress_no_leaks_no_recompilation(models):
     assert sched.pool.num_free == sched.pool.num_usable, f"leaked blocks (seed {seed})"
     assert sched.snapshot_ids.num_free == sched.snapshot_ids.num_usable, f"leaked snapshots (seed {seed})"
     assert engine.num_compilations == warm, f"compiled after warm-up: {engine.num_compilations} > {warm}"
+
+
+def test_text_prompts_and_stop_strings_with_a_tokenizer(models, tmp_path):
+    """Text in, text out through a checkpoint-style tokenizer.json; a stop string cuts the text before it."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from dayzero.serving.tokenizer import load_tokenizer
+
+    model = models["kimi_linear"]
+    vocab = {f"w{i}": i for i in range(model.config.vocab_size)}
+    hf = HFTokenizer(WordLevel(vocab, unk_token="w0"))
+    hf.pre_tokenizer = Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(tmp_path)
+    engine = Engine(model, tokenizer, config(max_num_seqs=2))
+    prompt = "w4 w5 w6 w7"
+    ref = full_forward_greedy(model, [4, 5, 6, 7], 6)
+    plain = engine.generate([prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
+    assert plain.token_ids == ref and plain.text == tokenizer.decode(ref)
+    stop = f"w{ref[2]}"
+    cut = engine.generate([prompt], sampling_params=SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                                   stop=[stop]))[0]
+    n = next(n for n in range(1, len(ref) + 1) if stop in tokenizer.decode(ref[:n]))  # first time the text has it
+    assert cut.finish_reason == "stop" and cut.token_ids == ref[:n]
+    text = tokenizer.decode(ref[:n])
+    assert cut.text == text[:text.index(stop)] and stop not in cut.text
