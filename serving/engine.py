@@ -177,8 +177,7 @@ class Engine:
         out = StepRows.padding(n_rows, n_tok, n_blk)
         for i, row in enumerate(rows):
             req, p = row.request, row.request.params
-            tokens = req.tokens
-            out.tokens[i, :row.length] = tokens[row.start:row.start + row.length]
+            out.tokens[i, :row.length] = req.token_slice(row.start, row.start + row.length)
             out.positions[i, :row.length] = np.arange(row.start, row.start + row.length)
             out.valid[i, :row.length] = True
             out.block_tables[i] = req.table.as_array(n_blk)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -20,3 +22,12 @@ def token_ids():
     seed = int(np.random.default_rng().integers(1 << 31))
     rng = np.random.default_rng(seed)
     return rng.integers(3, 197, (2, SEQ_LEN)), seed
+
+
+@pytest.fixture
+def seed(request):
+    """A fresh random seed per test, printed; DAYZERO_TEST_SEED=<n> replays one."""
+    env = os.environ.get("DAYZERO_TEST_SEED")
+    value = int(env) if env else int(np.random.SeedSequence().entropy % (2**32))
+    print(f"{request.node.nodeid}: seed={value} (replay with DAYZERO_TEST_SEED={value})")
+    return value

@@ -7,7 +7,6 @@ Set DAYZERO_TEST_SEED=<int> to replay a failing draw.
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +42,6 @@ hf_conv_update = _torch_fn(hf_kimi.causal_conv1d_update)
 
 
 # ----------------------------------------------------------------------------------------------------------- helpers
-
-
-@pytest.fixture
-def seed(request):
-    env = os.environ.get("DAYZERO_TEST_SEED")
-    value = int(env) if env else int(np.random.SeedSequence().entropy % (2**32))
-    print(f"{request.node.nodeid}: seed={value} (replay with DAYZERO_TEST_SEED={value})")
-    return value
 
 
 def rel_err(actual, expected) -> float:

@@ -8,7 +8,6 @@ Set DAYZERO_TEST_SEED=<int> to replay a failing draw.
 
 from __future__ import annotations
 
-import os
 
 import jax
 import numpy as np
@@ -21,14 +20,6 @@ sample_jit = jax.jit(sample)
 
 N_DRAWS = 5000  # identical rows per distribution check: std of a frequency <= 0.0071, tolerance 0.03 is > 4 std
 V = 48
-
-
-@pytest.fixture
-def seed(request):
-    env = os.environ.get("DAYZERO_TEST_SEED")
-    value = int(env) if env else int(np.random.SeedSequence().entropy % (2**32))
-    print(f"{request.node.nodeid}: seed={value} (replay with DAYZERO_TEST_SEED={value})")
-    return value
 
 
 def run(logits, temperature, top_k=None, top_p=None, min_p=None, keys=None, rng=None):

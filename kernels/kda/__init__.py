@@ -9,22 +9,22 @@ from __future__ import annotations
 from .. import dispatch
 from . import reference
 
-_AVAILABLE = ("reference",)
+# Implementation modules by name, each exposing chunk_kda and fused_recurrent_kda; the Pallas module joins when it
+# lands.
+_IMPLS = {"reference": reference}
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, impl: str | None = None):
     """Chunked KDA over whole sequences (prefill). See `reference.chunk_kda` for the math."""
-    dispatch.choose(_AVAILABLE, impl)  # every platform runs the reference until the Pallas scan lands
-    return reference.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                               output_final_state=output_final_state,
-                               use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    kernel = _IMPLS[dispatch.choose(tuple(_IMPLS), impl)].chunk_kda
+    return kernel(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                         use_qk_l2norm_in_kernel=False, impl: str | None = None):
     """Token-by-token KDA (decode). See `reference.fused_recurrent_kda`."""
-    dispatch.choose(_AVAILABLE, impl)
-    return reference.fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                         output_final_state=output_final_state,
-                                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    kernel = _IMPLS[dispatch.choose(tuple(_IMPLS), impl)].fused_recurrent_kda
+    return kernel(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
