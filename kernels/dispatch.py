@@ -1,7 +1,8 @@
 """The one place that decides which implementation of an op runs.
 
-CUDA/ROCm devices get the Pallas implementation where the op has one; every other platform (CPU, a vendor PJRT
-plugin such as MUSA) gets the plain-XLA reference. The decision is made at trace time from the platform of the
+CUDA/ROCm devices get the Pallas implementation where the op has one that has passed its GPU tests (tests/gpu on an
+H200: `gpu_verified=True` at the call site); every other platform (CPU, a vendor PJRT plugin such as MUSA) gets the
+plain-XLA reference. A kernel not yet verified on a GPU runs only when asked for. The decision is made at trace time from the platform of the
 default devices. `impl=` on an op, or `DAYZERO_KERNELS=reference|pallas|interpret` for a whole process, overrides it
 for experiments; an override naming an implementation the op lacks falls back to the reference.
 """
@@ -22,10 +23,12 @@ def current_platform() -> str:
     return jax.devices()[0].platform
 
 
-def choose(available: tuple[str, ...], impl: str | None = None, platform: str | None = None) -> str:
+def choose(available: tuple[str, ...], impl: str | None = None, platform: str | None = None,
+           gpu_verified: bool = True) -> str:
     """Returns the implementation to run among `available` (always including "reference").
 
-    `impl` (or the DAYZERO_KERNELS variable) forces a choice; otherwise Pallas on CUDA/ROCm, reference elsewhere.
+    `impl` (or the DAYZERO_KERNELS variable) forces a choice; otherwise Pallas on CUDA/ROCm when the op's Pallas
+    kernel is `gpu_verified`, the reference elsewhere.
     """
     forced = impl or os.environ.get(ENV_OVERRIDE) or None
     if forced is not None:
@@ -35,6 +38,6 @@ def choose(available: tuple[str, ...], impl: str | None = None, platform: str | 
             return "interpret"
         return forced if forced in available else "reference"
     platform = platform or current_platform()
-    if platform in PALLAS_PLATFORMS and "pallas" in available:
+    if platform in PALLAS_PLATFORMS and "pallas" in available and gpu_verified:
         return "pallas"
     return "reference"

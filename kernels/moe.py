@@ -1,4 +1,6 @@
-"""Routed-expert SwiGLU MLP over top-k assignments, plain jnp with `jax.lax.ragged_dot` (the MoE reference).
+"""Routed-expert SwiGLU MLP over top-k assignments: `moe_experts` (dense weights, plain jnp with `jax.lax.ragged_dot`,
+the MoE reference) and `moe_experts_packed` (MXFP4 or converted experts: the Pallas grouped matmuls on CUDA/ROCm,
+dequantize + `moe_experts` elsewhere).
 
 Token-expert pairs are sorted by expert so each expert's rows are contiguous, run through one grouped matmul per
 projection, weighted, and summed back per token.
@@ -8,6 +10,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from . import dispatch, moe_mxfp4, moe_workspace
+from .moe_mxfp4 import Tiles
+from .moe_workspace import Workspace
+from .mxfp4 import ExpertWeights
+
+# Whether the MXFP4 grouped matmuls have passed tests/gpu/test_mxfp4_gpu.py on a GPU: until then dispatch runs them
+# on CUDA/ROCm only when asked for (impl="pallas", DAYZERO_KERNELS or MXFP4Execution.impl).
+PACKED_GPU_VERIFIED = False
 
 
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -29,3 +40,51 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_ga
     weighted = out.astype(jnp.float32) * topk_weights.reshape(-1)[order][:, None]
     y = jnp.zeros((n_tokens, x.shape[-1]), jnp.float32).at[order // top_k].add(weighted)
     return y.astype(x.dtype)
+
+
+def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, experts: ExpertWeights, *,
+                       layer: int | jax.Array = 0, workspace: Workspace | None = None,
+                       tiles: Tiles | None = None, impl: str | None = None) -> tuple[jax.Array, Workspace | None]:
+    """x [N, H], topk_ids [N, k], topk_weights [N, k] -> ([N, H] of x.dtype, workspace).
+
+    MXFP4 `experts` with a `workspace`: the layer's active experts are converted into it (unless resident from an
+    earlier call for the same `layer`), then multiplied from it. MXFP4 without one: converted tile by tile in the
+    matmul ("fused"). Converted experts (offline FP8 / BF16): multiplied directly. `layer` names the weights for
+    the workspace's residency tags.
+    """
+    kind = dispatch.choose(("reference", "pallas"), impl, gpu_verified=PACKED_GPU_VERIFIED)
+    pallas, interpret = kind != "reference", kind == "interpret"
+    n_experts = (experts.gate_scales if experts.gate_scales is not None else experts.gate).shape[0]
+    source, slot_of_expert = experts, None
+    if workspace is not None and experts.fmt == "mxfp4":
+        if workspace.num_slots < min(n_experts, topk_ids.size):
+            raise ValueError(f"the workspace has {workspace.num_slots} slots; this call may activate "
+                             f"{min(n_experts, topk_ids.size)} experts (moe_workspace.num_slots)")
+        sizes = jnp.bincount(topk_ids.reshape(-1), length=n_experts)
+        workspace, assignment = moe_workspace.assign(workspace, layer, sizes)
+        workspace = moe_workspace.fill(workspace, assignment, experts, pallas=pallas, interpret=interpret)
+        source, slot_of_expert = moe_workspace.weights(workspace, experts), assignment.slot_of_expert
+    if pallas:
+        y = moe_mxfp4.grouped_swiglu(x, topk_ids, topk_weights, source, slot_of_expert, n_experts, tiles, interpret)
+    else:
+        y = _packed_reference(x, topk_ids, topk_weights, source, slot_of_expert, n_experts)
+    return y, workspace
+
+
+def _packed_reference(x, topk_ids, topk_weights, ew: ExpertWeights, slot_of_expert, n_experts):
+    """Dequantizes the entries the call uses (the active experts, or the workspace slots) and runs `moe_experts`."""
+    if slot_of_expert is None:
+        n_entries = min(n_experts, topk_ids.size)
+        sizes = jnp.bincount(topk_ids.reshape(-1), length=n_experts)
+        index = jnp.nonzero(sizes > 0, size=n_entries, fill_value=0)[0].astype(jnp.int32)
+        expert = index
+        local = jnp.zeros((n_experts,), jnp.int32).at[index].set(jnp.arange(n_entries, dtype=jnp.int32))
+    else:
+        n_entries = ew.gate.shape[0]
+        index = jnp.arange(n_entries, dtype=jnp.int32)
+        valid = slot_of_expert >= 0
+        expert = jnp.zeros((n_entries,), jnp.int32).at[jnp.where(valid, slot_of_expert, n_entries)].set(
+            jnp.arange(n_experts, dtype=jnp.int32), mode="drop")
+        local = jnp.maximum(slot_of_expert, 0)
+    w_gate, w_up, w_down = ew.dense(index, expert, x.dtype)
+    return moe_experts(x, local[topk_ids], topk_weights, w_gate, w_up, w_down)

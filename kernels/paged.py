@@ -1,7 +1,9 @@
-"""Paged cache access, plain jnp: writing new tokens into 64-token blocks and gathering a request's tokens back.
+"""Paged cache access: writing new tokens into 64-token blocks and gathering a request's tokens back.
 
 A cache array is [layers, num_blocks, block_size, D]; a block table row [max_blocks] lists a request's blocks in
 order (block 0 is the engine's scratch block: padding rows and padded tokens write there and nothing reads it back).
+`write` dispatches between the plain-jnp reference and the Pallas write kernels (`paged_pallas`); `contiguous`
+views whole sequences [B, S, D] as a one-layer paged cache, so every paged kernel also serves contiguous inputs.
 """
 
 from __future__ import annotations
@@ -9,18 +11,45 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from . import dispatch, paged_pallas
 
-def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
-          values: jax.Array) -> jax.Array:
+# The Pallas kernels of this op have not yet compiled on a GPU: they run when asked for (impl= or
+# DAYZERO_KERNELS), the reference by default. Set True once tests/gpu/test_sparse_attention_gpu.py passes on an H200.
+GPU_VERIFIED = False
+
+BLOCK_SIZE = 64
+
+
+def write_reference(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
+                    values: jax.Array) -> jax.Array:
     """Stores values [B, T, D] at token positions [B, T] of `layer`; invalid tokens go to the scratch block 0."""
     block_size = cache.shape[2]
-    blocks = jnp.take_along_axis(block_tables, positions // block_size, axis=1)
+    blocks = jnp.take_along_axis(block_tables, jnp.where(valid, positions, 0) // block_size, axis=1)
     blocks = jnp.where(valid, blocks, 0)
     offsets = jnp.where(valid, positions % block_size, 0)
     return cache.at[layer, blocks, offsets].set(values.astype(cache.dtype))
+
+
+def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
+          values: jax.Array, impl: str | None = None) -> jax.Array:
+    """`write_reference`'s contract; on CUDA/ROCm the Pallas kernels (one token per request: the decode kernel)."""
+    choice = dispatch.choose(("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
+    if choice == "reference":
+        return write_reference(cache, layer, block_tables, positions, valid, values)
+    return paged_pallas.write(cache, layer, block_tables, positions, valid, values, interpret=choice == "interpret")
 
 
 def gather(cache: jax.Array, layer: int, block_tables: jax.Array) -> jax.Array:
     """[B, max_blocks * block_size, D]: the tokens of each request's blocks, in position order."""
     tokens = cache[layer, block_tables]  # [B, max_blocks, block_size, D]
     return tokens.reshape(tokens.shape[0], -1, tokens.shape[-1])
+
+
+def contiguous(x: jax.Array, block_size: int = BLOCK_SIZE) -> tuple[jax.Array, jax.Array]:
+    """x [B, S, ...] -> (cache [1, B * nb, block_size, ...], block_tables [B, nb] int32) with token s of row b at
+    position s (S padded with zeros to nb * block_size)."""
+    batch, length = x.shape[:2]
+    n_blocks = -(-length // block_size)
+    x = jnp.pad(x, [(0, 0), (0, n_blocks * block_size - length)] + [(0, 0)] * (x.ndim - 2))
+    cache = x.reshape(1, batch * n_blocks, block_size, *x.shape[2:])
+    return cache, jnp.arange(batch * n_blocks, dtype=jnp.int32).reshape(batch, n_blocks)

@@ -1,7 +1,8 @@
 """Serving cache layouts (allocated by `dayzero.serving`, read and written by `Decoder.step`).
 
 - "latent": [mla_layers, num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] (MLA latent + shared rope key)
-- "index_keys": [mla_layers, num_blocks, block_size, index_head_dim] (DSA models only)
+- "index_keys": [mla_layers, num_blocks, block_size, index_head_dim] (DSA models only; float8_e4m3fn with the FP8
+  indexer, whose per-token power-of-two scales sit in "index_scales": [mla_layers, num_blocks, block_size, 1] float32)
 - "conv": [kda_layers, num_slots, 3, kda_dim, conv_size - 1] (q/k/v short-conv states)
 - "state": [kda_layers, num_slots, H, K, V] float32 (KDA recurrent states)
 Block 0 and slot 0 are scratch: padding writes there and nothing reads them.
@@ -26,7 +27,10 @@ def cache_shapes(config: ModelConfig, num_blocks: int, num_slots: int, dtype,
     if n_mla:
         shapes["latent"] = ((n_mla, num_blocks, block_size, config.kv_lora_rank + config.qk_rope_head_dim), dtype)
         if config.use_dsa:
-            shapes["index_keys"] = ((n_mla, num_blocks, block_size, config.index_head_dim), dtype)
+            key_dtype = jnp.float8_e4m3fn if config.index_fp8 else dtype
+            shapes["index_keys"] = ((n_mla, num_blocks, block_size, config.index_head_dim), key_dtype)
+            if config.index_fp8:
+                shapes["index_scales"] = ((n_mla, num_blocks, block_size, 1), jnp.float32)
     if n_kda:
         shapes["conv"] = ((n_kda, num_slots, 3, config.kda_dim, config.kda_conv_size - 1), dtype)
         shapes["state"] = ((n_kda, num_slots, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim),
@@ -43,7 +47,8 @@ def init_cache(config: ModelConfig, num_blocks: int, num_slots: int, dtype, bloc
 def bytes_per_block(config: ModelConfig, dtype, block_size: int = BLOCK_SIZE) -> int:
     """Cache bytes one 64-token block costs across all MLA layers (latents + indexer keys)."""
     return sum(int(np.prod(s[0][2:])) * jnp.dtype(s[1]).itemsize * s[0][0]
-               for k, s in cache_shapes(config, 1, 1, dtype, block_size).items() if k in ("latent", "index_keys"))
+               for k, s in cache_shapes(config, 1, 1, dtype, block_size).items()
+               if k in ("latent", "index_keys", "index_scales"))
 
 
 def bytes_per_slot(config: ModelConfig, dtype) -> int:

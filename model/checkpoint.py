@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from .config import ModelConfig
 from .errors import CheckpointError
 from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, open_checkpoint_files
+from .vision import vision_published_name, vision_tensor_target
 
 ParamPath = tuple[str, ...]
 
@@ -35,12 +36,15 @@ FLOAT_SOURCES = frozenset({"F64", "F32", "F16", "BF16"})
 FP8_SOURCES = frozenset({"F8_E4M3", "F8_E5M2"})
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(\w+)\.weight")
+_PACKED = re.compile(r"mlp\.experts\.(\w+?)_(blocks|scales)")  # MXFP4 experts, gpt-oss style, stacked [E, ...]
+EXPERT_PARAMS = frozenset(EXPERT_PROJECTIONS.values())
 
 
 @dataclass(frozen=True)
 class Target:
     """Where a checkpoint tensor goes. kind: copy | linear (transpose) | conv ([C,1,W] -> [C,W]) | flat (reshape)
-    | expert (transpose into slot `expert` of a stacked [E, ...] param)."""
+    | expert (transpose into slot `expert` of a stacked [E, ...] param) | patch (Conv2d [D,C,p,p] -> [C*p*p, D])
+    | packed (MXFP4 expert blocks/scales, uint8, copied as stored)."""
 
     path: ParamPath
     kind: str
@@ -48,11 +52,23 @@ class Target:
 
 
 IGNORE = Target((), "ignore")
+_SHAPE_HINTS = {"linear": " (after transposing [out, in] to [in, out])",
+                "expert": " (after transposing [out, in] to [in, out])",
+                "patch": " (after flattening [out, C, p, p] and transposing to [C*p*p, out])",
+                "packed": " (MXFP4: blocks [experts, out, ceil(in/32), 16], scales [experts, out, ceil(in/32)])"}
 
 
 def map_tensor_name(name: str, config: ModelConfig) -> Target | None:
     """Maps a published tensor name to its param, IGNORE for tensors dayzero deliberately skips (DeepSeek's MTP
-    layers, tied lm_head copies, rotary buffers), or None when the name is not part of the architecture."""
+    layers, tied lm_head copies, rotary buffers), or None when the name is not part of the architecture.
+    kimi_k25 prefixes the text model with `language_model.` and adds `vision_tower.*` and `mm_projector.*`."""
+    if config.vision is not None:
+        if name.startswith(("vision_tower.", "mm_projector.")):
+            found = vision_tensor_target(name)
+            return None if found is None else Target(*found)
+        if not name.startswith("language_model."):
+            return None
+        name = name[len("language_model."):]
     if name == "lm_head.weight":
         return IGNORE if config.tie_word_embeddings else Target(("lm_head",), "linear")
     if name == "model.embed_tokens.weight":
@@ -74,6 +90,10 @@ def map_tensor_name(name: str, config: ModelConfig) -> Target | None:
     if m is not None:
         proj = EXPERT_PROJECTIONS.get(m[2])
         return None if proj is None else Target((layer, "mlp", "experts", proj), "expert", int(m[1]))
+    m = _PACKED.fullmatch(sub)
+    if m is not None:
+        proj = EXPERT_PROJECTIONS.get(m[1])
+        return None if proj is None else Target((layer, "mlp", "experts", f"{proj}_{m[2]}"), "packed")
     parts = tuple(sub.split("."))
     if len(parts) >= 2 and parts[-2] in LINEAR_MODULES and parts[-1] == "weight":
         return Target((layer, *parts[:-1], "kernel"), "linear")
@@ -86,8 +106,12 @@ def map_tensor_name(name: str, config: ModelConfig) -> Target | None:
     return Target((layer, *parts), "copy")
 
 
-def published_name(path: ParamPath) -> str:
+def published_name(path: ParamPath, config: ModelConfig | None = None) -> str:
     """The canonical published tensor name for a param path (for messages)."""
+    if path[0] in ("vision_tower", "mm_projector"):
+        return vision_published_name(path)
+    if config is not None and config.vision is not None:
+        return "language_model." + published_name(path)
     if path == ("lm_head",):
         return "lm_head.weight"
     if path == ("embed_tokens",):
@@ -97,17 +121,22 @@ def published_name(path: ParamPath) -> str:
         parts[0:1] = ["layers", parts[0][len("layers_"):]]
     if parts[-1] == "kernel":
         parts[-1] = "weight"
-    if len(parts) >= 2 and parts[-2] == "experts":
+    if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] not in EXPERT_PARAMS:  # w_gate_blocks, ...
+        proj, kind = parts[-1].rsplit("_", 1)
+        parts[-1] = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}[proj] + "_" + kind
+    elif len(parts) >= 2 and parts[-2] == "experts":
         parts[-1] = {"w_gate": "N.gate_proj.weight", "w_up": "N.up_proj.weight", "w_down": "N.down_proj.weight"}[
             parts[-1]]
     return "model." + ".".join(parts)
 
 
 def _transformed_shape(target: Target, shape: tuple[int, ...], expected: tuple[int, ...]) -> tuple[int, ...] | None:
-    if target.kind == "copy":
+    if target.kind in ("copy", "packed"):
         return shape
     if target.kind in ("linear", "expert"):
         return tuple(reversed(shape)) if len(shape) == 2 else None
+    if target.kind == "patch":
+        return (int(np.prod(shape[1:])), shape[0]) if len(shape) == 4 else None
     if target.kind == "conv":
         if len(shape) == 3 and shape[1] == 1:
             return (shape[0], shape[2])
@@ -149,7 +178,7 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
         want_shape = want.shape[1:] if target.kind == "expert" else want.shape
         got = _transformed_shape(target, info.shape, tuple(want_shape))
         if got != tuple(want_shape):
-            hint = " (after transposing [out, in] to [in, out])" if target.kind in ("linear", "expert") else ""
+            hint = _SHAPE_HINTS.get(target.kind, "")
             mismatched.append(f"shape mismatch: '{name}' is {list(info.shape)}, the model expects "
                               f"{list(want_shape)}{hint}")
             continue
@@ -172,6 +201,10 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
                                   f"over {list(info.shape)} need {list(need)}")
                 continue
             plan.scales[name] = infos[scale]
+        elif target.kind == "packed":
+            if info.dtype != "U8":
+                bad_dtype.append(f"dtype mismatch: '{name}' is {info.dtype}, expected U8 (packed MXFP4)")
+                continue
         elif info.dtype not in FLOAT_SOURCES:
             bad_dtype.append(f"dtype mismatch: '{name}' is {info.dtype}, expected a floating-point tensor")
             continue
@@ -182,20 +215,20 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
             unexpected.append(f"unexpected tensor '{name}' (no weight '{weight}' beside it)")
     for path, want in expected.items():
         srcs = plan.sources.get(path)
-        if len(path) >= 2 and path[-2] == "experts":
+        if len(path) >= 2 and path[-2] == "experts" and path[-1] in EXPERT_PARAMS:
             have = sorted(t.expert for _, t in srcs or [])
             dupes = sorted({e for e in have if have.count(e) > 1})
             absent = sorted(e for e in set(range(want.shape[0])) - set(have) if (path, e) not in rejected)
-            layer = published_name(path).replace(".N.", ".{" + ",".join(map(str, absent)) + "}.")
+            layer = published_name(path, config).replace(".N.", ".{" + ",".join(map(str, absent)) + "}.")
             if absent:
                 missing.append(f"missing tensor(s) {layer}" if len(absent) < want.shape[0]
-                               else f"missing tensor(s) {published_name(path)} for all {want.shape[0]} experts")
+                               else f"missing tensor(s) {published_name(path, config)} for all {want.shape[0]} experts")
             if dupes:
-                mismatched.append(f"experts {dupes} of {published_name(path)} appear more than once")
+                mismatched.append(f"experts {dupes} of {published_name(path, config)} appear more than once")
         elif not srcs and (path, -1) not in rejected:
-            missing.append(f"missing tensor '{published_name(path)}' {list(want.shape)}")
+            missing.append(f"missing tensor '{published_name(path, config)}' {list(want.shape)}")
         elif srcs and len(srcs) > 1:
-            mismatched.append(f"'{published_name(path)}' is given by several tensors: "
+            mismatched.append(f"'{published_name(path, config)}' is given by several tensors: "
                               + ", ".join(i.name for i, _ in srcs))
     plan.problems = missing + unexpected + mismatched + bad_dtype
     return plan
@@ -219,6 +252,8 @@ def _read(files, info: TensorInfo, plan: LoadPlan, config: ModelConfig) -> np.nd
 def _transform(array: np.ndarray, target: Target, shape: tuple[int, ...]) -> np.ndarray:
     if target.kind in ("linear", "expert"):
         return array.T
+    if target.kind == "patch":
+        return array.reshape(array.shape[0], -1).T
     return array.reshape(shape)
 
 

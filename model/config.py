@@ -1,8 +1,10 @@
 """`ModelConfig`: one frozen dataclass for the whole family, parsed from a hub `config.json`.
 
 Supported `model_type`s: `kimi_linear` (KDA + MLA-NoPE + MoE, in the published `linear_attn_config` form and in
-the form transformers writes), `deepseek_v3`, `kimi_k2` (MLA + MoE) and `deepseek_v32` (MLA + DSA indexer + MoE).
-A hybrid (KDA + MLA with DSA + MoE) is just a config: a `kimi_linear` config that also carries `index_*` fields.
+the form transformers writes), `deepseek_v3`, `kimi_k2` (MLA + MoE), `deepseek_v32` (MLA + DSA indexer + MoE) and
+`kimi_k25` (a deepseek_v3/kimi_k2 `text_config` plus a MoonViT `vision_config`, published `vt_*` form or the form
+transformers writes). A hybrid (KDA + MLA with DSA + MoE) is just a config: a `kimi_linear` config that also carries
+`index_*` fields.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ LAYER_MLA = "mla"
 MLP_DENSE = "dense"
 MLP_MOE = "moe"
 
-SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2", "deepseek_v32")
+SUPPORTED_MODEL_TYPES = ("kimi_linear", "deepseek_v3", "kimi_k2", "deepseek_v32", "kimi_k25")
+KIMI_K25_TEXT_TYPES = ("deepseek_v3", "kimi_k2", "deepseek_v32", "kimi_linear")  # kimi_linear: a K3-style hybrid
+VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")  # tanh approximation, exact erf
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,102 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """Kimi-K2.5's MoonViT tower and its patch-merger projector.
+
+    Patches of `patch_size`² pixels, a learned `[pos_emb_height, pos_emb_width, hidden_size]` position table
+    resampled bicubically to each image's grid, 2-D rotary embedding over (column, row), `merge_kernel_size` patches
+    merged into one language-model token by the projector (LayerNorm per patch, Linear, GELU, Linear).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    patch_size: int = 14
+    num_channels: int = 3
+    pos_emb_height: int = 64
+    pos_emb_width: int = 64
+    pos_emb_time: int = 4
+    merge_kernel_size: tuple[int, int] = (2, 2)
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+    layer_norm_eps: float = 1e-5
+    projector_hidden_size: int | None = None  # defaults to hidden_size (the projector's LayerNorm width)
+    projector_layer_norm_eps: float = 1e-5
+    projector_hidden_act: str = "gelu"
+
+    def __post_init__(self):
+        self.validate()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_size(self) -> int:
+        """Patches merged into one token (kh * kw)."""
+        return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    @property
+    def patch_dim(self) -> int:
+        return self.num_channels * self.patch_size * self.patch_size
+
+    def validate(self) -> None:
+        def need(name: str, ok: bool, msg: str):
+            if not ok:
+                raise ConfigError(f"vision_config.{name}", msg)
+
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "patch_size", "num_channels",
+                     "pos_emb_height", "pos_emb_width", "pos_emb_time"):
+            value = getattr(self, name)
+            need(name, isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                 f"must be a positive integer, got {value!r}")
+        need("num_attention_heads", self.hidden_size % self.num_heads == 0,
+             f"({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+        need("num_attention_heads", self.head_dim % 4 == 0,
+             f"head_dim {self.head_dim} must be a multiple of 4 for the 2-D rotary embedding")
+        need("merge_kernel_size", len(self.merge_kernel_size) == 2 and all(
+            isinstance(k, int) and k > 0 for k in self.merge_kernel_size),
+             f"expected two positive integers, got {self.merge_kernel_size!r}")
+        for name in ("hidden_act", "projector_hidden_act"):
+            need(name, getattr(self, name) in VISION_ACTIVATIONS,
+                 f"'{getattr(self, name)}' is not supported ({', '.join(VISION_ACTIVATIONS)})")
+        if self.projector_hidden_size is not None:
+            need("projection_hidden_size", self.projector_hidden_size == self.hidden_size,
+                 f"({self.projector_hidden_size}) must equal the vision hidden_size ({self.hidden_size}): the "
+                 "projector normalises each patch before merging")
+
+
+MXFP4_MODES = ("auto", "fused", "workspace", "offline")
+
+
+@dataclass(frozen=True)
+class MXFP4Execution:
+    """How MXFP4 routed experts run (not read from config.json; set with `ModelConfig.replace(mxfp4=...)`).
+
+    mode: "fused" converts each weight tile right before its MMA (no workspace); "workspace" converts a layer's
+    active experts into the one-layer workspace (reused by every layer) and multiplies from it; "auto" picks
+    "workspace" when the experts see at least `workspace_min_rows` token rows on average (prefill), "fused" below
+    (decode); "offline" means the experts were converted once, in full, at load (`model.mxfp4.convert_offline`).
+    workspace_dtype: "float8_e4m3fn" (E2M1 values, E8M0 scales kept) or "bfloat16" (scales folded in).
+    impl: the experts' kernel implementation ("pallas", "interpret", "reference"); None lets `kernels.dispatch`
+    choose.
+    """
+
+    mode: str = "auto"
+    workspace_dtype: str = "float8_e4m3fn"
+    workspace_min_rows: int = 128
+    impl: str | None = None
+
+    def uses_workspace(self, n_tokens: int, top_k: int, n_experts: int) -> bool:
+        """Whether a layer call over `n_tokens` tokens converts into the workspace (static: decided by shapes)."""
+        if self.mode != "auto":
+            return self.mode == "workspace"
+        return n_tokens * top_k >= self.workspace_min_rows * min(n_experts, n_tokens * top_k)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Every architecture of the family as one frozen dataclass.
 
@@ -94,6 +194,7 @@ class ModelConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    index_fp8: bool = False  # inference option (not in config.json): FP8 indexer (Hadamard + e4m3), see kernels/fp8_indexer
     # KDA
     kda_num_heads: int = 0
     kda_head_dim: int = 0
@@ -119,6 +220,10 @@ class ModelConfig:
     quant_method: str | None = None
     weight_block_size: tuple[int, int] | None = None
     num_mtp_layers: int = 0
+    mxfp4: MXFP4Execution = field(default_factory=MXFP4Execution)
+    # vision (kimi_k25): the MoonViT tower and the token id whose positions receive image features
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -182,6 +287,9 @@ class ModelConfig:
                  f"({self.index_head_dim}) must be at least qk_rope_head_dim ({self.qk_rope_head_dim})")
             need("q_lora_rank", self.q_lora_rank is not None, "DSA's indexer reads the q-LoRA latent: it must be set")
             need("layer_types", LAYER_MLA in self.layer_types, "index_topk is set but there is no MLA layer")
+            if self.index_fp8:
+                need("index_head_dim", self.index_head_dim & (self.index_head_dim - 1) == 0,
+                     f"({self.index_head_dim}) must be a power of two for the FP8 indexer's Hadamard rotation")
         if LAYER_KDA in self.layer_types:
             need("linear_attn_config.num_heads", self.kda_num_heads > 0, "must be positive for KDA layers")
             need("linear_attn_config.head_dim", self.kda_head_dim > 0, "must be positive for KDA layers")
@@ -205,9 +313,21 @@ class ModelConfig:
                 need("num_experts_per_token",
                      self.num_experts_per_token <= self.topk_group * (self.num_experts // self.n_group),
                      "exceeds the experts available in the selected groups")
+        if self.vision is not None:
+            need("image_token_id", isinstance(self.image_token_id, int) and 0 <= self.image_token_id < self.vocab_size,
+                 f"({self.image_token_id}) must be a token id in 0..{self.vocab_size - 1}")
         if self.quant_method is not None:
             need("quantization_config.quant_method", self.quant_method in ("fp8", "mxfp4"),
                  f"'{self.quant_method}' is not supported (fp8, mxfp4)")
+        if self.quant_method == "mxfp4" and MLP_MOE in self.mlp_types:
+            need("moe_intermediate_size", self.moe_intermediate_size % 2 == 0,
+                 f"({self.moe_intermediate_size}) must be even for MXFP4 experts")
+        need("mxfp4.mode", self.mxfp4.mode in MXFP4_MODES, f"'{self.mxfp4.mode}' is not one of {MXFP4_MODES}")
+        need("mxfp4.workspace_dtype", self.mxfp4.workspace_dtype in ("float8_e4m3fn", "bfloat16"),
+             f"'{self.mxfp4.workspace_dtype}' is not one of ('float8_e4m3fn', 'bfloat16')")
+        need("mxfp4.workspace_min_rows", self.mxfp4.workspace_min_rows >= 1, "must be at least 1")
+        need("mxfp4.impl", self.mxfp4.impl in (None, "reference", "pallas", "interpret"),
+             f"'{self.mxfp4.impl}' is not one of None, 'reference', 'pallas', 'interpret'")
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -231,12 +351,13 @@ class ModelConfig:
             raise ConfigError("config.json", "must be a JSON object")
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            hint = " (the vision model needs the kimi_k25 support of a later release)" if model_type == "kimi_k25" else ""
-            raise ConfigError("model_type", f"unknown model_type {model_type!r}{hint}; supported: "
+            raise ConfigError("model_type", f"unknown model_type {model_type!r}; supported: "
                               + ", ".join(SUPPORTED_MODEL_TYPES))
         r = _Reader(raw)
         if model_type == "kimi_linear":
             return _parse_kimi_linear(r)
+        if model_type == "kimi_k25":
+            return _parse_kimi_k25(r)
         return _parse_deepseek(r, model_type)
 
 
@@ -484,3 +605,85 @@ def _kimi_layer_types(r: _Reader, lr: _Reader, n: int, prefix: str) -> tuple[str
     if missing:
         raise ConfigError(f"{prefix}kda_layers", f"layers {missing} are in neither kda_layers nor full_attn_layers")
     return tuple(types)  # type: ignore[arg-type]
+
+
+def _nested(prefix: str, parse, *args):
+    """Runs `parse(*args)`, naming fields of a nested dict with `prefix` (e.g. `text_config.hidden_size`)."""
+    try:
+        return parse(*args)
+    except ConfigError as e:
+        if e.field.startswith(prefix):
+            raise
+        raise ConfigError(prefix + e.field, e.reason) from None
+
+
+def _parse_kimi_k25(r: _Reader) -> ModelConfig:
+    """kimi_k25: a deepseek_v3/kimi_k2 `text_config` (or a kimi_linear one: a K3-style hybrid with vision), a MoonViT
+    `vision_config` and the image placeholder id."""
+    text = r.get("text_config", kind=dict, required=True)
+    vision = r.get("vision_config", kind=dict, required=True)
+    text_type = text.get("model_type", "deepseek_v3")
+    if text_type not in KIMI_K25_TEXT_TYPES:
+        raise ConfigError("text_config.model_type", f"{text_type!r} is not supported for kimi_k25 ("
+                          + ", ".join(KIMI_K25_TEXT_TYPES) + ")")
+    # Fields the published form keeps at the top level fill in where text_config lacks them.
+    inherited = ("dtype", "torch_dtype", "quantization_config", "bos_token_id", "eos_token_id", "pad_token_id")
+    text = {**{k: r.raw[k] for k in inherited if r.raw.get(k) is not None}, **text}
+    if "tie_word_embeddings" in r.raw:  # the top-level flag decides (transformers ties lm_head from it)
+        text["tie_word_embeddings"] = r.raw["tie_word_embeddings"]
+    if text_type == "kimi_linear":
+        config = _nested("text_config.", _parse_kimi_linear, _Reader(text))
+    else:
+        config = _nested("text_config.", _parse_deepseek, _Reader(text), text_type)
+    moonvit = _nested("vision_config.", _parse_moonvit, _Reader(vision), r, config.hidden_size)
+    image_token = r.int("image_token_id", "media_placeholder_token_id", default=163605)
+    return config.replace(model_type="kimi_k25", vision=moonvit, image_token_id=image_token)
+
+
+def _parse_moonvit(v: _Reader, top: _Reader, text_hidden: int) -> VisionConfig:
+    """The vision_config in the form transformers writes or the published one (`vt_*`, `init_pos_emb_*`)."""
+    for name, supported in (("pos_emb_type", "divided_fixed"), ("merge_type", "sd2_tpool"),
+                            ("mm_projector_type", "patchmerger"), ("norm_type", "layernorm"),
+                            ("pos_emb_interpolation_mode", "bicubic")):
+        value = v.get(name, kind=str)
+        if value is not None and value != supported:
+            raise ConfigError(name, f"{value!r} is not supported (only {supported!r})")
+    hidden = v.int("hidden_size", "vt_hidden_size", required=True)
+    qkv = v.int("qkv_hidden_size")
+    if qkv is not None and qkv != hidden:
+        raise ConfigError("qkv_hidden_size", f"({qkv}) must equal vt_hidden_size ({hidden})")
+    out = v.int("text_hidden_size")
+    if out is not None and out != text_hidden:
+        raise ConfigError("text_hidden_size", f"({out}) must equal text_config.hidden_size ({text_hidden})")
+    merge = v.get("merge_kernel_size", default=[2, 2], kind=(list, int))
+    merge = (merge, merge) if isinstance(merge, int) else tuple(merge)
+    rope = v.get("rope_parameters", kind=dict)
+    theta = v.float("rope_theta", default=10000.0)
+    if rope is not None:
+        kind = rope.get("rope_type", "axial")
+        if kind != "axial":
+            raise ConfigError("rope_parameters.rope_type", f"{kind!r} is not supported (axial)")
+        theta = _Reader(rope).float("rope_theta", default=theta)
+    projector_width = top.int("projection_hidden_size", default=None)
+    if projector_width is None:
+        projector_width = v.int("mm_hidden_size", default=None)
+    projector_eps = top.float("projection_layer_norm_eps", default=None)
+    if projector_eps is None:
+        projector_eps = v.float("projector_ln_eps", default=1e-5)
+    return VisionConfig(
+        hidden_size=hidden,
+        intermediate_size=v.int("intermediate_size", "vt_intermediate_size", required=True),
+        num_layers=v.int("num_hidden_layers", "vt_num_hidden_layers", required=True),
+        num_heads=v.int("num_attention_heads", "vt_num_attention_heads", required=True),
+        patch_size=v.int("patch_size", default=14),
+        num_channels=v.int("num_channels", default=3),
+        pos_emb_height=v.int("pos_emb_height", "init_pos_emb_height", default=64),
+        pos_emb_width=v.int("pos_emb_width", "init_pos_emb_width", default=64),
+        pos_emb_time=v.int("pos_emb_time", "init_pos_emb_time", default=4),
+        merge_kernel_size=merge,
+        hidden_act=v.get("hidden_act", default="gelu_pytorch_tanh", kind=str),
+        rope_theta=theta,
+        projector_hidden_size=projector_width,
+        projector_layer_norm_eps=projector_eps,
+        projector_hidden_act=v.get("projector_hidden_act", default="gelu", kind=str),
+    )

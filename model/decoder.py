@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from .config import LAYER_KDA, MLP_MOE, ModelConfig
 from .kda import KimiDeltaAttention
 from .mla import MLAttention
-from .moe import MLP, MoE
+from .moe import MLP, MoE, new_workspace
 from .norms import RMSNorm
 
 
@@ -41,30 +41,37 @@ class DecoderLayer(nn.Module):
         self.self_attn = (KimiDeltaAttention if self.is_kda else MLAttention)(cfg, self.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if cfg.mlp_types[self.layer] == MLP_MOE:
-            self.mlp = MoE(cfg, self.dtype)
+            self.mlp = MoE(cfg, self.dtype, layer=self.layer)
         else:
             self.mlp = MLP(cfg.intermediate_size, cfg.hidden_size, self.dtype)
 
-    def _mlp(self, x):
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def _mlp(self, x, workspace):
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            y, workspace = self.mlp(h, workspace)
+        else:
+            y = self.mlp(h)
+        return x + y, workspace
 
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, workspace=None):
+        """Returns (x, workspace): the MXFP4 expert workspace (or None) passes from layer to layer."""
         h = self.input_layernorm(x)
         h = self.self_attn(h) if self.is_kda else self.self_attn(h, positions)
-        return self._mlp(x + h)
+        return self._mlp(x + h, workspace)
 
-    def step(self, x, positions, valid, cache: dict, block_tables, slots, decode: bool):
-        """Cached step of this layer; returns (x, cache)."""
+    def step(self, x, positions, valid, cache: dict, block_tables, slots, decode: bool, workspace=None):
+        """Cached step of this layer; returns (x, cache, workspace)."""
         h = self.input_layernorm(x)
         index = layer_slots(self.config)[self.layer]
         if self.is_kda:
-            h, conv, state = self.self_attn.step(h, valid, cache["conv"][index, slots], cache["state"][index, slots],
+            h, conv, state = self.self_attn.step(h, valid, cache["conv"][index, slots], cache["state"], slots, index,
                                                  decode)
             cache = dict(cache, conv=cache["conv"].at[index, slots].set(conv.astype(cache["conv"].dtype)),
-                         state=cache["state"].at[index, slots].set(state))
+                         state=state)
         else:
             h, cache = self.self_attn.step(h, positions, valid, cache, index, block_tables)
-        return self._mlp(x + h), cache
+        x, workspace = self._mlp(x + h, workspace)
+        return x, cache, workspace
 
 
 class Decoder(nn.Module):
@@ -89,25 +96,48 @@ class Decoder(nn.Module):
             return jnp.einsum("...d,vd->...v", x, self.embed_tokens, preferred_element_type=jnp.float32)
         return jnp.einsum("...d,dv->...v", x, self.lm_head, preferred_element_type=jnp.float32)
 
-    def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None, return_hidden_states: bool = False):
+    def _sow_workspace(self, workspace):
+        """Records the MXFP4 workspace's [hits, misses] in the "intermediates" collection (when it is mutable)."""
+        if workspace is not None:
+            self.sow("intermediates", "mxfp4_workspace", jnp.stack([workspace.hits, workspace.misses]))
+
+    def embed(self, token_ids, inputs_embeds=None, embeds_mask=None):
+        """Token embeddings [B, T, D]; where `embeds_mask` [B, T] is set, `inputs_embeds` [B, T, D] instead (image
+        features at their placeholder tokens). As transformers' kimi_k25 does, an image placeholder id anywhere else
+        (a generated one) embeds as id 0."""
+        if self.config.vision is not None:
+            token_ids = jnp.where(token_ids == self.config.image_token_id, 0, token_ids)
+        x = jnp.take(self.embed_tokens, token_ids, axis=0)
+        if inputs_embeds is not None:
+            x = jnp.where(embeds_mask[..., None], inputs_embeds.astype(x.dtype), x)
+        return x
+
+    def __call__(self, token_ids: jax.Array, positions: jax.Array | None = None, return_hidden_states: bool = False,
+                 inputs_embeds: jax.Array | None = None, embeds_mask: jax.Array | None = None):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
-        x = jnp.take(self.embed_tokens, token_ids, axis=0)
+        x = self.embed(token_ids, inputs_embeds, embeds_mask)
         hidden = [x]
+        workspace = new_workspace(self.config, token_ids.size)
         for layer in self.layers:
-            x = layer(x, positions)
+            x, workspace = layer(x, positions, workspace)
             hidden.append(x)
+        self._sow_workspace(workspace)
         x = self.norm(x)
         hidden[-1] = x
         logits = self._logits(x)
         return (logits, hidden) if return_hidden_states else logits
 
-    def step(self, token_ids, positions, valid, cache: dict, block_tables, slots, decode: bool = False):
+    def step(self, token_ids, positions, valid, cache: dict, block_tables, slots, decode: bool = False,
+             inputs_embeds=None, embeds_mask=None):
         """A serving step. token_ids/positions/valid [B, T] (valid tokens first in each row), block_tables
-        [B, max_blocks], slots [B] -> (logits [B, V] float32 of each row's last valid token, updated cache)."""
-        x = jnp.take(self.embed_tokens, token_ids, axis=0)
+        [B, max_blocks], slots [B], optional inputs_embeds [B, T, D] where embeds_mask [B, T] -> (logits [B, V]
+        float32 of each row's last valid token, updated cache)."""
+        x = self.embed(token_ids, inputs_embeds, embeds_mask)
+        workspace = new_workspace(self.config, token_ids.size)
         for layer in self.layers:
-            x, cache = layer.step(x, positions, valid, cache, block_tables, slots, decode)
+            x, cache, workspace = layer.step(x, positions, valid, cache, block_tables, slots, decode, workspace)
+        self._sow_workspace(workspace)
         last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
         x = self.norm(jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0])
         return self._logits(x), cache

@@ -13,6 +13,7 @@ class ConfigError(DayzeroError, ValueError):
 
     def __init__(self, field: str, message: str):
         self.field = field
+        self.reason = message
         super().__init__(f"config field '{field}': {message}")
 
 
@@ -42,3 +43,11 @@ class RequestError(DayzeroError, ValueError):
     def __init__(self, request_id: str | int | None, message: str):
         self.request_id = request_id
         super().__init__(f"request {request_id!r}: {message}")
+
+
+class ImageError(RequestError):
+    """An image input is unusable: unreadable or not an image, more patches than allowed, pixel_values that do not
+    match image_grid_thw, or a prompt whose image placeholder tokens do not match the images.
+
+    `request_id` names the request (None for a direct `Model` call); the message names the image.
+    """

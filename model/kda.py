@@ -107,15 +107,18 @@ class KimiDeltaAttention(nn.Module):
         o, _ = kda_kernels.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
         return self._output(x, o)
 
-    def step(self, x, valid, conv_state, state, decode: bool):
+    def step(self, x, valid, conv_state, state_pool, slots, layer: int, decode: bool):
         """Continues from slot states: x [B, T, D], valid [B, T] (padding at the end of rows), conv_state
-        [B, 3, dim, W - 1], state [B, H, K, V] f32 -> (out [B, T, D], new conv_state, new state). Padded tokens
-        leave both states unchanged (zero log-decay, zero beta, conv state taken before the padding)."""
+        [B, 3, dim, W - 1] (these rows'), state_pool [L, S, H, K, V] f32 (every KDA layer's slots; row b uses
+        state_pool[layer, slots[b]]) -> (out [B, T, D], new conv_state, updated pool). Padded tokens leave both
+        states unchanged (the kernels stop at each row's length; the conv state is taken before the padding)."""
         lengths = jnp.sum(valid, axis=1).astype(jnp.int32)
         q, k, v, g, beta, conv_state = self._inputs(x, conv_state, lengths)
-        g = jnp.where(valid[:, :, None, None], g, 0.0)
-        beta = jnp.where(valid[:, :, None], beta, 0.0)
-        kernel = kda_kernels.fused_recurrent_kda if decode else kda_kernels.chunk_kda
-        o, state = kernel(q, k, v, g, beta, initial_state=state, output_final_state=True,
-                          use_qk_l2norm_in_kernel=True)
-        return self._output(x, o), conv_state, state
+        if decode:
+            o, state_pool = kda_kernels.fused_recurrent_kda_slots(
+                q, k, v, g, beta, state_pool, slots, layer=layer, use_qk_l2norm_in_kernel=True, lengths=lengths)
+        else:
+            o, state = kda_kernels.chunk_kda(q, k, v, g, beta, initial_state=state_pool[layer, slots],
+                                             output_final_state=True, use_qk_l2norm_in_kernel=True, lengths=lengths)
+            state_pool = state_pool.at[layer, slots].set(state)
+        return self._output(x, o), conv_state, state_pool

@@ -1,8 +1,12 @@
 """Multi-head Latent Attention (DeepSeek-V2/V3, Kimi's NoPE variant) with the optional DSA lightning indexer.
 
-Two paths over the same params: `__call__` runs a whole sequence with keys/values expanded through `kv_b_proj`
-(the transformers form); `step` runs new tokens against a paged cache of latents [kv_lora_rank + rope] (and indexer
-keys), in absorbed form: W_UK folded into the query, W_UV applied to the latent output.
+Two paths over the same params. `__call__` runs whole sequences: dense MLA expands keys/values through `kv_b_proj`
+(the transformers form); with DSA the indexer's top-k selection and the sparse attention run in absorbed form over
+the sequence's own latents viewed as a paged cache, exactly as `step` does. `step` runs new tokens against the
+serving cache of latents [kv_lora_rank + rope] (and indexer keys), in absorbed form: W_UK folded into the query,
+sparse (or, without DSA, dense) MLA over the cached latents, W_UV applied to the latent output. Both paths select
+and attend with the same kernels, so cached decoding reproduces the full forward (ties in the indexer's scores go
+to the lower position everywhere).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from dayzero.kernels import attention as attention_kernels
+from dayzero.kernels import fp8_indexer
 from dayzero.kernels import indexer as indexer_kernels
 from dayzero.kernels import paged
 
@@ -32,7 +37,8 @@ def _rope_split(x: jax.Array, rope_dim: int, cos, sin) -> jax.Array:
 
 
 class Indexer(nn.Module):
-    """DSA lightning indexer (exact mode). Params: wq_b, wk, k_norm, weights_proj (float32)."""
+    """DSA lightning indexer. Params: wq_b, wk, k_norm, weights_proj (float32). With `config.index_fp8`, queries and
+    keys are Hadamard-rotated and quantized to e4m3 with power-of-two scales (DeepSeek-V3.2's inference mode)."""
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -45,23 +51,38 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Dense(cfg.index_n_heads, use_bias=False, dtype=jnp.float32, param_dtype=jnp.float32,
                                      kernel_init=nn.initializers.normal(0.02))
 
-    def keys(self, x, cos, sin) -> jax.Array:
-        """x [B, T, D] -> indexer keys [B, T, index_head_dim] (normed, roped)."""
+    def keys(self, x, cos, sin) -> tuple[jax.Array, jax.Array | None]:
+        """x [B, T, D] -> (keys [B, T, index_head_dim] normed and roped, None), or in FP8 mode (e4m3 keys, their
+        scales [B, T, 1] float32)."""
         k = self.k_norm(self.wk(x))[:, :, None, :]
-        return _rope_split(k, self.config.qk_rope_head_dim, cos, sin)[:, :, 0]
+        k = _rope_split(k, self.config.qk_rope_head_dim, cos, sin)[:, :, 0]
+        if not self.config.index_fp8:
+            return k, None
+        k8, scales = fp8_indexer.rotate_and_quantize(k)
+        return k8, scales[..., None]
 
-    def select(self, x, q_latent, cos, sin, keys, allowed) -> jax.Array:
-        """Top-k keys per query: keys [B, S, Di], allowed [B, T, S] -> selected [B, T, S] bool."""
+    def select(self, x, q_latent, cos, sin, key_cache, key_scales, layer: int, block_tables,
+               query_positions) -> jax.Array:
+        """Top-k keys per query among the cached keys of `layer` ([L, N, 64, Di], FP8 scales [L, N, 64, 1] or None)
+        -> indices [B, T, index_topk] int32 (key positions, -1 = none)."""
         cfg = self.config
         batch, length, _ = x.shape
         q = self.wq_b(q_latent).reshape(batch, length, cfg.index_n_heads, cfg.index_head_dim)
         q = _rope_split(q, cfg.qk_rope_head_dim, cos, sin)
+        q_scales = None
+        if cfg.index_fp8:
+            q, q_scales = fp8_indexer.rotate_and_quantize(q)
         weights = self.weights_proj(x.astype(jnp.float32)) * cfg.index_n_heads ** -0.5
-        scores = indexer_kernels.index_scores(q, keys, weights, scale=cfg.index_head_dim ** -0.5)
-        return indexer_kernels.topk_mask(scores, allowed, cfg.index_topk)
+        return indexer_kernels.indexer_topk(q, weights, query_positions, key_cache, layer, block_tables,
+                                            cfg.index_topk, scale=cfg.index_head_dim ** -0.5, q_scales=q_scales,
+                                            key_scales=key_scales)
 
-    def __call__(self, x, q_latent, cos, sin, allowed):
-        return self.select(x, q_latent, cos, sin, self.keys(x, cos, sin), allowed)
+    def __call__(self, x, q_latent, cos, sin, positions):
+        """Whole sequences (key s at position s) -> indices [B, T, index_topk]."""
+        keys, scales = self.keys(x, cos, sin)
+        key_cache, tables = paged.contiguous(keys)
+        scale_cache = None if scales is None else paged.contiguous(scales)[0]
+        return self.select(x, q_latent, cos, sin, key_cache, scale_cache, 0, tables, positions)
 
 
 class MLAttention(nn.Module):
@@ -119,48 +140,60 @@ class MLAttention(nn.Module):
             k_rope = rope_lib.apply_interleaved(k_rope[:, :, None, :], cos, sin)[:, :, 0]
         return latent, k_rope
 
+    def _absorbed(self, q_nope, q_rope, latent_cache, layer: int, block_tables, query_positions, indices):
+        """Absorbed MLA over the paged latents of `layer` (W_UK folded into q, W_UV after) -> [B, T, D]."""
+        cfg = self.config
+        batch, length, heads, nope = q_nope.shape
+        if self.is_initializing():  # the absorbed path reads kv_b_proj's kernel without calling it
+            self.kv_b_proj(jnp.zeros((1, cfg.kv_lora_rank), self.dtype))
+        w_kv = self.kv_b_proj.variables["params"]["kernel"].reshape(cfg.kv_lora_rank, heads, nope + cfg.v_head_dim)
+        q_absorbed = jnp.einsum("bthn,rhn->bthr", q_nope, w_kv[..., :nope].astype(q_nope.dtype))
+        o_latent = attention_kernels.sparse_mla(q_absorbed, q_rope, latent_cache, layer, block_tables,
+                                                query_positions, indices, scale=cfg.mla_softmax_scale)
+        o = jnp.einsum("bthr,rhv->bthv", o_latent, w_kv[..., nope:].astype(o_latent.dtype))
+        return self.o_proj(o.reshape(batch, length, heads * cfg.v_head_dim))
+
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """Whole sequence: x [B, T, D], positions [B, T] -> [B, T, D]."""
+        """Whole sequence: x [B, T, D], positions [B, T] (each row 0, 1, ..., T - 1) -> [B, T, D]."""
         cfg = self.config
         batch, length, _ = x.shape
         heads, nope, v_dim = cfg.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
         cos, sin = self._rope(positions)
         q_nope, q_rope, q_latent = self._queries(x, cos, sin)
         latent, k_rope = self._latents(x, cos, sin)
+        if cfg.use_dsa:
+            indices = self.indexer(x, q_latent, cos, sin, positions)
+            latent_cache, tables = paged.contiguous(jnp.concatenate([latent, k_rope], axis=-1))
+            return self._absorbed(q_nope, q_rope, latent_cache, 0, tables, positions, indices)
         kv_up = self.kv_b_proj(latent).reshape(batch, length, heads, nope + v_dim)
         k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (batch, length, heads, cfg.qk_rope_head_dim))
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k = jnp.concatenate([kv_up[..., :nope], k_rope], axis=-1)
         allowed = jnp.broadcast_to(positions[:, :, None] >= positions[:, None, :], (batch, length, length))
-        if cfg.use_dsa:
-            allowed = self.indexer(x, q_latent, cos, sin, allowed)
         o = attention_kernels.masked_attention(q, k, kv_up[..., nope:], allowed, scale=cfg.mla_softmax_scale)
         return self.o_proj(o.reshape(batch, length, heads * v_dim))
 
     def step(self, x, positions, valid, cache: dict, layer: int, block_tables):
         """New tokens against the paged cache. x [B, T, D], positions/valid [B, T], cache {"latent": [L, N, 64,
-        R + E], "index_keys": [L, N, 64, Di] (DSA)}, `layer` this layer's index among MLA layers, block_tables
-        [B, max_blocks] -> (out [B, T, D], cache with the new tokens written)."""
+        R + E], "index_keys": [L, N, 64, Di] (DSA), "index_scales": [L, N, 64, 1] (FP8 indexer)}, `layer` this
+        layer's index among MLA layers, block_tables [B, max_blocks] -> (out [B, T, D], cache with the new tokens
+        written). One token per row (decode) takes the split decode kernels."""
         cfg = self.config
-        batch, length, _ = x.shape
-        heads, nope, rank = cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         cos, sin = self._rope(positions)
         q_nope, q_rope, q_latent = self._queries(x, cos, sin)
         latent, k_rope = self._latents(x, cos, sin)
+        query_positions = jnp.where(valid, positions, -1)
         cache = dict(cache)
         cache["latent"] = paged.write(cache["latent"], layer, block_tables, positions, valid,
                                       jnp.concatenate([latent, k_rope], axis=-1))
-        context = paged.gather(cache["latent"], layer, block_tables)  # [B, S, R + E]
-        key_positions = jnp.arange(context.shape[1])
-        allowed = (key_positions[None, None, :] <= positions[:, :, None]) & valid[:, :, None]
+        indices = None
         if cfg.use_dsa:
-            cache["index_keys"] = paged.write(cache["index_keys"], layer, block_tables, positions, valid,
-                                              self.indexer.keys(x, cos, sin))
-            keys = paged.gather(cache["index_keys"], layer, block_tables)
-            allowed = self.indexer.select(x, q_latent, cos, sin, keys, allowed)
-        w_kv = self.kv_b_proj.variables["params"]["kernel"].reshape(rank, heads, nope + cfg.v_head_dim)
-        q_absorbed = jnp.einsum("bthn,rhn->bthr", q_nope, w_kv[..., :nope].astype(q_nope.dtype))
-        o_latent = attention_kernels.latent_attention(q_absorbed, q_rope, context[..., :rank], context[..., rank:],
-                                                      allowed, scale=cfg.mla_softmax_scale)
-        o = jnp.einsum("bthr,rhv->bthv", o_latent, w_kv[..., nope:].astype(o_latent.dtype))
-        return self.o_proj(o.reshape(batch, length, heads * cfg.v_head_dim)), cache
+            keys, scales = self.indexer.keys(x, cos, sin)
+            cache["index_keys"] = paged.write(cache["index_keys"], layer, block_tables, positions, valid, keys)
+            if scales is not None:
+                cache["index_scales"] = paged.write(cache["index_scales"], layer, block_tables, positions, valid,
+                                                    scales)
+            indices = self.indexer.select(x, q_latent, cos, sin, cache["index_keys"], cache.get("index_scales"),
+                                          layer, block_tables, query_positions)
+        out = self._absorbed(q_nope, q_rope, cache["latent"], layer, block_tables, query_positions, indices)
+        return out, cache

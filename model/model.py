@@ -1,4 +1,8 @@
-"""`Model`: a loaded (or randomly initialised) checkpoint as a callable, and `load_checkpoint`."""
+"""`Model`: a loaded (or randomly initialised) checkpoint as a callable, and `load_checkpoint`.
+
+A kimi_k25 model also holds the MoonViT tower and projector (params `vision_tower`, `mm_projector` beside the text
+decoder's): `model(token_ids, pixel_values, image_grid_thw)` puts each image's features at its placeholder tokens.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from dayzero.kernels import mxfp4
+
 from .checkpoint import ParamPath, load_params
 from .config import ModelConfig
 from .decoder import Decoder
-from .errors import ConfigError, RequestError
+from .errors import ConfigError, ImageError, RequestError
+from .image_processing import ImageProcessorConfig, tokens_per_image
+from .vision import KimiVision, check_grid, image_layout, num_merged_tokens, patch_bucket, vision_param_shapes
 
 _CHECKPOINT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -36,12 +44,14 @@ def expected_params(config: ModelConfig, dtype: jnp.dtype) -> dict[ParamPath, ja
     """Shapes and dtypes of every param, by path, without allocating anything."""
     module = Decoder(config, dtype)
     shapes = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    if config.vision is not None:
+        shapes = {**shapes, **vision_param_shapes(config.vision, config.hidden_size, dtype)}
     return traverse_util.flatten_dict(shapes)
 
 
 def random_params(config: ModelConfig, dtype: jnp.dtype, seed: int = 0) -> dict[str, Any]:
     """Random params from the shapes alone (no forward trace), drawn on the default device: norms 1, biases 0,
-    weights N(0, 0.02) (convs N(0, 0.2)), KDA's A_log = log U(1, 16) and dt_bias = softplus^-1(U_log(1e-3, 1e-1)),
+    weights N(0, 0.02) (convs N(0, 0.2); MXFP4 experts of about that spread), KDA's A_log = log U(1, 16) and dt_bias = softplus^-1(U_log(1e-3, 1e-1)),
     as transformers initialises them."""
     key = jax.random.key(seed)
     out = {}
@@ -58,6 +68,11 @@ def random_params(config: ModelConfig, dtype: jnp.dtype, seed: int = 0) -> dict[
             value = jnp.zeros(leaf.shape, jnp.float32)
         elif name == "weight" and len(leaf.shape) == 1:
             value = jnp.ones(leaf.shape, jnp.float32)
+        elif name.endswith(("_blocks", "_scales")):  # MXFP4 experts: uniform codes, scales for std ~0.02
+            value = mxfp4.random_packed(k, leaf.shape, name.endswith("_scales"))
+        elif name.endswith("_converted"):  # offline-converted MXFP4 experts
+            blocks = mxfp4.random_packed(k, leaf.shape[:-2] + (mxfp4.BLOCK // 2,), False)
+            value = mxfp4.to_workspace(blocks, mxfp4.random_packed(k, leaf.shape[:-2], True), leaf.dtype)
         else:
             std = 0.2 if len(path) > 1 and path[-2].endswith("conv1d") else 0.02
             value = jax.random.normal(k, leaf.shape, leaf.dtype) * jnp.asarray(std, leaf.dtype)
@@ -65,20 +80,47 @@ def random_params(config: ModelConfig, dtype: jnp.dtype, seed: int = 0) -> dict[
     return traverse_util.unflatten_dict(out)
 
 
+def _forward(module: Decoder, params, ids, features, hidden: bool):
+    """The full-sequence path; image features [M, D] (or None) replace the placeholder tokens of ids, in order."""
+    kwargs = {}
+    if features is not None:
+        mask = ids == module.config.image_token_id
+        index = jnp.maximum(jnp.cumsum(mask.reshape(-1)) - 1, 0).reshape(mask.shape)
+        kwargs = {"inputs_embeds": features[index], "embeds_mask": mask}
+    return module.apply({"params": params}, ids, return_hidden_states=hidden, **kwargs)
+
+
+def _encode(module: KimiVision, params, patches, layout):
+    return module.apply({"params": {k: params[k] for k in ("vision_tower", "mm_projector")}}, patches, layout)
+
+
+# Module-level jits: models over equal modules (same config and dtype) share compiled code.
+_FORWARD = jax.jit(_forward, static_argnums=(0, 4))
+_ENCODE = jax.jit(_encode, static_argnums=(0,))
+
+
 @dataclass
 class Model:
-    """A model of the family with its params. `model(token_ids)` -> logits [B, T, V] float32 (full-sequence path)."""
+    """A model of the family with its params. `model(token_ids)` -> logits [B, T, V] float32 (full-sequence path);
+    a kimi_k25 model also takes `pixel_values`, `image_grid_thw` (the reference processor's layout; see
+    `image_processing.preprocess_images` and `image_processor`, the checkpoint's preprocessing settings)."""
 
     config: ModelConfig
     params: dict[str, Any]
     dtype: jnp.dtype = jnp.bfloat16
+    image_processor: ImageProcessorConfig | None = None
     module: Decoder = field(init=False)
 
     def __post_init__(self):
         self.dtype = jnp.dtype(self.dtype)
         self.module = Decoder(self.config, self.dtype)
-        self._logits = jax.jit(lambda p, ids: self.module.apply({"params": p}, ids))
-        self._hidden = jax.jit(lambda p, ids: self.module.apply({"params": p}, ids, return_hidden_states=True))
+        self._logits = lambda p, ids, feats: _FORWARD(self.module, p, ids, feats, False)
+        self._hidden = lambda p, ids, feats: _FORWARD(self.module, p, ids, feats, True)
+        if self.config.vision is not None:
+            self.vision = KimiVision(self.config.vision, self.config.hidden_size, self.dtype)
+            if self.image_processor is None:
+                self.image_processor = ImageProcessorConfig.for_vision(self.config.vision)
+            self._vision = lambda p, patches, layout: _ENCODE(self.vision, p, patches, layout)
 
     def _check_tokens(self, token_ids) -> jax.Array:
         ids = np.asarray(token_ids)
@@ -92,16 +134,63 @@ class Model:
         return jnp.asarray(ids, jnp.int32)
 
     def __call__(self, token_ids, pixel_values=None, image_grid_thw=None) -> jax.Array:
-        """token_ids [B, T] int -> logits [B, T, V] float32."""
-        if pixel_values is not None or image_grid_thw is not None:
+        """token_ids [B, T] int (kimi_k25: image_token_id once per image feature, images in order, row-major),
+        pixel_values [N, 3, p, p], image_grid_thw [n, 3] -> logits [B, T, V] float32."""
+        ids = self._check_tokens(token_ids)
+        return self._logits(self.params, ids, self._image_features(ids, pixel_values, image_grid_thw))
+
+    def hidden_states(self, token_ids, pixel_values=None, image_grid_thw=None) -> list[jax.Array]:
+        """[embeddings, after layer 0, ..., after the last layer (final norm applied)], each [B, T, D]."""
+        ids = self._check_tokens(token_ids)
+        _, hidden = self._hidden(self.params, ids, self._image_features(ids, pixel_values, image_grid_thw))
+        return hidden
+
+    def _image_features(self, ids: jax.Array, pixel_values, image_grid_thw) -> jax.Array | None:
+        vision = self.config.vision
+        if pixel_values is None and image_grid_thw is None:
+            if vision is not None and bool(jnp.any(ids == self.config.image_token_id)):
+                raise ImageError(None, f"token_ids hold image placeholder tokens (id {self.config.image_token_id}) "
+                                 "but no pixel_values were given")
+            return None
+        if vision is None:
             raise ConfigError("vision_config", f"this {self.config.model_type} model has no vision tower: "
                               "pixel_values/image_grid_thw cannot be used")
-        return self._logits(self.params, self._check_tokens(token_ids))
+        if pixel_values is None or image_grid_thw is None:
+            raise ImageError(None, "give both pixel_values and image_grid_thw")
+        features = self.encode_images(pixel_values, image_grid_thw)
+        found = int(jnp.sum(ids == self.config.image_token_id))
+        if found != features.shape[0]:
+            raise ImageError(None, f"token_ids hold {found} image placeholder tokens (id {self.config.image_token_id})"
+                             f" but the images give {features.shape[0]} features "
+                             f"({tokens_per_image(image_grid_thw, vision.merge_kernel_size[0])} per image)")
+        return features
 
-    def hidden_states(self, token_ids) -> list[jax.Array]:
-        """[embeddings, after layer 0, ..., after the last layer (final norm applied)], each [B, T, D]."""
-        _, hidden = self._hidden(self.params, self._check_tokens(token_ids))
-        return hidden
+    def _run_vision(self, pixel_values, image_grid_thw, request_id=None) -> tuple[jax.Array, jax.Array, int, int]:
+        vision = self.config.vision
+        if vision is None:
+            raise ConfigError("vision_config", f"this {self.config.model_type} model has no vision tower")
+        pixels = np.asarray(pixel_values)
+        p = vision.patch_size
+        if pixels.ndim != 4 or pixels.shape[1:] != (vision.num_channels, p, p):
+            raise ImageError(request_id, f"pixel_values must be [num_patches, {vision.num_channels}, {p}, {p}], got "
+                             f"{list(pixels.shape)}")
+        grid = check_grid(image_grid_thw, vision, pixels.shape[0], request_id)
+        padded = patch_bucket(pixels.shape[0])
+        patches = np.zeros((padded, vision.patch_dim), np.float32)
+        patches[:pixels.shape[0]] = pixels.reshape(pixels.shape[0], -1)
+        features, hidden = self._vision(self.params, patches, image_layout(grid, vision, padded))
+        return features, hidden, num_merged_tokens(grid, vision), pixels.shape[0]
+
+    def encode_images(self, pixel_values, image_grid_thw, request_id=None) -> jax.Array:
+        """pixel_values [N, 3, p, p], image_grid_thw [n, 3] -> image features [M, hidden_size] in the model dtype
+        (M = N / merge kernel size; image after image), projected for the text model."""
+        features, _, merged, _ = self._run_vision(pixel_values, image_grid_thw, request_id)
+        return features[:merged]
+
+    def vision_hidden_states(self, pixel_values, image_grid_thw) -> jax.Array:
+        """The vision tower's output [N, vision hidden] (after its final LayerNorm, before merging)."""
+        _, hidden, _, patches = self._run_vision(pixel_values, image_grid_thw)
+        return hidden[:patches]
 
     def num_params(self) -> int:
         return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.params))
@@ -129,4 +218,5 @@ def load_checkpoint(path: str | os.PathLike, dtype: Any = None, mesh: jax.shardi
         replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         sharding_for = lambda _path: replicated  # noqa: E731
     flat = load_params(path, config, expected, sharding_for=sharding_for, progress=progress)
-    return Model(config, traverse_util.unflatten_dict(flat), dtype)
+    processor = ImageProcessorConfig.from_pretrained(path, config.vision) if config.vision is not None else None
+    return Model(config, traverse_util.unflatten_dict(flat), dtype, processor)

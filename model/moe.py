@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 
 from dayzero.kernels import moe as moe_kernels
+from dayzero.kernels import moe_workspace, mxfp4
+from dayzero.kernels.moe_workspace import Workspace
 
-from .config import ModelConfig
+from .config import MLP_MOE, ModelConfig
 from .mla import dense
 
 
@@ -66,36 +68,90 @@ class Router(nn.Module):
         return route(logits, bias, cfg)
 
 
+PROJECTIONS = ("w_gate", "w_up", "w_down")
+
+
+def packed_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
+    """Param name -> (shape, dtype) of MXFP4 routed experts: `{proj}_blocks` uint8 [E, out, ceil(in/32), 16] and
+    `{proj}_scales` uint8 [E, out, ceil(in/32)] ([out, in] as published); after an offline conversion
+    `{proj}_converted` [E, out, ceil(in/32), 2, 16] of the workspace dtype (and the scales, for float8)."""
+    e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    dims = {"w_gate": (i, mxfp4.num_blocks(d)), "w_up": (i, mxfp4.num_blocks(d)), "w_down": (d, mxfp4.num_blocks(i))}
+    half = mxfp4.BLOCK // 2
+    offline = cfg.mxfp4.mode == "offline"
+    out = {}
+    for proj, (rows, groups) in dims.items():
+        if offline:
+            out[f"{proj}_converted"] = ((e, rows, groups, 2, half), jnp.dtype(cfg.mxfp4.workspace_dtype))
+        else:
+            out[f"{proj}_blocks"] = ((e, rows, groups, half), jnp.dtype(jnp.uint8))
+        if not offline or cfg.mxfp4.workspace_dtype == "float8_e4m3fn":
+            out[f"{proj}_scales"] = ((e, rows, groups), jnp.dtype(jnp.uint8))
+    return out
+
+
+def new_workspace(cfg: ModelConfig, n_tokens: int) -> Workspace | None:
+    """The one-layer expert workspace a forward pass over `n_tokens` tokens threads through its MoE layers, or None
+    when its experts are not MXFP4 or run without one (fused, offline)."""
+    if cfg.quant_method != "mxfp4" or MLP_MOE not in cfg.mlp_types:
+        return None
+    if not cfg.mxfp4.uses_workspace(n_tokens, cfg.num_experts_per_token, cfg.num_experts):
+        return None
+    slots = moe_workspace.num_slots(n_tokens * cfg.num_experts_per_token, cfg.num_experts)
+    return moe_workspace.create(slots, cfg.hidden_size, cfg.moe_intermediate_size, cfg.mxfp4.workspace_dtype)
+
+
 class Experts(nn.Module):
-    """Routed experts stacked per projection: w_gate, w_up [E, D, I] and w_down [E, I, D]."""
+    """Routed experts stacked per projection: w_gate, w_up [E, D, I] and w_down [E, I, D]; or, for MXFP4 checkpoints,
+    the packed params of `packed_param_shapes`. Returns (y, workspace)."""
 
     config: ModelConfig
     dtype: jnp.dtype
+    layer: int = 0
 
     @nn.compact
-    def __call__(self, x, ids, weights):
+    def __call__(self, x, ids, weights, workspace: Workspace | None = None):
         cfg = self.config
+        if cfg.quant_method == "mxfp4":
+            p = {name: self.param(name, _packed_init(name), shape, dtype)
+                 for name, (shape, dtype) in packed_param_shapes(cfg).items()}
+            offline = cfg.mxfp4.mode == "offline"
+            data = [p[f"{proj}_converted" if offline else f"{proj}_blocks"] for proj in PROJECTIONS]
+            scales = [p.get(f"{proj}_scales") for proj in PROJECTIONS]
+            fmt = cfg.mxfp4.workspace_dtype if offline else "mxfp4"
+            experts = mxfp4.ExpertWeights(*data, *scales, fmt=fmt)
+            return moe_kernels.moe_experts_packed(x, ids, weights, experts, layer=self.layer, workspace=workspace,
+                                                  impl=cfg.mxfp4.impl)
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
         w_gate = self.param("w_gate", init, (e, d, i), self.dtype)
         w_up = self.param("w_up", init, (e, d, i), self.dtype)
         w_down = self.param("w_down", init, (e, i, d), self.dtype)
-        return moe_kernels.moe_experts(x, ids, weights, w_gate, w_up, w_down)
+        return moe_kernels.moe_experts(x, ids, weights, w_gate, w_up, w_down), workspace
+
+
+def _packed_init(name: str):
+    if name.endswith("_converted"):
+        return nn.initializers.zeros
+    return lambda key, shape, dtype: mxfp4.random_packed(key, shape, name.endswith("_scales"))
 
 
 class MoE(nn.Module):
-    """Routed experts plus shared experts (unscaled). x [B, T, D] -> [B, T, D]."""
+    """Routed experts plus shared experts (unscaled). x [B, T, D] -> [B, T, D] (and the workspace)."""
 
     config: ModelConfig
     dtype: jnp.dtype
+    layer: int = 0
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, workspace: Workspace | None = None):
+        """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`)."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = Router(cfg, self.dtype, name="gate")(flat)
-        y = Experts(cfg, self.dtype, name="experts")(flat, ids, weights).reshape(x.shape)
+        y, workspace = Experts(cfg, self.dtype, self.layer, name="experts")(flat, ids, weights, workspace)
+        y = y.reshape(x.shape)
         if cfg.num_shared_experts:
             y = y + MLP(cfg.moe_intermediate_size * cfg.num_shared_experts, cfg.hidden_size, self.dtype,
                         name="shared_experts")(x)
-        return y
+        return y, workspace

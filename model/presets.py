@@ -97,7 +97,10 @@ def parameter_table(config: ModelConfig, dtype=jnp.bfloat16, experts_mxfp4: bool
     for path, leaf in expected_params(config, dtype).items():
         count = int(np.prod(leaf.shape))
         comp = component_of(path)
-        if comp == "routed experts" and experts_mxfp4:
+        if path[-1].endswith(("_blocks", "_scales")):  # packed MXFP4 params: two weights per block byte
+            nbytes = count
+            count = 2 * count if path[-1].endswith("_blocks") else 0
+        elif comp == "routed experts" and experts_mxfp4:
             nbytes = count * MXFP4_BITS_PER_WEIGHT / 8
         else:
             nbytes = count * jnp.dtype(leaf.dtype).itemsize if leaf.dtype == jnp.float32 else count * item

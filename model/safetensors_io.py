@@ -99,6 +99,29 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.path}: cannot read tensor '{name}': {e}") from None
 
 
+def save_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Writes `tensors` (any dtype of DTYPES, bfloat16 and float8 included) as one safetensors file."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    arrays = []
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        if array.dtype not in names:
+            raise CheckpointError(f"{path}: tensor '{name}' has unsupported dtype {array.dtype}")
+        header[name] = {"dtype": names[array.dtype], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+        arrays.append(array)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for array in arrays:
+            f.write(array.tobytes())
+
+
 def open_checkpoint_files(directory: str) -> dict[str, SafetensorsFile]:
     """Opens `model.safetensors`, or every shard named by `model.safetensors.index.json`. Returns name -> file."""
     index_path = os.path.join(directory, "model.safetensors.index.json")

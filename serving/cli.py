@@ -2,13 +2,17 @@
 
 Writes one JSON line per prompt (text, token ids, finish reason, TTFT, ITL) and prints a summary table (TTFT/ITL
 percentiles, tokens/s). With no `--model` it runs the embedded default: the built-in tiny hybrid preset (KDA +
-MLA/DSA + MoE) with RANDOM weights on random token-id prompts, and says so.
+MLA/DSA + MoE) with RANDOM weights on random token-id prompts, and says so. For a vision checkpoint (kimi_k25),
+`--image PATH` goes with `--prompt` (one each, in order) and a JSONL line may carry "image" (a path) or "images"
+(a list of paths; relative paths are taken from the JSONL file's folder); the prompt holds the image placeholder
+token once per image.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Sequence
@@ -27,8 +31,8 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed
 
 
 def read_prompts(path: str) -> list[dict]:
-    """A .jsonl file (objects with "prompt" or "prompt_token_ids", optional sampling fields) or a text file
-    (one prompt per non-empty line)."""
+    """A .jsonl file (objects with "prompt" or "prompt_token_ids", optional sampling fields and "image" / "images")
+    or a text file (one prompt per non-empty line)."""
     with open(path) as f:
         lines = [line.rstrip("\n") for line in f]
     if path.endswith(".jsonl"):
@@ -39,8 +43,24 @@ def read_prompts(path: str) -> list[dict]:
                     entries.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{number}: not JSON: {e}") from None
+                images = entry_images(entries[-1], f"{path}:{number}")
+                if images is not None:
+                    folder = os.path.dirname(os.path.abspath(path))
+                    entries[-1]["images"] = [os.path.join(folder, i) for i in images]
         return entries
     return [{"prompt": line} for line in lines if line.strip()]
+
+
+def entry_images(entry: dict, where: str) -> list[str] | None:
+    """The image paths of one JSONL entry ("image": path or "images": [paths]), or None."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: expected a JSON object")
+    if "image" in entry and "images" in entry:
+        raise ValueError(f"{where}: give \"image\" or \"images\", not both")
+    images = [entry["image"]] if "image" in entry else entry.get("images")
+    if images is not None and not (isinstance(images, list) and all(isinstance(i, str) for i in images)):
+        raise ValueError(f"{where}: \"image\" must be a path and \"images\" a list of paths")
+    return images
 
 
 def embedded_prompts(count: int, vocab: int, seed: int) -> list[dict]:
@@ -67,6 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="preset when --model is absent")
     parser.add_argument("--input", help="prompts: .jsonl (prompt / prompt_token_ids per line) or a text file")
     parser.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    parser.add_argument("--image", action="append", help="an image for the --prompt of the same rank (repeatable; "
+                        "vision checkpoints)")
     parser.add_argument("--num-prompts", type=int, default=24, help="random prompts for the embedded default")
     parser.add_argument("--output", default="dayzero_generations.jsonl", help="JSONL results ('-' for stdout)")
     parser.add_argument("--dtype", default=None)
@@ -80,10 +102,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None, help="default 4096 (256 for the embedded preset)")
     parser.add_argument("--max-prefill-tokens", type=int, default=None, help="default 512 (128 for the preset)")
+    parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per device dispatch")
     parser.add_argument("--warmup", action="store_true", help="compile every bucketed shape before generating")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    options = dict(max_num_seqs=args.max_num_seqs, seed=args.seed,
+    if args.image and (args.input or not args.prompt):
+        parser.error("--image goes with --prompt (in a JSONL file, give an \"image\" field)")
+    options = dict(max_num_seqs=args.max_num_seqs, seed=args.seed, decode_steps=args.decode_steps,
                    max_model_len=args.max_model_len or (4096 if args.model else 256),
                    max_prefill_tokens=args.max_prefill_tokens or (512 if args.model else 128))
     try:
@@ -101,6 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             entries = read_prompts(args.input)
         elif args.prompt:
             entries = [{"prompt": p} for p in args.prompt]
+            if args.image and len(args.image) != len(args.prompt):
+                parser.error(f"{len(args.image)} --image for {len(args.prompt)} --prompt: give one image per prompt")
+            for entry, image in zip(entries, args.image or []):
+                entry["images"] = [image]
         elif args.model:
             parser.error("give --input FILE or --prompt TEXT with --model")
         else:
@@ -116,7 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         outputs = engine.generate(prompts=None if "prompt_token_ids" in entries[0] else [e.get("prompt") for e in entries],
                                   prompt_token_ids=[e["prompt_token_ids"] for e in entries]
                                   if "prompt_token_ids" in entries[0] else None,
-                                  sampling_params=params, progress=not args.no_progress)
+                                  sampling_params=params, progress=not args.no_progress,
+                                  images=[e.get("images") for e in entries]
+                                  if any(e.get("images") for e in entries) else None)
         wall = time.perf_counter() - run_start
     except (DayzeroError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -131,14 +162,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             f.write("\n".join(lines) + "\n")
     ok = [o for o in outputs if o.error is None]
     tokens = sum(len(o.token_ids) for o in ok)
-    itl = [x for o in ok for x in o.itl]
+    itl = [o.mean_itl for o in ok if o.mean_itl is not None]  # per request: decode dispatches return bursts
     stats = engine.stats()
     print(f"\n{len(outputs)} requests ({len(outputs) - len(ok)} rejected), {tokens} tokens generated in {wall:.2f} s "
           f"= {tokens / max(wall, 1e-9):.1f} tokens/s (compilation included unless --warmup); load {load_s:.1f} s"
           + (f", warm-up {warm_s:.1f} s ({shapes} shapes)" if shapes else ""))
     print(f"{'':10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
     print(f"{'TTFT':10} {percentiles([o.ttft for o in ok if o.ttft is not None])}")
-    print(f"{'ITL':10} {percentiles(itl)}")
+    print(f"{'ITL':10} {percentiles(itl)}  (each request's mean gap between tokens)")
     print(f"prefix-cache hit rate {stats['prefix_hit_rate']:.1%}; step shapes compiled during the run: "
           f"{engine.num_compilations - compiled}; results in {args.output}")
     for out in outputs:

@@ -6,10 +6,15 @@
 The engine admits requests, runs jitted prefill and decode steps (`runner.ModelRunner`), samples on the device,
 checks stop conditions on the host, and reports per-request timings. A bad request fails alone with a RequestError
 (from `add_request`) or an output whose `finish_reason` is "error" (from `generate`); the others run on.
+
+For a vision model (kimi_k25) a request may carry images (paths, PIL images or uint8 arrays): `add_request`
+preprocesses them, expands the prompt's placeholders and computes the image features once; prefill chunks then take
+the features of the image tokens they cover, and the prefix cache keys image tokens by a hash of their image.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import secrets
@@ -21,11 +26,12 @@ import numpy as np
 
 from dayzero.model.cache import bytes_per_block, bytes_per_slot
 from dayzero.model.config import LAYER_KDA
-from dayzero.model.errors import RequestError
+from dayzero.model.errors import ImageError, RequestError
+from dayzero.model.image_processing import expand_placeholders, preprocess_images, tokens_per_image
 from dayzero.model.model import Model, load_checkpoint
 
 from .block_pool import blocks_for_budget
-from .request import Request, RequestOutput, Status
+from .request import Request, RequestImages, RequestOutput, Status
 from .runner import ModelRunner, StepRows, bucket, powers_of_two
 from .sampling import SamplingParams, StopChecker, request_key
 from .scheduler import ScheduledRow, Scheduler, SchedulerConfig
@@ -50,9 +56,12 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] | None = None       # rows per decode step (default: powers of two)
     prefill_len_buckets: tuple[int, ...] | None = None  # tokens per prefill row (default: powers of two from 32)
     block_buckets: tuple[int, ...] | None = None        # blocks per row gathered (default: powers of four)
+    decode_steps: int = 4  # decode steps per dispatch (sampled on the device; stop checks after each dispatch)
+    max_image_patches: int = 65536  # patches of one request's images in all (vision models)
 
     def __post_init__(self):
-        for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "max_prefill_rows", "block_size"):
+        for name in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "max_prefill_rows", "block_size",
+                     "decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine option {name} must be at least 1")
         if self.max_prefill_tokens < self.block_size:
@@ -79,7 +88,8 @@ class Engine:
                                   config.block_size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_prefill_tokens, config.max_prefill_rows,
-                            config.max_model_len, config.block_size, config.enable_prefix_caching),
+                            config.max_model_len, config.block_size, config.enable_prefix_caching,
+                            config.decode_steps),
             num_blocks, num_slots, config.num_snapshots, hybrid, self.runner)
         self.decode_buckets = config.decode_buckets or powers_of_two(1, config.max_num_seqs)
         self.prefill_row_buckets = powers_of_two(1, config.max_prefill_rows)
@@ -91,6 +101,7 @@ class Engine:
                                     ("block_buckets", self.block_buckets, self.max_blocks_per_seq)):
             if max(buckets) < need:
                 raise ValueError(f"engine option {name} {buckets} does not reach {need}")
+        self._embed_dim = mcfg.hidden_size if mcfg.vision is not None else 0  # prefill steps carry image features
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None and tokenizer.eos_token_ids \
             else mcfg.eos_token_ids
         self._requests: dict[str, Request] = {}
@@ -121,10 +132,13 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise RequestError(request_id, f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate(request_id)
-        if images:
+        if images and self.model.config.vision is None:
             raise RequestError(request_id, f"this {self.model.config.model_type} model has no vision tower; "
                                            "images cannot be given")
         ids = self._prompt_ids(request_id, prompt, prompt_token_ids)
+        pending = None
+        if self.model.config.vision is not None:
+            ids, pending = self._prepare_images(request_id, ids, list(images or []))
         if len(ids) >= self.config.max_model_len:
             raise RequestError(request_id, f"prompt has {len(ids)} tokens; the maximum is "
                                            f"{self.config.max_model_len - 1} (max_model_len {self.config.max_model_len})")
@@ -133,6 +147,8 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._entropy.integers(1 << 62))
         request = Request(request_id, ids, params, checker, seed, prompt=prompt)
         self.scheduler.check_fits(request)
+        if pending is not None:
+            request.images = self._encode_images(request_id, ids, *pending)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -159,6 +175,32 @@ class Engine:
             raise RequestError(request_id, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return ids
 
+    def _prepare_images(self, request_id, ids: list[int], images: list) -> tuple[list[int], tuple | None]:
+        """Preprocesses a request's images and expands its placeholders: (prompt ids, (pixel_values, grid,
+        tokens per image) or None without images). Raises ImageError for unreadable images, too many patches or
+        placeholders that do not match the images."""
+        cfg = self.model.config
+        pixel_values, grid = preprocess_images(images, self.model.image_processor, request_id)
+        if len(pixel_values) > self.config.max_image_patches:
+            raise ImageError(request_id, f"the images have {len(pixel_values)} patches (grids "
+                             f"{[g[1:] for g in grid.tolist()]}); at most {self.config.max_image_patches} "
+                             "(engine option max_image_patches)")
+        counts = tokens_per_image(grid, cfg.vision.merge_kernel_size[0])
+        ids = expand_placeholders(ids, cfg.image_token_id, counts, request_id)
+        return ids, ((pixel_values, grid, counts) if images else None)
+
+    def _encode_images(self, request_id, ids: list[int], pixel_values, grid, counts) -> RequestImages:
+        """Runs the vision tower once for the request; keys each image's tokens by a hash of its pixels."""
+        features = np.asarray(self.model.encode_images(pixel_values, grid, request_id))
+        starts = np.concatenate([[0], np.cumsum(np.prod(grid, axis=1))])
+        keys = []
+        for i, count in enumerate(counts):
+            digest = hashlib.blake2b(pixel_values[starts[i]:starts[i + 1]].tobytes() + grid[i].tobytes(),
+                                     digest_size=8).digest()
+            keys += [-1 - (int.from_bytes(digest, "little") >> 1)] * count
+        positions = np.flatnonzero(np.asarray(ids) == self.model.config.image_token_id)
+        return RequestImages(positions, features, np.asarray(keys, np.int64))
+
     def abort(self, request_id: str) -> None:
         """Cancels a request; its resources are released at once. Unknown or finished ids are ignored."""
         request = self._requests.get(str(request_id))
@@ -174,20 +216,38 @@ class Engine:
         n_rows = bucket(len(rows), self.decode_buckets if decode else self.prefill_row_buckets)
         n_tok = 1 if decode else bucket(max(r.length for r in rows), self.prefill_len_buckets)
         n_blk = bucket(max(len(r.request.table) for r in rows), self.block_buckets)
-        out = StepRows.padding(n_rows, n_tok, n_blk)
+        out = self._padding(n_rows, n_tok, n_blk, decode)
         for i, row in enumerate(rows):
             req, p = row.request, row.request.params
-            out.tokens[i, :row.length] = req.token_slice(row.start, row.start + row.length)
-            out.positions[i, :row.length] = np.arange(row.start, row.start + row.length)
-            out.valid[i, :row.length] = True
+            n = 1 if decode else row.length  # a decode row feeds its last token; the device feeds the rest
+            out.tokens[i, :n] = req.token_slice(row.start, row.start + n)
+            out.positions[i, :n] = np.arange(row.start, row.start + n)
+            out.valid[i, :n] = True
             out.block_tables[i] = req.table.as_array(n_blk)
             out.slots[i] = req.slot
             out.temperature[i], out.top_k[i], out.top_p[i], out.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            out.keys[i] = request_key(req.seed, 0, len(req.output_token_ids))
+            generated = len(req.output_token_ids)
+            if decode:
+                out.steps[i] = row.length
+                out.keys[i] = [request_key(req.seed, 0, generated + s) for s in range(out.keys.shape[1])]
+            else:
+                out.keys[i] = request_key(req.seed, 0, generated)
+            if out.embeds is not None and req.images is not None:
+                offsets, features = req.images.chunk(row.start, row.start + row.length)
+                out.embeds[i, offsets] = features
+                out.embeds_mask[i, offsets] = True
         return out
 
+    def _padding(self, n_rows: int, n_tok: int, n_blk: int, decode: bool) -> StepRows:
+        """Padding rows of one step shape (prefill steps of vision models carry an embeds array; decode
+        dispatches run `decode_steps` steps)."""
+        embed_dim = 0 if decode else self._embed_dim
+        return StepRows.padding(n_rows, n_tok, n_blk, embed_dim, self.model.dtype,
+                                decode_steps=self.config.decode_steps if decode else 0)
+
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step; returns an output for every request that got a token or finished."""
+        """Runs one scheduled dispatch (a prefill step, or up to `decode_steps` decode steps); returns an output
+        for every request that got tokens or finished."""
         plan = self.scheduler.schedule()
         if plan is None:
             return [self._fail_stuck(r) for r in list(self.scheduler.waiting)]
@@ -197,12 +257,16 @@ class Engine:
         for i, row in enumerate(plan.rows):
             req = row.request
             if plan.decode:
-                self.scheduler.after_decode(req)
+                for s in range(row.length):  # tokens past a stop were computed ahead and are dropped
+                    self.scheduler.after_decode(req)
+                    self._append_token(req, int(tokens[i, s]), float(logprobs[i, s]), now)
+                    if req.status is Status.FINISHED:
+                        break
             else:
                 self.scheduler.after_prefill_chunk(row)
                 if req.is_prefilling:
                     continue
-            self._append_token(req, int(tokens[i]), float(logprobs[i]), now)
+                self._append_token(req, int(tokens[i]), float(logprobs[i]), now)
             updates.append(self._output(req))
         return updates
 
@@ -256,12 +320,14 @@ class Engine:
         if len(sampling_params) != len(entries):
             raise ValueError(f"{len(sampling_params)} sampling_params for {len(entries)} prompts")
         images = list(images) if images is not None else [None] * len(entries)
+        if len(images) != len(entries):
+            raise ValueError(f"{len(images)} images entries for {len(entries)} prompts")
         order, results = [], {}
         for (text, ids), params, image in zip(entries, sampling_params, images):
             request_id = f"gen-{next(self._ids)}"
             order.append(request_id)
             try:
-                self.add_request(text, ids, params, request_id, images=[image] if image is not None else None)
+                self.add_request(text, ids, params, request_id, images=_image_list(image))
             except RequestError as e:
                 results[request_id] = RequestOutput(request_id, text, list(ids) if ids is not None else [], [],
                                                     None, True, "error", str(e))
@@ -282,9 +348,11 @@ class Engine:
         return [results[rid] for rid in order]
 
     def stream(self, prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
-               sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+               sampling_params: SamplingParams | None = None, images: Sequence[Any] | None = None
+               ) -> Iterator[RequestOutput]:
         """Yields the request's output after every new token (other queued requests advance meanwhile)."""
-        request_id = self.add_request(prompt, prompt_token_ids, sampling_params, f"stream-{next(self._ids)}")
+        request_id = self.add_request(prompt, prompt_token_ids, sampling_params, f"stream-{next(self._ids)}",
+                                      images=images)
         try:
             while True:
                 for out in self.step():
@@ -303,7 +371,7 @@ class Engine:
                   for b in self.block_buckets]
         shapes += [(True, r, 1, b) for r in self.decode_buckets for b in self.block_buckets]
         for decode, n_rows, n_tok, n_blk in shapes:
-            self.runner.run(StepRows.padding(n_rows, n_tok, n_blk), decode)
+            self.runner.run(self._padding(n_rows, n_tok, n_blk, decode), decode)
         return len(shapes)
 
     # ------------------------------------------------------------------ introspection
@@ -317,3 +385,10 @@ class Engine:
                 "blocks_free": s.pool.num_free, "blocks_cached": s.cache.num_cached_blocks,
                 "slots_free": s.slots.num_free, "running": len(s.running), "waiting": len(s.waiting),
                 "prefix_hit_rate": s.cache.stats.hit_rate, "cache_bytes": self.cache_bytes}
+
+
+def _image_list(image) -> list | None:
+    """One prompt's `images` entry for add_request: None, one image, or a list of images."""
+    if image is None:
+        return None
+    return list(image) if isinstance(image, (list, tuple)) else [image]

@@ -12,6 +12,23 @@ from .block_pool import BlockTable
 from .sampling import SamplingParams, StopChecker
 
 
+@dataclass(frozen=True)
+class RequestImages:
+    """A request's image features, computed once when it is added: `positions` [M] (prompt positions of its image
+    placeholder tokens, ascending), `features` [M, D] (model dtype, image after image), and `keys` [M] (negative
+    int64 values derived from each image's pixels, standing in for the placeholder ids in prefix-cache keys so that
+    equal prompts with different images never share cached blocks)."""
+
+    positions: np.ndarray
+    features: np.ndarray
+    keys: np.ndarray
+
+    def chunk(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets from `start`, features) of the image tokens at positions [start, stop)."""
+        lo, hi = np.searchsorted(self.positions, [start, stop])
+        return self.positions[lo:hi] - start, self.features[lo:hi]
+
+
 class Status(enum.Enum):
     WAITING = "waiting"      # queued (new, or preempted and waiting to recompute)
     RUNNING = "running"      # holds a KDA slot and cache blocks; prefilling or decoding
@@ -28,6 +45,7 @@ class Request:
     stop_checker: StopChecker
     seed: int
     prompt: str | None = None
+    images: RequestImages | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -57,6 +75,17 @@ class Request:
         if stop <= n_prompt:
             return self.prompt_token_ids[start:stop]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - n_prompt]
+
+    def cache_key_tokens(self, stop: int) -> list[int]:
+        """tokens[:stop] as the prefix cache keys them: image placeholder ids replaced by their image's key."""
+        tokens = self.token_slice(0, stop)
+        if self.images is not None:
+            n = int(np.searchsorted(self.images.positions, stop))
+            if n:
+                keyed = np.asarray(tokens, np.int64)
+                keyed[self.images.positions[:n]] = self.images.keys[:n]
+                tokens = keyed.tolist()
+        return tokens
 
     @property
     def num_tokens(self) -> int:

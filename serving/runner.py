@@ -1,7 +1,7 @@
 """The device side of the engine: cache arrays, KDA state snapshots, and the jitted prefill and decode steps.
 
 Prefill and decode are separate jitted functions (prefill: many tokens per row, chunked KDA and batched attention;
-decode: one token per row, recurrent KDA). Each is compiled once per bucketed shape (rows, tokens, blocks per row)
+decode: one token per row and step, recurrent KDA, several steps per dispatch so host work overlaps less often). Each is compiled once per bucketed shape (rows, tokens, blocks per row)
 with the cache donated, and samples the next token on the device. `num_compilations` counts the shapes compiled.
 """
 
@@ -39,7 +39,8 @@ def powers_of_two(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
 @dataclass
 class StepRows:
     """Host-side arrays of one step, already padded to the bucket: tokens/positions/valid [B, T], block_tables
-    [B, NB], slots [B], and the sampling arrays [B] (keys [B, 2])."""
+    [B, NB], slots [B], the sampling arrays [B] (keys [B, 2]) and, for prefill steps of vision models, embeds
+    [B, T, D] used where embeds_mask [B, T] (image features at their placeholder tokens)."""
 
     tokens: np.ndarray
     positions: np.ndarray
@@ -51,23 +52,55 @@ class StepRows:
     top_p: np.ndarray
     min_p: np.ndarray
     keys: np.ndarray
+    embeds: np.ndarray | None = None
+    embeds_mask: np.ndarray | None = None
+    steps: np.ndarray | None = None  # decode: tokens each row may generate in this dispatch [B] (keys [B, n, 2])
 
     @classmethod
-    def padding(cls, n_rows: int, n_tokens: int, n_blocks: int) -> "StepRows":
-        """Rows of padding only (invalid tokens, scratch block and slot, greedy); callers fill real rows in."""
+    def padding(cls, n_rows: int, n_tokens: int, n_blocks: int, embed_dim: int = 0,
+                embed_dtype=np.float32, decode_steps: int = 0) -> "StepRows":
+        """Rows of padding only (invalid tokens, scratch block and slot, greedy); callers fill real rows in.
+        `embed_dim` > 0 adds zeroed embeds [B, T, embed_dim] (and an all-False embeds_mask); `decode_steps` > 0
+        makes a multi-step decode dispatch (keys [B, decode_steps, 2], steps [B] all 0)."""
+        embeds = np.zeros((n_rows, n_tokens, embed_dim), embed_dtype) if embed_dim else None
         return cls(tokens=np.zeros((n_rows, n_tokens), np.int32), positions=np.zeros((n_rows, n_tokens), np.int32),
                    valid=np.zeros((n_rows, n_tokens), bool), block_tables=np.zeros((n_rows, n_blocks), np.int32),
                    slots=np.zeros((n_rows,), np.int32), temperature=np.zeros((n_rows,), np.float32),
                    top_k=np.full((n_rows,), -1, np.int32), top_p=np.ones((n_rows,), np.float32),
-                   min_p=np.zeros((n_rows,), np.float32), keys=np.zeros((n_rows, 2), np.uint32))
+                   min_p=np.zeros((n_rows,), np.float32),
+                   keys=np.zeros((n_rows, decode_steps, 2) if decode_steps else (n_rows, 2), np.uint32),
+                   embeds=embeds, embeds_mask=np.zeros((n_rows, n_tokens), bool) if embed_dim else None,
+                   steps=np.zeros((n_rows,), np.int32) if decode_steps else None)
 
 
 def _step(module, params, cache, rows: dict, decode: bool):
     logits, cache = module.apply({"params": params}, rows["tokens"], rows["positions"], rows["valid"], cache,
-                                 rows["block_tables"], rows["slots"], decode, method="step")
+                                 rows["block_tables"], rows["slots"], decode, rows["embeds"], rows["embeds_mask"],
+                                 method="step")
     tokens, logprobs = sampling.sample(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"],
                                        rows["keys"])
     return tokens, logprobs, cache
+
+
+def _decode(module, params, cache, rows: dict):
+    """n = keys.shape[1] decode steps in one dispatch: each step samples a token that is the next step's input.
+    Row b runs rows["steps"][b] of them; its later steps are padding (no cache or state change). Returns
+    (tokens [B, n], logprobs [B, n], cache)."""
+
+    def one(carry, xs):
+        cache, tokens, positions = carry
+        index, keys = xs
+        valid = rows["valid"] & (index < rows["steps"])[:, None]
+        logits, cache = module.apply({"params": params}, tokens, positions, valid, cache, rows["block_tables"],
+                                     rows["slots"], True, None, None, method="step")
+        new, logprobs = sampling.sample(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"],
+                                        keys)
+        return (cache, new[:, None].astype(tokens.dtype), positions + 1), (new, logprobs)
+
+    n = rows["keys"].shape[1]
+    xs = (jnp.arange(n, dtype=jnp.int32), jnp.swapaxes(rows["keys"], 0, 1))
+    (cache, _, _), (tokens, logprobs) = jax.lax.scan(one, (cache, rows["tokens"], rows["positions"]), xs)
+    return tokens.T, logprobs.T, cache
 
 
 def _reset(cache, slots):
@@ -84,6 +117,7 @@ def _restore(cache, snaps, slot, snap):
 
 # Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
 _STEP = jax.jit(_step, static_argnums=(0, 4), donate_argnums=(2,))
+_DECODE = jax.jit(_decode, static_argnums=(0,), donate_argnums=(2,))
 _RESET = jax.jit(_reset, donate_argnums=(0,))
 _SAVE = jax.jit(_save, donate_argnums=(1,))
 _RESTORE = jax.jit(_restore, donate_argnums=(0,))
@@ -109,15 +143,20 @@ class ModelRunner:
         return len(self._shapes)
 
     def run(self, rows: StepRows, decode: bool) -> tuple[np.ndarray, np.ndarray]:
-        """One step; returns (sampled token ids [B], their logprobs [B]) as numpy (this waits for the device)."""
+        """One dispatch; returns (sampled token ids, their logprobs) as numpy: [B] for prefill, [B, n] for a
+        decode of n steps. This waits for the device."""
         tokens, logprobs = self.dispatch(rows, decode)
         return np.asarray(tokens), np.asarray(logprobs)
 
     def dispatch(self, rows: StepRows, decode: bool):
-        """Launches one step and returns device arrays without waiting (JAX dispatch is asynchronous)."""
-        self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1]))
-        arrays = jax.device_put(dict(vars(rows)))  # one transfer call for all step inputs
-        tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays, decode)
+        """Launches one dispatch and returns device arrays without waiting (JAX dispatch is asynchronous)."""
+        steps = rows.keys.shape[1] if decode else 0
+        self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1], steps))
+        arrays = jax.device_put(dict(vars(rows)))  # one transfer call for all step inputs (None stays None)
+        if decode:
+            tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays)
+        else:
+            tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays, False)
         return tokens, logprobs
 
     def reset_slots(self, slots: list[int]) -> None:

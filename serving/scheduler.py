@@ -27,13 +27,14 @@ class SchedulerConfig:
     max_model_len: int = 4096
     block_size: int = 64
     enable_prefix_caching: bool = True
+    decode_steps: int = 1  # decode steps per dispatch
 
 
 @dataclass
 class ScheduledRow:
     request: Request
     start: int  # first position computed in this step
-    length: int  # tokens computed in this step
+    length: int  # tokens computed in this step (decode: steps this row may take in the dispatch)
 
 
 @dataclass
@@ -76,7 +77,7 @@ class Scheduler:
             return False
         match = None
         if self.config.enable_prefix_caching:
-            match = self.cache.match(request.tokens[:request.prefill_target], require_snapshot=self.hybrid)
+            match = self.cache.match(request.cache_key_tokens(request.prefill_target), require_snapshot=self.hybrid)
         blocks = self.cache.acquire(match) if match else []
         request.table = BlockTable(self.config.block_size, blocks, match.num_tokens if match else 0)
         request.slot = slot
@@ -151,11 +152,21 @@ class Scheduler:
                     break
         decoding = [r for r in self.running if not r.is_prefilling]
         if decoding:
-            return StepPlan(True, [ScheduledRow(r, r.num_tokens - 1, 1) for r in decoding])
+            return StepPlan(True, [ScheduledRow(r, r.num_tokens - 1, self._lookahead(r)) for r in decoding])
         if len(self.running) > 1:  # prefills stalled for blocks: make room by recomputing the newest later
             self.preempt(self.running[-1])
             return self.schedule()
         return None
+
+    def _lookahead(self, request: Request) -> int:
+        """Decode steps (>= 1) `request` may take in one dispatch: up to `decode_steps`, no further than its token
+        budget and the model length, and only onto blocks it holds or can get without preempting anyone."""
+        steps = min(self.config.decode_steps, self.config.max_model_len - request.num_tokens + 1,
+                    max(request.params.max_tokens - len(request.output_token_ids), 1))
+        for extra in range(1, max(steps, 1)):
+            if not self._ensure_blocks(request, request.num_tokens + extra):
+                return extra
+        return max(steps, 1)
 
     def _newest_other(self, request: Request) -> Request | None:
         others = [r for r in self.running if r is not request]
@@ -188,7 +199,8 @@ class Scheduler:
             self._free_snapshots(request.snapshots.values())
             request.snapshots = {}
             return
-        result = self.cache.insert(request.tokens[:request.num_computed], request.table.block_ids, request.snapshots)
+        result = self.cache.insert(request.cache_key_tokens(request.num_computed), request.table.block_ids,
+                                   request.snapshots)
         self._free_snapshots(result.unused_snapshots)
         request.snapshots = {}
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from tiny_checkpoints import BUILDERS, SEQ_LEN, build_hf_model, save_hf_model
+from tiny_checkpoints import BUILDERS, SEQ_LEN, build_hf_model, build_kimi_k25, save_hf_model, save_kimi_k25
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +31,15 @@ def seed(request):
     value = int(env) if env else int(np.random.SeedSequence().entropy % (2**32))
     print(f"{request.node.nodeid}: seed={value} (replay with DAYZERO_TEST_SEED={value})")
     return value
+
+
+@pytest.fixture(scope="session")
+def kimi_k25(tmp_path_factory):
+    """(directory, transformers model) of a tiny fp32 kimi_k25 checkpoint under the published tensor names, with
+    fresh random weights each session (DAYZERO_TEST_SEED=<n> replays one); image features and attention outputs
+    amplified so that images steer the random model's logits."""
+    env = os.environ.get("DAYZERO_TEST_SEED")
+    value = int(env) if env else int(np.random.SeedSequence().entropy % (2**31))
+    print(f"kimi_k25 weights: seed={value} (replay with DAYZERO_TEST_SEED={value})")
+    model = build_kimi_k25(seed=value, feature_gain=20.0, attention_gain=10.0)
+    return save_kimi_k25(model, tmp_path_factory.mktemp("ckpt") / "kimi_k25"), model

@@ -94,7 +94,7 @@ def test_rope_parameters_form_matches_rope_scaling_form():
 
 @pytest.mark.parametrize("edit, field", [
     (lambda c: c.update(model_type="mystery"), "model_type"),
-    (lambda c: c.update(model_type="kimi_k25"), "model_type"),
+    (lambda c: c.update(model_type="kimi_k25"), "text_config"),  # kimi_k25 wraps a text_config and a vision_config
     (lambda c: c["linear_attn_config"].update(kda_layers=[0, 1]), "linear_attn_config.kda_layers"),
     (lambda c: c["linear_attn_config"].update(full_attn_layers=[1, 4]), "linear_attn_config.kda_layers"),
     (lambda c: c["linear_attn_config"].update(kda_layers=[1, 2]), "linear_attn_config.kda_layers"),

@@ -119,7 +119,41 @@ def test_stop_token_and_streaming(models):
     assert out.finish_reason == "stop" and out.token_ids == ref[:ref.index(stop_at) + 1]
     pieces = list(engine.stream(prompt_token_ids=prompt, sampling_params=SamplingParams(
         temperature=0, max_tokens=6, ignore_eos=True)))
+    # the first token comes from the prefill, then one piece per decode dispatch of up to 4 steps
+    assert [len(p.token_ids) for p in pieces] == [1, 5, 6] and pieces[-1].token_ids == ref
+    assert all(p.token_ids == ref[:len(p.token_ids)] for p in pieces)
+    single = Engine(model, None, config(max_num_seqs=2, decode_steps=1))
+    pieces = list(single.stream(prompt_token_ids=prompt, sampling_params=SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True)))
     assert [len(p.token_ids) for p in pieces] == [1, 2, 3, 4, 5, 6] and pieces[-1].token_ids == ref
+
+
+def test_multi_step_decode_matches_single_steps(models):
+    """Several decode steps per dispatch give the same tokens as one step per dispatch: seeded sampling (keys
+    per generated token), stops in the middle of a dispatch (later tokens dropped), max_tokens not a multiple of
+    the steps, rows near max_model_len; nothing leaks."""
+    model = models["kimi_linear"]
+    prompts = [[9, 8, 7, 6, 5], [3, 4], [11] * 20, list(range(3, 60))]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=7, seed=5, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=5, max_tokens=5, seed=6, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)]
+    outs = {}
+    for steps in (1, 3):
+        engine = Engine(model, None, config(max_model_len=70, decode_steps=steps))
+        outs[steps] = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        sched = engine.scheduler
+        assert sched.pool.num_free + sched.cache.num_cached_blocks == sched.pool.num_usable
+        assert sched.slots.num_free == sched.slots.num_usable
+    assert [o.token_ids for o in outs[1]] == [o.token_ids for o in outs[3]]
+    assert [o.finish_reason for o in outs[3]] == ["length"] * 4
+    assert len(outs[3][3].token_ids) == 70 - 57  # stopped by max_model_len, not max_tokens
+    stop = outs[1][1].token_ids[4]
+    engine = Engine(model, None, config(decode_steps=3))
+    stopped = engine.generate(prompt_token_ids=[prompts[1]], sampling_params=SamplingParams(
+        temperature=0.0, max_tokens=9, stop_token_ids=[stop], ignore_eos=True))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == outs[1][1].token_ids[:outs[1][1].token_ids.index(stop) + 1]
 
 
 def test_stress_no_leaks_no_recompilation(models):

@@ -27,9 +27,9 @@ def _torch_fn(fn):
 
 
 # Jitted once at module level so repeated shapes reuse the compilation (eager `lax.scan` recompiles every call).
-_STATIC = ("output_final_state", "use_qk_l2norm_in_kernel")
+_STATIC = ("output_final_state", "use_qk_l2norm_in_kernel", "output_chunk_states")
 chunk_kda = jax.jit(kda_ref.chunk_kda, static_argnames=_STATIC + ("chunk_size",))
-fused_recurrent_kda = jax.jit(kda_ref.fused_recurrent_kda, static_argnames=_STATIC)
+fused_recurrent_kda = jax.jit(kda_ref.fused_recurrent_kda, static_argnames=_STATIC[:2])
 causal_conv1d = jax.jit(short_conv.causal_conv1d, static_argnames=("activation",))
 topk_mask = jax.jit(indexer.topk_mask, static_argnames=("topk",))
 moe_experts = jax.jit(moe.moe_experts)
@@ -294,8 +294,12 @@ def test_kda_bf16(seed, fn):
 # --------------------------------------------------------------------------------------------- KDA: the wrappers
 
 
-def test_kda_wrappers_dispatch_to_reference(seed, monkeypatch):
-    """The public ops forward every argument to the reference, for every valid `impl`; invalid ones raise."""
+def test_kda_wrappers_dispatch(seed, monkeypatch):
+    """The public ops forward every argument to the implementation dispatch chooses: the reference by default on
+    CPU and for impl="reference", the Pallas module for "pallas" / "interpret" (interpret=True only for the
+    latter); an unknown implementation name raises."""
+    from dayzero.kernels.kda import pallas as kda_pallas
+
     monkeypatch.delenv(dispatch.ENV_OVERRIDE, raising=False)
     inputs = std_inputs(seed, 7)
     for name, jitted in (("chunk_kda", chunk_kda), ("fused_recurrent_kda", fused_recurrent_kda)):
@@ -303,16 +307,17 @@ def test_kda_wrappers_dispatch_to_reference(seed, monkeypatch):
         o_ref, s_ref = run_kda(jitted, inputs, l2norm=True, scale=0.3)
         calls = []
 
-        def spy(*args, _jitted=jitted, **kwargs):  # the jitted reference, so the compilation is shared
-            calls.append(kwargs)
+        def spy(*args, _jitted=jitted, _who="reference", **kwargs):  # the jitted reference: one compilation
+            calls.append((_who, kwargs.pop("interpret", None)))
             return _jitted(*args, **kwargs)
 
         monkeypatch.setattr(kda_ref, name, spy)
+        monkeypatch.setattr(kda_pallas, name, lambda *a, _spy=spy, **kw: _spy(*a, _who="pallas", **kw))
         for impl in (None, "reference", "pallas", "interpret"):
             o, s = run_kda(wrapper, inputs, l2norm=True, scale=0.3, impl=impl)
             assert_close(o, o_ref, 0.0, f"{name} impl={impl} output", seed)
             assert_close(s, s_ref, 0.0, f"{name} impl={impl} state", seed)
-        assert len(calls) == 4 and all("impl" not in c for c in calls), calls
+        assert calls == [("reference", None), ("reference", None), ("pallas", False), ("pallas", True)], calls
         with pytest.raises(ValueError):
             run_kda(wrapper, inputs, impl="triton")
         monkeypatch.setenv(dispatch.ENV_OVERRIDE, "cuda")  # not an implementation name
@@ -541,6 +546,9 @@ def test_choose_overrides(no_env):
     assert dispatch.choose(("reference",), impl="interpret", platform="cuda") == "reference"
     with pytest.raises(ValueError):
         dispatch.choose(both, impl="triton", platform="cuda")
+    # A kernel not yet verified on a GPU runs only when asked for.
+    assert dispatch.choose(both, platform="cuda", gpu_verified=False) == "reference"
+    assert dispatch.choose(both, impl="pallas", platform="cuda", gpu_verified=False) == "pallas"
 
 
 def test_choose_env_override(no_env):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 
@@ -102,3 +103,139 @@ def rewrite_config(path: str, edit) -> None:
     cfg = edit(cfg) or cfg
     with open(file, "w") as f:
         json.dump(cfg, f, indent=2)
+
+
+# ---------------------------------------------------------------------------------------------------- kimi_k25
+KIMI_K25_IMAGE_TOKEN = 209
+
+
+def kimi_k25_config(**overrides):
+    """A tiny kimi_k25: deepseek_v3 text (2 layers, MoE) and a 2-layer MoonViT whose 8x8 position table is resampled
+    both up and down by the fixture images' grids."""
+    from transformers import Kimi_K25Config
+
+    text = dict(
+        model_type="deepseek_v3", vocab_size=211, hidden_size=40, intermediate_size=72, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3, kv_lora_rank=12, q_lora_rank=None,
+        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=10, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+        topk_group=2, first_k_dense_replace=1, n_shared_experts=2, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, tie_word_embeddings=False,
+    )
+    vision = dict(patch_size=14, pos_emb_height=8, pos_emb_width=8, num_attention_heads=2, num_hidden_layers=2,
+                  hidden_size=32, intermediate_size=48, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+    fields = dict(text_config=text, vision_config=vision, projection_hidden_size=32,
+                  image_token_id=KIMI_K25_IMAGE_TOKEN, tie_word_embeddings=False)
+    fields.update(overrides)
+    return Kimi_K25Config(**fields)
+
+
+def build_kimi_k25(seed: int = 0, feature_gain: float = 1.0, attention_gain: float = 1.0, **overrides):
+    """transformers' Kimi_K25ForConditionalGeneration with random weights (router biases nonzero); the projector's
+    output scaled by `feature_gain` and the text attention's o_proj by `attention_gain`, so that images visibly
+    steer a random model's logits at the text positions after them."""
+    import torch
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Kimi_K25ForConditionalGeneration(kimi_k25_config(**overrides)).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand_like(buf) * 0.1)
+        model.model.mm_projector.out_proj.weight.mul_(feature_gain)
+        model.model.mm_projector.out_proj.bias.mul_(feature_gain)
+        for layer in model.model.language_model.layers:
+            layer.self_attn.o_proj.weight.mul_(attention_gain)
+    return model
+
+
+def _interleave_rope_rows(weight, num_heads: int):
+    """transformers keeps MoonViT's q/k rows in rotate-half order; the checkpoint interleaves each head's pairs."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def kimi_k25_published_tensors(model) -> dict:
+    """The model's weights under the published Kimi-K2.5 tensor names (what the hub checkpoint holds)."""
+    import torch
+
+    heads = model.config.vision_config.num_attention_heads
+    moe_size = model.config.text_config.moe_intermediate_size
+    renames = [(r"^model\.language_model\.", "language_model.model."), (r"^lm_head\.", "language_model.lm_head."),
+               (r"^model\.vision_tower\.patch_embed\.pos_emb\.position_embeddings$",
+                "vision_tower.patch_embed.pos_emb.weight"),
+               (r"^model\.vision_tower\.patch_embed\.", "vision_tower.patch_embed."),
+               (r"^model\.vision_tower\.final_layernorm\.", "vision_tower.encoder.final_layernorm."),
+               (r"^model\.vision_tower\.layers\.(\d+)\.norm1\.", r"vision_tower.encoder.blocks.\1.norm0."),
+               (r"^model\.vision_tower\.layers\.(\d+)\.norm2\.", r"vision_tower.encoder.blocks.\1.norm1."),
+               (r"^model\.vision_tower\.layers\.(\d+)\.attn\.proj\.", r"vision_tower.encoder.blocks.\1.wo."),
+               (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc1\.", r"vision_tower.encoder.blocks.\1.mlp.fc0."),
+               (r"^model\.vision_tower\.layers\.(\d+)\.mlp\.fc2\.", r"vision_tower.encoder.blocks.\1.mlp.fc1."),
+               (r"^model\.mm_projector\.in_proj\.", "mm_projector.proj.0."),
+               (r"^model\.mm_projector\.out_proj\.", "mm_projector.proj.2."),
+               (r"^model\.mm_projector\.", "mm_projector.")]
+    out = {}
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    for name, tensor in state.items():
+        m = re.match(r"model\.vision_tower\.layers\.(\d+)\.attn\.([qkv])_proj\.(weight|bias)$", name)
+        if m is not None:
+            if m[2] != "q":
+                continue
+            parts = [state[f"model.vision_tower.layers.{m[1]}.attn.{x}_proj.{m[3]}"] for x in "qkv"]
+            parts[:2] = [_interleave_rope_rows(t, heads) for t in parts[:2]]
+            out[f"vision_tower.encoder.blocks.{m[1]}.wqkv.{m[3]}"] = torch.cat(parts).contiguous()
+            continue
+        m = re.match(r"model\.language_model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", name)
+        if m is not None:
+            prefix = f"language_model.model.layers.{m[1]}.mlp.experts"
+            for e in range(tensor.shape[0]):
+                if m[2] == "gate_up_proj":
+                    out[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :moe_size].contiguous()
+                    out[f"{prefix}.{e}.up_proj.weight"] = tensor[e, moe_size:].contiguous()
+                else:
+                    out[f"{prefix}.{e}.down_proj.weight"] = tensor[e].contiguous()
+            continue
+        new = name
+        for pattern, repl in renames:
+            new, n = re.subn(pattern, repl, new)
+            if n:
+                break
+        out[new] = tensor
+    return out
+
+
+def published_kimi_k25_config(cfg: dict) -> dict:
+    """Rewrites transformers' kimi_k25 config.json into the published form (vt_* names, kimi_k2 text model)."""
+    vision = cfg.pop("vision_config")
+    cfg["vision_config"] = {
+        "vt_hidden_size": vision["hidden_size"], "vt_intermediate_size": vision["intermediate_size"],
+        "vt_num_attention_heads": vision["num_attention_heads"], "vt_num_hidden_layers": vision["num_hidden_layers"],
+        "patch_size": vision["patch_size"], "init_pos_emb_height": vision["pos_emb_height"],
+        "init_pos_emb_width": vision["pos_emb_width"], "init_pos_emb_time": vision["pos_emb_time"],
+        "merge_kernel_size": vision["merge_kernel_size"], "merge_type": "sd2_tpool", "pos_emb_type": "divided_fixed",
+        "mm_projector_type": "patchmerger", "mm_hidden_size": cfg.pop("projection_hidden_size"),
+        "projector_ln_eps": cfg.pop("projection_layer_norm_eps"), "projector_hidden_act": "gelu",
+        "text_hidden_size": cfg["text_config"]["hidden_size"], "video_attn_type": "spatial_temporal",
+    }
+    cfg["media_placeholder_token_id"] = cfg.pop("image_token_id")
+    cfg["text_config"]["model_type"] = "kimi_k2"
+    for key in ("video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        cfg.pop(key, None)
+    return cfg
+
+
+def save_kimi_k25(model, path, published_config: bool = False) -> str:
+    """A kimi_k25 checkpoint directory with the published tensor names and config.json in the form transformers
+    writes (or, with `published_config`, the published one). transformers' own save_pretrained does not round-trip
+    kimi_k25's tensor names, so the tensors are written here."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    if published_config:
+        rewrite_config(str(path), published_kimi_k25_config)
+    save_file(kimi_k25_published_tensors(model), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return str(path)

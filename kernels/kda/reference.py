@@ -20,10 +20,14 @@ def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel):
+def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, lengths=None):
     q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
+    if lengths is not None:  # tokens at or past a row's length: no effect on the state, zero output
+        live = jnp.arange(k.shape[1])[None, :] < lengths[:, None]
+        q, k, v, g = (jnp.where(live[:, :, None, None], x, 0.0) for x in (q, k, v, g))
+        beta = jnp.where(live[:, :, None], beta, 0.0)
     batch, _, heads, key_dim = k.shape
     scale = key_dim ** -0.5 if scale is None else scale
     if initial_state is None:
@@ -34,10 +38,12 @@ def _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel):
 
 
 def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                        use_qk_l2norm_in_kernel=False):
-    """Token-by-token recurrence. Returns (o [B, T, H, V] in q.dtype, final state [B, H, K, V] f32 or None)."""
+                        use_qk_l2norm_in_kernel=False, lengths=None):
+    """Token-by-token recurrence. Returns (o [B, T, H, V] in q.dtype, final state [B, H, K, V] f32 or None).
+
+    `lengths` [B] int32: tokens at or past a row's length leave its state unchanged and give zeros."""
     out_dtype = q.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel)
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, lengths)
 
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs  # [B, H, K], ..., [B, H]
@@ -53,7 +59,7 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, chunk_size: int = 64):
+              use_qk_l2norm_in_kernel=False, lengths=None, output_chunk_states=False, chunk_size: int = 64):
     """Chunked form (same results as `fused_recurrent_kda`), scanning over chunks of `chunk_size` tokens.
 
     Inside a chunk, with G_t the cumulative log-decay from the chunk start and S0 the incoming state:
@@ -62,12 +68,16 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         S_C = exp(G_C) S0 + sum_s (k_s * exp(G_C - G_s)) u_s^T
     Only differences G_t - G_s with s <= t (and G itself) are exponentiated: every exponent is <= 0, so strong
     decays underflow to 0 instead of overflowing.
+
+    `lengths` [B] int32 as in `fused_recurrent_kda`. With `output_chunk_states` a third value is returned: the
+    state after each chunk, [B, ceil(T / chunk_size), H, K, V] f32.
     """
     out_dtype = q.dtype
-    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel)
+    q, k, v, g, beta, state = _prepare(q, k, v, g, beta, scale, initial_state, use_qk_l2norm_in_kernel, lengths)
     batch, length, heads, _ = k.shape
     if length == 0:
-        return jnp.zeros(v.shape, out_dtype), (state if output_final_state else None)
+        empty = jnp.zeros(v.shape, out_dtype), (state if output_final_state else None)
+        return (*empty, jnp.zeros((batch, 0, *state.shape[1:]), jnp.float32)) if output_chunk_states else empty
     pad = (-length) % chunk_size
     if pad:  # padded tokens: g = 0 and beta = 0 leave the state unchanged
         widths = ((0, 0), (0, pad), (0, 0), (0, 0))
@@ -98,9 +108,21 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         last = cum[:, :, -1]  # [B, H, K]
         s = jnp.exp(last)[..., None] * s + jnp.einsum(
             "bhsk,bhsv->bhkv", k_c * jnp.exp(last[:, :, None, :] - cum), u)
-        return s, o
+        return s, (o, s)
 
-    state, o = jax.lax.scan(step, state, [chunked(x) for x in (q, k, v, g)] + [chunked(beta[..., None])[..., 0]])
+    state, (o, states) = jax.lax.scan(step, state,
+                                      [chunked(x) for x in (q, k, v, g)] + [chunked(beta[..., None])[..., 0]])
     o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, V]
     o = jnp.moveaxis(o, 2, 3).reshape(batch, n_chunks * chunk_size, heads, -1)[:, :length]
-    return o.astype(out_dtype), (state if output_final_state else None)
+    result = o.astype(out_dtype), (state if output_final_state else None)
+    return (*result, jnp.moveaxis(states, 0, 1)) if output_chunk_states else result
+
+
+def fused_recurrent_kda_slots(q, k, v, g, beta, state_pool, slots, layer=0, scale=None,
+                              use_qk_l2norm_in_kernel=False, lengths=None):
+    """Recurrent KDA on states kept in a pool: state_pool [L, S, H, K, V] f32, slots [B] int32 (row b uses
+    state_pool[layer, slots[b]]). Returns (o [B, T, H, V], the pool with those slots updated)."""
+    o, state = fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state_pool[layer, slots],
+                                   output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                   lengths=lengths)
+    return o, state_pool.at[layer, slots].set(state)

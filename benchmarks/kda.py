@@ -1,0 +1,240 @@
+"""KDA kernels on the GPU: dayzero's Pallas chunked prefill and recurrent decode step beside flash-linear-attention
+(fla-core 0.6.0, in a subprocess of the same run) and the HBM copy bandwidth measured in the same run.
+
+    python3 benchmarks/kda.py [--results benchmarks/RESULTS.md] [--no-peer]
+
+Prefill: chunk_kda at B1 H32 D128 bf16, T 8192 and 32768 (inputs as ../shared/anchors: l2-normalised q/k, g in
+[-0.1, 0] f32, initial state, final state out). Decode: one token per row at B1 and B64, device time per step from
+50 steps unrolled inside one jitted function (the state pool updated in place), and the effective state bandwidth
+(state read + written, f32). Prints a table and appends a dated line to RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
+
+H, D = 32, 128
+PREFILL_T = (8192, 32768)
+DECODE_B = (1, 64)
+DECODE_STEPS = 50
+
+
+# ------------------------------------------------------------------------------------------------ the peer: fla
+
+
+def measure_fla() -> dict:
+    """fla-core's chunk_kda and fused_recurrent_kda on the same shapes (torch CUDA events / graph replay)."""
+    import torch
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
+
+    dev, res = "cuda", {}
+
+    def inputs(B, T, h0_random):
+        q = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16), dim=-1)
+        k = torch.nn.functional.normalize(torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16), dim=-1)
+        v = torch.randn(B, T, H, D, device=dev, dtype=torch.bfloat16)
+        g = -torch.rand(B, T, H, D, device=dev, dtype=torch.float32) * 0.1
+        beta = torch.rand(B, T, H, device=dev, dtype=torch.bfloat16)
+        h0 = (torch.randn if h0_random else torch.zeros)(B, H, D, D, device=dev, dtype=torch.float32)
+        return q, k, v, g, beta, h0
+
+    def event_ms(fn, n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / n
+
+    for T in PREFILL_T:
+        q, k, v, g, beta, h0 = inputs(1, T, False)
+        run = lambda: chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        for _ in range(3):
+            run()
+        res[f"chunk_T{T}_ms"] = round(statistics.median(event_ms(run, 20) for _ in range(5)), 4)
+    for B in DECODE_B:
+        q, k, v, g, beta, h0 = inputs(B, 1, True)
+        run = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(100):
+            run()
+        torch.cuda.synchronize()
+        res[f"decode_B{B}_host_us"] = round((time.perf_counter() - t) / 100 * 1e6, 1)
+        try:  # device time: 50 steps captured in one CUDA graph
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):
+                    run()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(DECODE_STEPS):
+                    run()
+            graph.replay()
+            torch.cuda.synchronize()
+            res[f"decode_B{B}_graph_us"] = round(
+                statistics.median(event_ms(graph.replay, 10) for _ in range(5)) / DECODE_STEPS * 1e3, 2)
+        except Exception as exc:  # noqa: BLE001 - report, keep the rest of the figures
+            res[f"decode_B{B}_graph_error"] = repr(exc)[:200]
+    return res
+
+
+def run_peer() -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--peer-only"], capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        print("fla peer failed:", proc.stderr[-2000:])
+        return {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("PEER "):
+            return json.loads(line[len("PEER "):])
+    return {}
+
+
+# ----------------------------------------------------------------------------------------------------- dayzero
+
+
+def measure_dayzero() -> dict:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from dayzero.kernels.kda import pallas, reference
+
+    res = {}
+
+    def timed(fn, *args, n=20, reps=5):
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            for _ in range(n):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - start) / n)
+        return statistics.median(times)
+
+    # HBM copy bandwidth (read + write), the roofline for the memory-bound step.
+    x = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)  # 1 GiB
+    scale = jax.jit(lambda a: a * 1.0001)
+    res["hbm_copy_TBps"] = round(2 * x.nbytes / timed(scale, x) / 1e12, 3)
+    del x
+
+    def inputs(B, T, key):
+        ks = jax.random.split(key, 6)
+        norm = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+        q = norm(jax.random.normal(ks[0], (B, T, H, D))).astype(jnp.bfloat16)
+        k = norm(jax.random.normal(ks[1], (B, T, H, D))).astype(jnp.bfloat16)
+        v = jax.random.normal(ks[2], (B, T, H, D), jnp.bfloat16)
+        g = -jax.random.uniform(ks[3], (B, T, H, D), jnp.float32) * 0.1
+        beta = jax.random.uniform(ks[4], (B, T, H), jnp.bfloat16)
+        return q, k, v, g, beta, jax.random.normal(ks[5], (B, H, D, D), jnp.float32)
+
+    tunings = {"intra_s1": pallas.KdaTuning(), "intra_s2": pallas.KdaTuning(intra_stages=2)}
+    for T in PREFILL_T:
+        q, k, v, g, beta, _ = inputs(1, T, jax.random.key(T))
+        h0 = jnp.zeros((1, H, D, D), jnp.float32)
+        lengths = jnp.full((1,), T, jnp.int32)
+        if T == PREFILL_T[0]:
+            intra = jax.jit(lambda *a: pallas.chunk_intra(*a, scale=D ** -0.5, l2norm=False))  # kernel 1 alone
+            res[f"intra_T{T}_ms"] = round(timed(intra, q, k, v, g, beta, lengths) * 1e3, 4)
+        names = list(tunings) if T == PREFILL_T[0] else [best_name]
+        best = None
+        for name in names:
+            fn = jax.jit(lambda q, k, v, g, beta, h0, t=tunings[name]: pallas.chunk_kda(
+                q, k, v, g, beta, initial_state=h0, output_final_state=True, tuning=t))
+            ms = timed(fn, q, k, v, g, beta, h0) * 1e3
+            res[f"chunk_T{T}_{name}_ms"] = round(ms, 4)
+            if best is None or ms < best:
+                best, best_name = ms, name
+        res[f"chunk_T{T}_ms"] = round(best, 4)
+        if T == PREFILL_T[0]:  # sanity: the kernel against the reference on these inputs
+            o, s = pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+            o_r, s_r = jax.jit(functools.partial(reference.chunk_kda, output_final_state=True))(
+                q, k, v, g, beta, initial_state=h0)
+            rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                                     / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+            res["chunk_T8192_rel_err_vs_reference"] = [round(rel(o, o_r), 5), round(rel(s, s_r), 5)]
+
+    decode_tunings = {"bv32w4": pallas.KdaTuning(decode_block_v=32, decode_warps=4),
+                      "bv64w4": pallas.KdaTuning(decode_block_v=64, decode_warps=4),
+                      "bv128w4": pallas.KdaTuning(decode_block_v=128, decode_warps=4),
+}
+    for B in sorted(DECODE_B, reverse=True):
+        q, k, v, g, beta, h0 = inputs(B, 1, jax.random.key(B))
+        slots = jnp.arange(B, dtype=jnp.int32)
+        names = list(decode_tunings) if B == max(DECODE_B) else [best_decode]
+        best = None
+        for name in names:
+            @functools.partial(jax.jit, donate_argnums=(5,))
+            def decode_loop(q, k, v, g, beta, pool, slots, t=decode_tunings[name]):
+                for _ in range(DECODE_STEPS):  # one kernel per step: each step's pool feeds the next
+                    o, pool = pallas.fused_recurrent_kda_slots(q, k, v, g, beta, pool, slots, tuning=t)
+                return o, pool
+
+            pool = h0[None]  # [1, B, H, D, D]
+            acc, pool = decode_loop(q, k, v, g, beta, pool, slots)
+            jax.block_until_ready(pool)
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                acc, pool = decode_loop(q, k, v, g, beta, pool, slots)
+                jax.block_until_ready(pool)
+                times.append((time.perf_counter() - start) / DECODE_STEPS)
+            us = statistics.median(times) * 1e6
+            res[f"decode_B{B}_{name}_us"] = round(us, 2)
+            if best is None or us < best:
+                best, best_decode = us, name
+        res[f"decode_B{B}_us"] = round(best, 2)
+        res[f"decode_B{B}_state_TBps"] = round(B * H * D * D * 4 * 2 / (best * 1e-6) / 1e12, 3)
+    return res
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="benchmarks/RESULTS.md")
+    parser.add_argument("--no-peer", action="store_true", help="skip the fla measurements")
+    parser.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.peer_only:
+        print("PEER " + json.dumps(measure_fla()))
+        return 0
+    peer = {} if args.no_peer else run_peer()
+    ours = measure_dayzero()
+    import jax
+
+    device = jax.devices()[0]
+    print(f"\n{device.device_kind}, jax {jax.__version__}, HBM copy {ours['hbm_copy_TBps']} TB/s")
+    print("| what | dayzero | fla | ratio (fla / dayzero) |\n|---|---|---|---|")
+    for T in PREFILL_T:
+        a, b = ours[f"chunk_T{T}_ms"], peer.get(f"chunk_T{T}_ms")
+        print(f"| chunk_kda T{T} (ms) | {a} | {b or '-'} | {round(b / a, 2) if b else '-'} |")
+    for B in DECODE_B:
+        a = ours[f"decode_B{B}_us"]
+        b = peer.get(f"decode_B{B}_graph_us")
+        print(f"| decode step B{B} (us, device) | {a} ({ours[f'decode_B{B}_state_TBps']} TB/s) | "
+              f"{b or '-'} (host loop {peer.get(f'decode_B{B}_host_us', '-')}) | {round(b / a, 2) if b else '-'} |")
+    line = (f"- {datetime.date.today()} kda.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__},"
+            f" Pallas (Triton) kernels: dayzero {json.dumps(ours)}; fla-core 0.6.0 same run "
+            f"{json.dumps(peer) if peer else 'not run'}\n")
+    append_line(args.results, line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

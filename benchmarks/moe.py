@@ -1,0 +1,239 @@
+"""MoE layer benchmark (routed experts) on one GPU: the medium hybrid's layer (64 experts, top-6, hidden 2048, expert
+width 768) and a DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at 1, 16, 64, 256 tokens and an 8K prefill.
+
+    python3 benchmarks/moe.py [--results benchmarks/RESULTS.md] [--shapes medium,deepseek] [--tokens 1,16,64,256,8192]
+                              [--sweep]
+
+Variants, on the same weights (random MXFP4; the others converted from it) and the same uniform top-k routing:
+  bf16      jax.lax.ragged_dot over dense bf16 experts (dayzero.kernels.moe.moe_experts, the reference path)
+  fp8       pre-converted FP8: the whole layer converted offline (E2M1 values in e4m3 + E8M0 scales), Pallas matmul
+  fused     MXFP4 online: each weight tile converted in registers right before its MMA
+  staged    MXFP4 online through the one-layer FP8 workspace (each call is a new layer: every expert converted);
+            timed where the model uses it and at the first and last token counts
+  resident  staged, calling the same layer again: resident conversions reused (hit rate reported; first and last)
+  online    what the model runs (MXFP4Execution "auto": fused below 128 rows per expert, staged at and above)
+  kernels   the fused variant's two Pallas kernels alone (routing, gathers and the combine left out; <= 16 tokens)
+Device time per call: `iters` calls chained inside one jit (each call's input depends on the previous output), median
+of 5 runs. The HBM copy bandwidth measured in the same run is the roofline: decode must stream the active experts'
+MXFP4 bytes (4.25 bits per weight); the bandwidth figures divide those bytes by the whole layer's time and by the
+kernels' time. Beside the measured bf16 ragged_dot (which XLA may run over every expert, padded), "bf16 roofline" is
+an ideal bf16 kernel reading only the active experts at the copy bandwidth. A variant that cannot run (out of memory)
+is reported as not measured. Prints a table and appends a dated line to the results file.
+`--sweep` also times the fused kernel at 1 token over a few tile configurations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dayzero.kernels import moe, moe_mxfp4, moe_workspace, mxfp4
+from dayzero.model.config import MXFP4Execution
+
+from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
+
+SHAPES = {"medium": (64, 6, 2048, 768), "deepseek": (256, 8, 7168, 2048), "tiny": (8, 2, 64, 32)}
+TOKENS = (1, 16, 64, 256, 8192)
+
+
+def per_call(step, carry, iters: int, repeats: int = 5):
+    """step(carry, i) -> carry, chained `iters` times in one jit; returns (seconds per call, final carry)."""
+    loop = jax.jit(lambda c: jax.lax.fori_loop(0, iters, lambda i, c: step(c, i), c))
+    out = jax.block_until_ready(loop(carry))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(loop(carry))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / iters, out
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of an elementwise pass over 1 GiB (read + write)."""
+    x = jnp.ones((1 << 28,), jnp.float32)
+    t, _ = per_call(lambda a, i: a * 1.0001, x, 10)
+    return 2 * x.nbytes / t
+
+
+def make_layer(key, n_experts: int, hidden: int, inter: int):
+    """Random MXFP4 experts (std ~0.02) and their pre-converted FP8 and dense bf16 versions (converted per expert)."""
+    def packed(k, rows, cols):
+        kb, ks = jax.random.split(k)
+        n = mxfp4.num_blocks(cols)
+        return (mxfp4.random_packed(kb, (n_experts, rows, n, 16), False),
+                mxfp4.random_packed(ks, (n_experts, rows, n), True))
+
+    kg, ku, kd = jax.random.split(key, 3)
+    (gb, gs), (ub, us), (db, ds) = packed(kg, inter, hidden), packed(ku, inter, hidden), packed(kd, hidden, inter)
+    ew = mxfp4.ExpertWeights(gb, ub, db, gs, us, ds)
+    fp8 = jax.jit(lambda b, s: jax.lax.map(lambda a: mxfp4.to_workspace(a[0], a[1], "float8_e4m3fn"), (b, s)))
+    ew8 = mxfp4.ExpertWeights(fp8(gb, gs), fp8(ub, us), fp8(db, ds), gs, us, ds, fmt="float8_e4m3fn")
+    dense = jax.jit(lambda b, s, k: jax.lax.map(lambda a: mxfp4.dequantize(a[0], a[1], jnp.bfloat16)[:, :k].T,
+                                                (b, s)), static_argnums=2)
+    bf16 = (dense(gb, gs, hidden), dense(ub, us, hidden), dense(db, ds, inter))
+    return jax.block_until_ready((ew, ew8, bf16))
+
+
+def routing(key, n_tokens: int, n_experts: int, top_k: int):
+    """Uniform top-k routing (distinct experts per token) and softmax-like weights."""
+    ks, kw = jax.random.split(key)
+    _, ids = jax.lax.top_k(jax.random.uniform(ks, (n_tokens, n_experts)), top_k)
+    w = jax.random.uniform(kw, (n_tokens, top_k), jnp.float32, 0.1, 1.0)
+    return ids.astype(jnp.int32), w / jnp.sum(w, axis=1, keepdims=True)
+
+
+def mxfp4_bytes(active: int, hidden: int, inter: int) -> int:
+    """Bytes of `active` experts' three MXFP4 projections (blocks + scales)."""
+    per = 2 * inter * mxfp4.num_blocks(hidden) + hidden * mxfp4.num_blocks(inter)
+    return active * per * 17  # 16 block bytes + 1 scale byte per 32 weights
+
+
+def attempt(label: str, fn):
+    """fn() -> value, or None (said why) when the variant cannot run at this size: XLA's bf16 ragged_dot pads every
+    group to the full row count on GPUs, which runs out of memory at 8K tokens x 256 experts."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - a benchmark reports a failing variant and goes on
+        print(f"  {label}: not measured ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
+        return None
+
+
+def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float) -> dict:
+    """One layer call size; `extras` adds staged (when not what the model runs) and resident timings."""
+    n_experts, top_k, hidden, inter = SHAPES[name]
+    ew, ew8, (wg, wu, wd) = layer
+    ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
+    x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
+    iters = 3 if n_tokens >= 4096 else 20
+    eps = jnp.asarray(1e-3, jnp.bfloat16)
+    seconds = {}
+
+    def plain(fn):
+        return per_call(lambda x, i: x + eps * fn(x), x, iters)[0]
+
+    seconds["bf16"] = attempt("bf16 ragged_dot", lambda: plain(lambda x: moe.moe_experts(x, ids, w, wg, wu, wd)))
+    seconds["fp8"] = attempt("fp8", lambda: plain(lambda x: moe.moe_experts_packed(x, ids, w, ew8, impl=impl)[0]))
+    seconds["fused"] = attempt("fused", lambda: plain(lambda x: moe.moe_experts_packed(x, ids, w, ew, impl=impl)[0]))
+    ws = moe_workspace.create(moe_workspace.num_slots(ids.size, n_experts), hidden, inter)
+    res = {}
+
+    def staged(same_layer):
+        def step(c, i):
+            y, ws = moe.moe_experts_packed(c[0], ids, w, ew, layer=0 if same_layer else i, workspace=c[1], impl=impl)
+            return c[0] + eps * y, ws
+        t, (_, out_ws) = per_call(step, (x, ws), iters)
+        if same_layer:
+            res["resident_hit_rate"] = round(moe_workspace.hit_rate(out_ws), 3)
+        return t
+
+    auto = MXFP4Execution().uses_workspace(n_tokens, top_k, n_experts)
+    if auto or extras:
+        seconds["staged"] = attempt("staged", lambda: staged(False))
+    if extras:
+        seconds["resident"] = attempt("resident", lambda: staged(True))
+    if n_tokens <= 16:  # the two fused kernels alone (schedule and activations prepared outside the loop)
+        tiles = moe_mxfp4.choose_tiles(ids.size, n_experts)
+        plan = moe_mxfp4.plan(x, ids, ew, None, n_experts, tiles)
+        seconds["fused_kernels"] = attempt("kernels", lambda: per_call(
+            lambda rows, i: rows + (1e-3 * moe_mxfp4.expert_rows(plan._replace(x_rows=rows), ew, jnp.bfloat16, tiles,
+                                                                 impl == "interpret")[0, 0]).astype(rows.dtype),
+            plan.x_rows, iters)[0])
+    seconds["online"] = seconds.get("staged") if auto else seconds["fused"]
+    res["online_mode"] = "staged" if auto else "fused"
+    active = int(np.unique(np.asarray(ids)).size)
+    mx_bytes = mxfp4_bytes(active, hidden, inter)
+    seconds["bf16_roofline"] = active * 3 * hidden * inter * 2 / bandwidth  # an ideal bf16 kernel: active experts
+    res.update({f"{k}_us": None if v is None else round(v * 1e6, 2) for k, v in seconds.items()})
+    res["active_experts"] = active
+    res["mxfp4_MB"] = round(mx_bytes / 1e6, 2)
+    for key in ("fused", "fused_kernels"):
+        if seconds.get(key):
+            res[f"{key}_pct_of_copy_bw"] = round(100 * mx_bytes / seconds[key] / bandwidth, 1)
+
+    def ratio(a, b, digits):
+        return round(seconds[a] / seconds[b], digits) if seconds.get(a) and seconds.get(b) else None
+
+    res["online_vs_fp8"] = ratio("online", "fp8", 3)
+    res["bf16_vs_online"] = ratio("bf16", "online", 2)
+    res["bf16_roofline_vs_online"] = ratio("bf16_roofline", "online", 2)
+    return res
+
+
+def sweep(layer, name, impl) -> dict:
+    """The fused kernel at one token over a few tile configurations."""
+    n_experts, top_k, hidden, _ = SHAPES[name]
+    ew = layer[0]
+    ids, w = routing(jax.random.key(1), 1, n_experts, top_k)
+    x = jax.random.normal(jax.random.key(1), (1, hidden), jnp.bfloat16)
+    out = {}
+    for bn in (32, 64, 128):
+        for groups in (2, 4, 8):
+            for warps in (4, 8):
+                tiles = moe_mxfp4.Tiles(block_m=16, block_n=bn, max_groups=groups, num_warps=warps, num_stages=3)
+                t, _ = per_call(lambda x, i, tiles=tiles: x + jnp.asarray(1e-3, x.dtype) * moe.moe_experts_packed(
+                    x, ids, w, ew, tiles=tiles, impl=impl)[0], x, 20)
+                out[f"bn{bn}_g{groups}_w{warps}"] = round(t * 1e6, 2)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="benchmarks/RESULTS.md")
+    parser.add_argument("--shapes", default="medium,deepseek")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--impl", default="pallas", help="pallas (GPU), or interpret for a CPU smoke run")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the fused kernel's tiles at 1 token")
+    args = parser.parse_args(argv)
+    device = jax.devices()[0]
+    start = time.perf_counter()
+    bandwidth = copy_bandwidth()
+    print(f"{device.device_kind}, jax {jax.__version__}: HBM copy {bandwidth / 1e12:.3f} TB/s (read + write)")
+    results: dict = {"hbm_copy_TBps": round(bandwidth / 1e12, 3)}
+    tokens = [int(t) for t in args.tokens.split(",")]
+    for name in args.shapes.split(","):
+        n_experts, top_k, hidden, inter = SHAPES[name]
+        layer = make_layer(jax.random.key(0), n_experts, hidden, inter)
+        print(f"\n{name}: {n_experts} experts, top-{top_k}, {hidden} x {inter}")
+        print("| tokens | active experts | bf16 ragged_dot us | fp8 pre-converted us | mxfp4 fused us "
+              "| mxfp4 staged us | online us | online / fp8 | bf16 / online | bf16 roofline / online "
+              "| fused % of copy bw | kernels us (% of copy bw) | resident us (hit rate) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for n_tokens in tokens:
+            r = bench_case(name, n_tokens, layer, args.impl, n_tokens in (tokens[0], tokens[-1]), bandwidth)
+            results[f"{name}_T{n_tokens}"] = r
+            cell = lambda v: "-" if v is None else v  # noqa: E731
+            kernels = (f"{r['fused_kernels_us']} ({cell(r.get('fused_kernels_pct_of_copy_bw'))}%)"
+                       if r.get("fused_kernels_us") else "-")
+            resident = f"{r['resident_us']} ({r['resident_hit_rate']:.0%})" if r.get("resident_us") else "-"
+            print(f"| {n_tokens} | {r['active_experts']} | {cell(r['bf16_us'])} | {cell(r['fp8_us'])} | "
+                  f"{cell(r['fused_us'])} | {cell(r.get('staged_us'))} | {cell(r['online_us'])} ({r['online_mode']}) "
+                  f"| {cell(r['online_vs_fp8'])} | {cell(r['bf16_vs_online'])} | {cell(r['bf16_roofline_vs_online'])} "
+                  f"| {cell(r.get('fused_pct_of_copy_bw'))} | {kernels} | {resident} |")
+        if args.sweep:
+            results[f"{name}_sweep_T1_fused_us"] = sweep(layer, name, args.impl)
+            print("tile sweep, fused, 1 token (us):", results[f"{name}_sweep_T1_fused_us"])
+        del layer
+    decode = {k: v for k, v in results.items() if k.endswith("_T1") and isinstance(v, dict)}
+    for key, r in decode.items():
+        print(f"targets {key}: decode bandwidth {r.get('fused_pct_of_copy_bw')}% of copy for the layer, "
+              f"{r.get('fused_kernels_pct_of_copy_bw')}% for its kernels (target >= 70%); online / fp8 "
+              f"{r['online_vs_fp8']} (target <= 1.05); bf16 ragged_dot / online {r['bf16_vs_online']}, ideal bf16 "
+              f"(active experts at copy bandwidth) / online {r['bf16_roofline_vs_online']} (target >= 2.5)")
+    print(f"total {time.perf_counter() - start:.0f} s")
+    line = (f"- {datetime.date.today()} moe.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}: "
+            f"MXFP4 online (fused, staged through the FP8 workspace) beside bf16 jax.lax.ragged_dot and pre-converted "
+            f"FP8 measured in the same run, HBM copy bandwidth as the roofline: {json.dumps(results)}\n")
+    append_line(args.results, line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,505 @@
+"""Pallas (Triton lowering) Kimi Delta Attention: a chunked prefill scan in two kernels and a recurrent decode step.
+
+Same semantics and signatures as `reference` (flash-linear-attention's): layout [B, T, H, K], `g` the per-channel
+log-decay, state [B, H, K, V] float32.
+
+Prefill (`chunk_kda`), chunks of C = 64 tokens:
+  1. `_intra_kernel`, one program per (row, chunk, head), all chunks in parallel. Within the chunk it forms, from
+     16-token sub-chunks, A_kk[t, s] = k_t . (k_s * exp(G_t - G_s)) (s < t) and A_qk (s <= t), solves the unit lower
+     triangular system (I + beta A_kk) by 16 x 16 blocks (diagonal inverses as nilpotent products), and writes
+     the WY factors w = T (beta k exp(G)), u = T (beta v), the decayed queries and keys, A_qk and the chunk decay.
+     Safe decay: off-diagonal sub-chunk pairs are scaled about the sub-chunk boundary (both exponents <= 0), the
+     diagonal ones take exp(G_t - G_s) element by element for s <= t only: no positive cumulative log-decay is
+     ever exponentiated, so strong decays underflow to 0 instead of overflowing.
+  2. `_state_kernel`, one program per (row, head, V block), sequential over chunks: v' = u - w S,
+     o = (q exp(G)) S + A_qk v', S <- exp(G_C) S + (k exp(G_C - G))^T v'. Optionally writes S after every chunk.
+Decode (`fused_recurrent_kda`, `fused_recurrent_kda_slots`): one program per (row, head, V block) holding its
+[K, BV] slice of the state in registers across the step's tokens; the slot variant reads and writes the state
+pool in place by slot index.
+
+Rows may have different lengths (`lengths` [B]): tokens at or past a row's length leave its state unchanged and
+produce zeros. Head dims that are not powers of two >= 16 are zero-padded (padded channels change nothing).
+Measured on the H200 (benchmarks/RESULTS.md, NOTES_kda.md): the state pass and the decode step are near fla's;
+kernel 1 is latency-bound and still several times slower than fla's whole prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .reference import l2norm as _l2norm_ref
+
+CHUNK = 64
+SUB = 16
+_EPS = 1e-6
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+def _pad_last(x, size):
+    pad = size - x.shape[-1]
+    return x if pad == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
+def _precision(dtype):
+    """f32 inputs keep f32 dots (IEEE); 16-bit inputs use the tensor-core path (tf32 for f32 operands)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def _mm(a, b, precision):
+    """a [M, K] @ b [K, N] -> f32."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _mm_nt(a, b, precision):
+    """a [M, K] @ b[N, K]^T -> f32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _mm_tn(a, b, precision):
+    """a[K, M]^T @ b [K, N] -> f32."""
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _rownorm(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _EPS)
+
+
+def _unit_lower_inverse(n):
+    """(I + n)^-1 for strictly lower n [S, S] f32 (S a power of two): n is nilpotent (n^S = 0), so
+    (I + n)^-1 = (I - n)(I + n^2)(I + n^4)...(I + n^(S/2)), a few small matmuls instead of S sequential row steps."""
+    size = n.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
+    eye = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
+    exact = jax.lax.Precision.HIGHEST
+    inv = eye - n
+    power = n
+    width = 2
+    while width < size:
+        power = _mm(power, power, exact)
+        inv = _mm(inv, eye + power, exact)
+        width *= 2
+    return inv
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prefill kernel 1: per-chunk WY factors.
+
+
+def _intra_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
+                  w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gl_ref, *, scale, l2norm, precision):
+    """One chunk. Keeps only 16 x 16 blocks of A and T live across sub-chunks; [16, K] tiles are reloaded from
+    the (cached) inputs where needed, so the register footprint stays a few tiles."""
+    chunk = pl.program_id(1)
+    length = len_ref[0]
+    n_sub = CHUNK // SUB
+    key_dim = q_ref.shape[-1]
+    row16 = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+    row1d = jax.lax.broadcasted_iota(jnp.int32, (SUB,), 0)
+    io_dtype = w_ref.dtype
+
+    all_cols = pl.ds(0, key_dim)
+
+    def live(i):
+        return chunk * CHUNK + i * SUB + row16 < length  # [SUB, 1]
+
+    def tile(ref, i, cols=None):
+        return ref[pl.ds(i * SUB, SUB), all_cols if cols is None else cols].astype(jnp.float32)
+
+    def inv_norm(ref, i):
+        x = tile(ref, i)
+        return jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) + _EPS)  # [SUB, 1]
+
+    q_norm = [inv_norm(q_ref, i) if l2norm else None for i in range(n_sub)]
+    k_norm = [inv_norm(k_ref, i) if l2norm else None for i in range(n_sub)]
+
+    def load_k(i, cols=None):
+        k = tile(k_ref, i, cols)
+        return jnp.where(live(i), k * k_norm[i] if l2norm else k, 0.0)
+
+    def load_q(i, cols=None):
+        q = tile(q_ref, i, cols)
+        return jnp.where(live(i), (q * q_norm[i] if l2norm else q) * scale, 0.0)
+
+    def load_g(i, cols=None):
+        return jnp.where(live(i), tile(g_ref, i, cols), 0.0)
+
+    def load_beta(i):
+        return jnp.where(chunk * CHUNK + i * SUB + row1d < length, b_ref[pl.ds(i * SUB, SUB)].astype(jnp.float32),
+                         0.0)
+
+    offsets = [jnp.zeros((key_dim,), jnp.float32)]  # log-decay before each sub-chunk, [K]
+    for i in range(n_sub):
+        offsets.append(offsets[-1] + jnp.sum(load_g(i), axis=0))
+    g_last = offsets[-1]
+
+    def cum(i):
+        return offsets[i][None, :] + jnp.cumsum(load_g(i), axis=0)  # [SUB, K]
+
+    col16 = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
+    strictly_lower = row16 > col16  # [t, s]
+    a_kk = {}
+    for i in range(n_sub):
+        q_i, k_i, cum_i, beta_i = load_q(i), load_k(i), cum(i), load_beta(i)
+
+        # Diagonal block, one column s at a time: exp(G_t - G_s) only for t >= s.
+        def column(j, carry, q_i=q_i, k_i=k_i, cum_i=cum_i, i=i):
+            kk, qk, cum_j = carry
+            live_j = chunk * CHUNK + i * SUB + j < length
+            k_j = k_ref[i * SUB + j, :].astype(jnp.float32)
+            if l2norm:
+                k_j = k_j * jax.lax.rsqrt(jnp.sum(k_j * k_j) + _EPS)
+            k_j = jnp.where(live_j, k_j, 0.0)
+            cum_j = cum_j + jnp.where(live_j, g_ref[i * SUB + j, :].astype(jnp.float32), 0.0)
+            decay_k = jnp.exp(jnp.where(row16 >= j, cum_i - cum_j[None, :], -jnp.inf)) * k_j[None, :]
+            kk = jnp.where(col16 == j, jnp.sum(k_i * decay_k, axis=1)[:, None], kk)
+            qk = jnp.where(col16 == j, jnp.sum(q_i * decay_k, axis=1)[:, None], qk)
+            return kk, qk, cum_j
+
+        zeros = jnp.zeros((SUB, SUB), jnp.float32)
+        kk_ii, qk_ii, _ = jax.lax.fori_loop(0, SUB, column, (zeros, zeros, offsets[i]))
+        a_kk[i, i] = beta_i[:, None] * jnp.where(strictly_lower, kk_ii, 0.0)
+        aqk_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB, SUB)] = qk_ii.astype(aqk_ref.dtype)
+
+        # Off-diagonal blocks, scaled about the start of sub-chunk i: both exponents <= 0.
+        rel_i = jnp.exp(cum_i - offsets[i][None, :])
+        k_left, q_left = k_i * rel_i, q_i * rel_i
+        for j in range(i):
+            k_right = load_k(j) * jnp.exp(offsets[i][None, :] - cum(j))
+            a_kk[i, j] = beta_i[:, None] * _mm_nt(k_left, k_right, precision)
+            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = _mm_nt(q_left, k_right, precision).astype(
+                aqk_ref.dtype)
+        for j in range(i + 1, n_sub):
+            aqk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+        rows = pl.ds(i * SUB, SUB)
+        qg_ref[rows, :] = (q_i * jnp.exp(cum_i)).astype(io_dtype)
+        kd_ref[rows, :] = (k_i * jnp.exp(g_last[None, :] - cum_i)).astype(io_dtype)
+    gl_ref[...] = g_last
+
+    # T = (I + beta A_kk)^-1 by blocks: diagonal inverses, then T_ij = -T_ii sum_{j<=m<i} N_im T_mj.
+    t = {}
+    for i in range(n_sub):
+        t[i, i] = _unit_lower_inverse(a_kk[i, i])
+        for j in range(i - 1, -1, -1):
+            acc = _mm(a_kk[i, j], t[j, j], jax.lax.Precision.HIGHEST)
+            for m in range(j + 1, i):
+                acc = acc + _mm(a_kk[i, m], t[m, j], jax.lax.Precision.HIGHEST)
+            t[i, j] = -_mm(t[i, i], acc, jax.lax.Precision.HIGHEST)
+
+    # WY factors w = T (beta k exp(G)), u = T (beta v), one row block at a time.
+    for i in range(n_sub):
+        w_i = jnp.zeros((SUB, key_dim), jnp.float32)
+        u_i = jnp.zeros((SUB, u_ref.shape[-1]), jnp.float32)
+        for j in range(i + 1):
+            beta_j = load_beta(j)[:, None]
+            v_j = jnp.where(live(j), v_ref[pl.ds(j * SUB, SUB), :].astype(jnp.float32), 0.0)  # [SUB, V]
+            w_i = w_i + _mm(t[i, j], beta_j * load_k(j) * jnp.exp(cum(j)), precision)
+            u_i = u_i + _mm(t[i, j], beta_j * v_j, precision)
+        w_ref[pl.ds(i * SUB, SUB), :] = w_i.astype(io_dtype)
+        u_ref[pl.ds(i * SUB, SUB), :] = u_i.astype(io_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prefill kernel 2: the sequential pass over chunks.
+
+
+def _state_kernel(*refs, n_chunks, precision, has_initial, chunk_states):
+    w_ref, u_ref, qg_ref, kd_ref, aqk_ref, gl_ref = refs[:6]
+    rest = refs[6:]
+    h0_ref = rest[0] if has_initial else None
+    rest = rest[1:] if has_initial else rest
+    o_ref, hT_ref = rest[:2]
+    hc_ref = rest[2] if chunk_states else None
+    io_dtype = w_ref.dtype
+    key_dim, block_v = hT_ref.shape
+    if has_initial:
+        state = h0_ref[...].astype(jnp.float32)
+    else:
+        state = jnp.zeros((key_dim, block_v), jnp.float32)
+    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+
+    def body(c, state):
+        rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
+        s_in = state.astype(io_dtype)
+        v_new = u_ref[rows, :].astype(jnp.float32) - _mm(w_ref[rows, :], s_in, precision)
+        v_cast = v_new.astype(io_dtype)
+        a_qk = jnp.where(row >= col, aqk_ref[rows, :], 0).astype(io_dtype)
+        o = _mm(qg_ref[rows, :], s_in, precision) + _mm(a_qk, v_cast, precision)
+        o_ref[rows, :] = o.astype(o_ref.dtype)
+        g_last = gl_ref[c, :]
+        state = state * jnp.exp(g_last)[:, None] + _mm_tn(kd_ref[rows, :], v_cast, precision)
+        if chunk_states:
+            hc_ref[c, :, :] = state
+        return state
+
+    state = jax.lax.fori_loop(0, n_chunks, body, state)
+    hT_ref[...] = state
+
+
+def _params(num_warps, num_stages=None):
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class KdaTuning:
+    """Launch parameters of the KDA kernels (the H200 measurements behind the defaults: benchmarks/RESULTS.md)."""
+
+    state_block_v: int = 32  # V columns per program of the sequential prefill pass
+    intra_warps: int = 4
+    intra_stages: int = 1
+    state_warps: int = 4
+    state_stages: int = 3
+    decode_block_v: int = 64  # V columns per program of the recurrent step
+    decode_warps: int = 4
+
+
+DEFAULT_TUNING = KdaTuning()
+
+
+def chunk_intra(q, k, v, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=DEFAULT_TUNING):
+    """Prefill kernel 1 on padded inputs (T a multiple of 64, head dims powers of two >= 16).
+
+    Returns w, u, q exp(G) (scaled), k exp(G_C - G) [B, T, H, K or V] and A_qk [B, T, H, 64] in the input dtype
+    (f32 for f32 inputs), and the chunk log-decays G_C [B, T / 64, H, K] f32.
+    """
+    batch, t_pad, heads, kp = k.shape
+    vp = v.shape[-1]
+    n_chunks = t_pad // CHUNK
+    io_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+    sq = pl.squeezed
+    chunk_spec = lambda d: pl.BlockSpec((sq, CHUNK, sq, d), lambda b, c, h: (b, c, h, 0))
+    shape = lambda d: jax.ShapeDtypeStruct((batch, t_pad, heads, d), io_dtype)
+    return pl.pallas_call(
+        functools.partial(_intra_kernel, scale=scale, l2norm=l2norm, precision=_precision(io_dtype)),
+        grid=(batch, n_chunks, heads),
+        in_specs=[pl.BlockSpec((1,), lambda b, c, h: (b,)), chunk_spec(kp), chunk_spec(kp), chunk_spec(vp),
+                  chunk_spec(kp), pl.BlockSpec((sq, CHUNK, sq), lambda b, c, h: (b, c, h))],
+        out_specs=[chunk_spec(kp), chunk_spec(vp), chunk_spec(kp), chunk_spec(kp), chunk_spec(CHUNK),
+                   pl.BlockSpec((sq, sq, sq, kp), lambda b, c, h: (b, c, h, 0))],
+        out_shape=[shape(kp), shape(vp), shape(kp), shape(kp), shape(CHUNK),
+                   jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)],
+        compiler_params=_params(tuning.intra_warps, tuning.intra_stages),
+        interpret=interpret,
+        name="kda_chunk_intra",
+    )(lengths, q, k, v, g, beta)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
+                                             "output_chunk_states", "interpret", "tuning"))
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, lengths=None, output_chunk_states=False, interpret=False,
+              tuning: KdaTuning = DEFAULT_TUNING):
+    """Chunked KDA. q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V];
+    lengths [B] int32 (default: T for every row).
+
+    Returns (o [B, T, H, V] in q.dtype, final state [B, H, K, V] f32 or None), and with `output_chunk_states`
+    a third value: the state after each chunk of 64 tokens, [B, ceil(T / 64), H, K, V] f32.
+    """
+    batch, length, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    out_dtype = q.dtype
+    io_dtype = jnp.float32 if out_dtype == jnp.float32 else q.dtype
+    scale = key_dim ** -0.5 if scale is None else scale
+    if lengths is None:
+        lengths = jnp.full((batch,), length, jnp.int32)
+    lengths = jnp.minimum(lengths.astype(jnp.int32), length)
+    kp, vp = _pow2_at_least_16(key_dim), _pow2_at_least_16(value_dim)
+    block_v = min(tuning.state_block_v, vp)
+    n_chunks = max(1, -(-length // CHUNK))
+    t_pad = n_chunks * CHUNK
+    q, k, g = (_pad_last(x, kp) for x in (q, k, g))
+    v = _pad_last(v, vp)
+    if t_pad != length:
+        widths = ((0, 0), (0, t_pad - length), (0, 0), (0, 0))
+        q, k, v, g = (jnp.pad(x, widths) for x in (q, k, v, g))
+        beta = jnp.pad(beta, widths[:3])
+    inputs = list(chunk_intra(q, k, v, g, beta, lengths, scale=scale, l2norm=use_qk_l2norm_in_kernel,
+                              interpret=interpret, tuning=tuning))
+
+    sq = pl.squeezed
+    seq_spec = lambda d: pl.BlockSpec((sq, t_pad, sq, d), lambda b, h, j: (b, 0, h, 0))
+    v_spec = pl.BlockSpec((sq, t_pad, sq, block_v), lambda b, h, j: (b, 0, h, j))
+    state_spec = pl.BlockSpec((sq, sq, kp, block_v), lambda b, h, j: (b, h, 0, j))
+    in_specs = [seq_spec(kp), v_spec, seq_spec(kp), seq_spec(kp), seq_spec(CHUNK),
+                pl.BlockSpec((sq, n_chunks, sq, kp), lambda b, h, j: (b, 0, h, 0))]
+    if initial_state is not None:
+        h0 = initial_state.astype(jnp.float32)
+        inputs.append(jnp.pad(h0, ((0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim))))
+        in_specs.append(state_spec)
+    out_specs = [v_spec, state_spec]
+    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, heads, vp), out_dtype),
+                 jax.ShapeDtypeStruct((batch, heads, kp, vp), jnp.float32)]
+    if output_chunk_states:
+        out_specs.append(pl.BlockSpec((sq, n_chunks, sq, kp, block_v), lambda b, h, j: (b, 0, h, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, n_chunks, heads, kp, vp), jnp.float32))
+    outs = pl.pallas_call(
+        functools.partial(_state_kernel, n_chunks=n_chunks, precision=_precision(io_dtype),
+                          has_initial=initial_state is not None, chunk_states=output_chunk_states),
+        grid=(batch, heads, vp // block_v),
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        # f32 tiles take twice the shared memory per pipeline stage: 3 stages of them exceed the H200's 227 KiB.
+        compiler_params=_params(tuning.state_warps,
+                                tuning.state_stages if jnp.dtype(io_dtype).itemsize <= 2 else min(2, tuning.state_stages)),
+        interpret=interpret,
+        name="kda_chunk_state",
+    )(*inputs)
+    o = outs[0][:, :length, :, :value_dim]
+    final = outs[1][:, :, :key_dim, :value_dim] if output_final_state else None
+    if output_chunk_states:
+        return o, final, outs[2][:, :, :, :key_dim, :value_dim]
+    return o, final
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode: the recurrent step.
+
+
+def _recurrent_body(t, state, q_ref, k_ref, v_ref, g_ref, b_ref, o_ref, *, scale, l2norm, length):
+    """One token of the delta rule on a [K, BV] state slice; writes o[t] (zeros past `length`)."""
+    q = q_ref[t, :].astype(jnp.float32)
+    k = k_ref[t, :].astype(jnp.float32)
+    if l2norm:
+        q = q * jax.lax.rsqrt(jnp.sum(q * q) + _EPS)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k) + _EPS)
+    live = t < length
+    g = jnp.where(live, g_ref[t, :].astype(jnp.float32), 0.0)
+    beta = jnp.where(live, b_ref[t].astype(jnp.float32), 0.0)
+    state = state * jnp.exp(g)[:, None]
+    delta = beta * (v_ref[t, :].astype(jnp.float32) - jnp.sum(k[:, None] * state, axis=0))
+    state = state + k[:, None] * delta[None, :]
+    o = jnp.sum((q * scale)[:, None] * state, axis=0)
+    o_ref[t, :] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
+    return state
+
+
+def _recurrent_kernel(*refs, steps, scale, l2norm, has_initial):
+    len_ref, q_ref, k_ref, v_ref, g_ref, b_ref = refs[:6]
+    h0_ref = refs[6] if has_initial else None
+    o_ref, hT_ref = refs[-2:]
+    if has_initial:
+        state = h0_ref[...].astype(jnp.float32)
+    else:
+        state = jnp.zeros(hT_ref.shape, jnp.float32)
+    body = functools.partial(_recurrent_body, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, g_ref=g_ref, b_ref=b_ref,
+                             o_ref=o_ref, scale=scale, l2norm=l2norm, length=len_ref[0])
+    hT_ref[...] = jax.lax.fori_loop(0, steps, body, state)
+
+
+def _token_specs(steps, kp, vp, block_v):
+    sq = pl.squeezed
+    tok = lambda d: pl.BlockSpec((sq, steps, sq, d), lambda b, h, j: (b, 0, h, 0))
+    return [tok(kp), tok(kp), pl.BlockSpec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j)), tok(kp),
+            pl.BlockSpec((sq, steps, sq), lambda b, h, j: (b, 0, h))]
+
+
+def _recurrent_inputs(q, k, v, g, beta, lengths, scale):
+    batch, steps, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    kp, vp = _pow2_at_least_16(key_dim), _pow2_at_least_16(value_dim)
+    scale = key_dim ** -0.5 if scale is None else scale
+    if lengths is None:
+        lengths = jnp.full((batch,), steps, jnp.int32)
+    q, k, g = (_pad_last(x, kp) for x in (q, k, g))
+    return q, k, _pad_last(v, vp), g, beta, lengths.astype(jnp.int32), scale, kp, vp
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",
+                                             "interpret", "tuning"))
+def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, lengths=None, interpret=False, tuning=DEFAULT_TUNING):
+    """Token-by-token KDA for a few tokens per row. Shapes as `chunk_kda`; returns (o, final state or None)."""
+    batch, steps, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    q, k, v, g, beta, lengths, scale, kp, vp = _recurrent_inputs(q, k, v, g, beta, lengths, scale)
+    block_v = min(tuning.decode_block_v, vp)
+    sq = pl.squeezed
+    state_spec = pl.BlockSpec((sq, sq, kp, block_v), lambda b, h, j: (b, h, 0, j))
+    inputs = [lengths, q, k, v, g, beta]
+    in_specs = [pl.BlockSpec((1,), lambda b, h, j: (b,))] + _token_specs(steps, kp, vp, block_v)
+    if initial_state is not None:
+        h0 = initial_state.astype(jnp.float32)
+        inputs.append(jnp.pad(h0, ((0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim))))
+        in_specs.append(state_spec)
+    o, final = pl.pallas_call(
+        functools.partial(_recurrent_kernel, steps=steps, scale=scale, l2norm=use_qk_l2norm_in_kernel,
+                          has_initial=initial_state is not None),
+        grid=(batch, heads, vp // block_v),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j)), state_spec],
+        out_shape=[jax.ShapeDtypeStruct((batch, steps, heads, vp), q.dtype),
+                   jax.ShapeDtypeStruct((batch, heads, kp, vp), jnp.float32)],
+        compiler_params=_params(tuning.decode_warps),
+        interpret=interpret,
+        name="kda_recurrent",
+    )(*inputs)
+    o = o[..., :value_dim]
+    return o, (final[:, :, :key_dim, :value_dim] if output_final_state else None)
+
+
+def _slots_kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_ref, o_ref, pool_out_ref, *,
+                       steps, scale, l2norm, layer, block_v):
+    head = pl.program_id(1)
+    cols = pl.ds(pl.program_id(2) * block_v, block_v)
+    slot = slot_ref[0]
+    state = pool_ref[layer, slot, head, :, cols]
+    body = functools.partial(_recurrent_body, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, g_ref=g_ref, b_ref=b_ref,
+                             o_ref=o_ref, scale=scale, l2norm=l2norm, length=len_ref[0])
+    pool_out_ref[layer, slot, head, :, cols] = jax.lax.fori_loop(0, steps, body, state)
+
+
+def slots_supported(pool_shape) -> bool:
+    """Whether the in-place slots kernel takes a pool [L, S, H, K, V] as it is (K, V powers of two >= 16)."""
+    return all(_pow2_at_least_16(d) == d for d in pool_shape[-2:])
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "scale", "use_qk_l2norm_in_kernel", "interpret", "tuning"))
+def fused_recurrent_kda_slots(q, k, v, g, beta, state_pool, slots, layer=0, scale=None,
+                              use_qk_l2norm_in_kernel=False, lengths=None, interpret=False, tuning=DEFAULT_TUNING):
+    """Recurrent KDA reading and writing states in place in a pool, for serving.
+
+    state_pool [L, S, H, K, V] f32 (every KDA layer's slots; K and V powers of two >= 16), slots [B] int32 (row b
+    uses state_pool[layer, slots[b]]). Returns (o [B, T, H, V], the updated pool). Rows sharing a slot race: give
+    padding rows a scratch slot.
+    """
+    batch, steps, heads, key_dim = k.shape
+    value_dim = v.shape[-1]
+    if state_pool.shape[-2:] != (key_dim, value_dim) or not slots_supported(state_pool.shape):
+        raise ValueError(f"state pool {state_pool.shape} needs head dims ({key_dim}, {value_dim}) that are powers "
+                         "of two >= 16")
+    q, k, v, g, beta, lengths, scale, kp, vp = _recurrent_inputs(q, k, v, g, beta, lengths, scale)
+    block_v = min(tuning.decode_block_v, vp)
+    sq = pl.squeezed
+    row = pl.BlockSpec((1,), lambda b, h, j: (b,))
+    o, pool = pl.pallas_call(
+        functools.partial(_slots_kernel, steps=steps, scale=scale, l2norm=use_qk_l2norm_in_kernel,
+                          layer=layer, block_v=block_v),
+        grid=(batch, heads, vp // block_v),
+        in_specs=[row, row] + _token_specs(steps, kp, vp, block_v) + [pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[pl.BlockSpec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j)),
+                   pl.BlockSpec(memory_space=pl.ANY)],
+        out_shape=[jax.ShapeDtypeStruct((batch, steps, heads, vp), q.dtype),
+                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
+        input_output_aliases={7: 1},
+        compiler_params=_params(tuning.decode_warps),
+        interpret=interpret,
+        name="kda_recurrent_slots",
+    )(slots.astype(jnp.int32), lengths, q, k, v, g, beta, state_pool)
+    return o, pool
+
+
+def l2norm(x):
+    """The l2 normalisation the kernels apply with `use_qk_l2norm_in_kernel` (same as the reference's)."""
+    return _l2norm_ref(x, _EPS)

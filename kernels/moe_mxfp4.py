@@ -1,0 +1,327 @@
+"""Pallas (Triton) grouped expert matmuls over MXFP4 or converted (FP8 / BF16) routed experts, and the MXFP4 ->
+workspace conversion kernel.
+
+`grouped_swiglu` runs one MoE layer's routed experts: pairs are grouped into one-expert row tiles (`moe_tiles`), a
+gate/up kernel computes silu(x W_gate^T) * (x W_up^T) for each tile, a down kernel projects back, and the outputs are
+combined per token. The grid is (row tiles, output-column tiles); a tile past the used ones exits at once, so a
+decode step reads only the chosen experts' weights.
+
+Conversion happens on each weight tile immediately before the MMA, in registers:
+- the K axis is split into even and odd elements (the low and high nibbles of each byte), and the activations are
+  split the same way outside the kernel, so out = x_even W_lo^T + x_odd W_hi^T needs no interleaving;
+- an E2M1 nibble becomes an fp16 bit pattern with three integer ops: (mag << 9) | (sign << 15) reads as E2M1 * 2^-14
+  (0.5 lands on the fp16 subnormal 2^-15); an FP8 e4m3 byte likewise reads as its value * 2^-8;
+- per weight row and K step (up to `max_groups` blocks of 32), blocks are rescaled by 2^(s - s_max) in fp16 and
+  2^(s_max - 127) is applied to the fp32 partial sum after the dot. Exact while the scales of a row inside one K step
+  span at most 9 binades (fp16 subnormals below that lose bits of the smaller blocks);
+- the MMA runs in fp16 x fp16 -> fp32; activations are rounded to fp16 (11 significant bits, more than bf16) after a
+  per-row power-of-two scaling that keeps them below 2^15, undone on the fp32 result.
+The BF16 workspace format holds scaled bf16 values and runs a plain bf16 MMA.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from . import moe_tiles
+from .mxfp4 import BLOCK, SCALE_NAN, ExpertWeights
+
+_HALF = BLOCK // 2
+_UNIT = {"mxfp4": 2.0 ** 14, "float8_e4m3fn": 2.0 ** 8}  # what the fp16 bit patterns are scaled down by
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and Triton launch parameters of the grouped matmuls (block dims powers of two, >= 16)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    max_groups: int = 8  # blocks of 32 per K step (the K of each dot is 16 * groups)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def choose_tiles(n_pairs: int, n_experts: int) -> Tiles:
+    """Tiles for a layer call of `n_pairs` token-expert pairs: 16-row tiles for decode-sized batches (the weights
+    are read once per tile; fewer wasted rows), 64-row tiles once experts see many tokens (prefill)."""
+    rows = n_pairs / max(1, min(n_experts, n_pairs))
+    if rows <= 16:
+        return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3)
+    if rows <= 48:
+        return Tiles(block_m=32, block_n=64, max_groups=4, num_stages=3)
+    return Tiles(block_m=64, block_n=64, max_groups=4, num_stages=3)
+
+
+def _group_tile(groups: int, limit: int) -> int:
+    """Largest power of two <= limit dividing `groups`."""
+    g = 1
+    while g * 2 <= limit and groups % (g * 2) == 0:
+        g *= 2
+    return g
+
+
+def _plane(i: int):
+    """A constant index as a traced int32 (a bare Python int trips masked-load discharge in interpret mode)."""
+    return jnp.int32(i)
+
+
+def _pow2_f32(e):
+    """2^(e-127) as float32 from an int32 biased exponent e in [1, 254] (0 -> 0.0)."""
+    return jax.lax.bitcast_convert_type(e << 23, jnp.float32)
+
+
+def _f16(bits):
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+
+
+def _nibbles_to_f16(b):
+    """int32 bytes -> (low, high) nibbles as fp16 E2M1 * 2^-14."""
+    lo = ((b & 0x7) << 9) | ((b & 0x8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    return _f16(lo), _f16(hi)
+
+
+def _e4m3_to_f16(b):
+    """int32 e4m3 bytes -> fp16 value * 2^-8 (exponent and mantissa fields move up unchanged)."""
+    return _f16(((b & 0x7F) << 7) | ((b & 0x80) << 8))
+
+
+def _tile(fmt, data_ref, scale_ref, slot, expert, c0, p, g0, gk, bn, wmask):
+    """One K step of weight rows [c0, c0+bn) (parity p): (lo, hi) [bn, gk*16] in the MMA dtype and the per-row
+    factor [bn] float32 to apply to their dot (None when the scale is already folded in)."""
+    rows, groups = pl.ds(c0, bn), pl.ds(g0, gk)
+    m3 = wmask[:, None, None]
+    if fmt == "bfloat16":
+        lo = pltriton.load(data_ref.at[slot, rows, p, groups, _plane(0), :], mask=m3, other=0)
+        hi = pltriton.load(data_ref.at[slot, rows, p, groups, _plane(1), :], mask=m3, other=0)
+        return lo.reshape(bn, gk * _HALF), hi.reshape(bn, gk * _HALF), None
+    s = pltriton.load(scale_ref.at[expert, rows, p, groups], mask=wmask[:, None], other=0).astype(jnp.int32)
+    if fmt == "mxfp4":
+        b = pltriton.load(data_ref.at[slot, rows, p, groups, :], mask=m3, other=0).astype(jnp.int32)
+        lo, hi = _nibbles_to_f16(b)
+    else:
+        lo, hi = (_e4m3_to_f16(pltriton.load(data_ref.at[slot, rows, p, groups, _plane(i), :], mask=m3,
+                                             other=0).astype(jnp.int32)) for i in (0, 1))
+    s_max = jnp.max(s, axis=1)
+    rel = _pow2_f32(jnp.maximum(s - s_max[:, None] + 127, 0)).astype(jnp.float16)[:, :, None]
+    lo = (lo * rel).reshape(bn, gk * _HALF)
+    hi = (hi * rel).reshape(bn, gk * _HALF)
+    factor = jnp.where(s_max == SCALE_NAN, jnp.nan, _pow2_f32(s_max) * _UNIT[fmt])
+    return lo, hi, factor
+
+
+def _dot_t(a, b):
+    """a [m, k] . b [n, k]^T -> [m, n] float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _matmul_kernel(te_ref, ts_ref, rs_ref, x_ref, *refs, fmt, gated, bm, bn, gk, k_steps, col_tiles, n_valid,
+                   n_out):
+    per = 1 if fmt == "bfloat16" else 2
+    n_w = 2 if gated else 1
+    wrefs = [refs[i * per:(i + 1) * per] for i in range(n_w)]
+    o_ref = refs[-1]
+    t = pl.program_id(0)
+    j = pl.program_id(1)
+    expert = te_ref[t]
+
+    @pl.when(expert >= 0)
+    def _():
+        slot = ts_ref[t]
+        p = j // col_tiles
+        c0 = (j % col_tiles) * bn
+        cols = c0 + jnp.arange(bn, dtype=jnp.int32)
+        wmask = cols < n_valid
+        r0 = pl.multiple_of(t * bm, bm)
+
+        def step(kk, accs):
+            g0 = kk * gk
+            xl = x_ref[pl.ds(r0, bm), 0, pl.ds(g0 * _HALF, gk * _HALF)]
+            xh = x_ref[pl.ds(r0, bm), 1, pl.ds(g0 * _HALF, gk * _HALF)]
+            out = []
+            for w, acc in zip(wrefs, accs):
+                lo, hi, factor = _tile(fmt, w[0], w[1] if per == 2 else None, slot, expert, c0, p, g0, gk, bn, wmask)
+                d = _dot_t(xl, lo) + _dot_t(xh, hi)
+                out.append(acc + (d if factor is None else d * factor[None, :]))
+            return tuple(out)
+
+        accs = jax.lax.fori_loop(0, k_steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(n_w)))
+        rs = rs_ref[pl.ds(r0, bm)][:, None]
+        if gated:
+            g, u = accs[0] * rs, accs[1] * rs
+            y = g / (1.0 + jnp.exp(-g)) * u
+        else:
+            y = accs[0] * rs
+        pltriton.store(o_ref.at[pl.ds(r0, bm), p, pl.ds(c0, bn)], y.astype(o_ref.dtype), mask=(cols < n_out)[None, :])
+
+
+def _matmul(x_rows, row_scale, tile_expert, tile_slot, weights, *, fmt, gated, n_valid, n_out, parity, out_dtype,
+            tiles: Tiles, interpret: bool):
+    """x_rows [R, 2, Kh] (MMA dtype), row_scale [R] f32, weights: per projection (data view, scales view or None)
+    -> [R, parity, n_out] of out_dtype."""
+    n_rows, _, kh = x_rows.shape
+    groups = kh // _HALF
+    gk = _group_tile(groups, tiles.max_groups)
+    col_tiles = pl.cdiv(n_out, tiles.block_n)
+    kernel = functools.partial(_matmul_kernel, fmt=fmt, gated=gated, bm=tiles.block_m, bn=tiles.block_n, gk=gk,
+                               k_steps=groups // gk, col_tiles=col_tiles, n_valid=n_valid, n_out=n_out)
+    flat = [a for w in weights for a in w if a is not None]
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n_rows, parity, n_out), out_dtype),
+        grid=(n_rows // tiles.block_m, parity * col_tiles),
+        compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="moe_gate_up" if gated else "moe_down",
+    )(tile_expert, tile_slot, row_scale, x_rows, *flat)
+
+
+def mma_operand(v: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """v [R, 2, K] -> (v in the MMA dtype, per-row factor [R] float32 to multiply results by). For fp16 each row is
+    scaled by a power of two that keeps it below 2^15 (exact; only rows with values >= 2^15 are scaled)."""
+    if jnp.dtype(dtype) != jnp.float16:
+        return v.astype(dtype), jnp.ones(v.shape[:1], jnp.float32)
+    v = v.astype(jnp.float32)
+    _, ex = jnp.frexp(jnp.max(jnp.abs(v), axis=(1, 2)))
+    c = jnp.clip(ex.astype(jnp.int32) - 15, 0, 126)
+    return (v * _pow2_f32(127 - c)[:, None, None]).astype(jnp.float16), _pow2_f32(127 + c)
+
+
+def split_even_odd(x: jax.Array, groups: int) -> jax.Array:
+    """x [T, K] -> [T, 2, groups*16]: zero-padded to groups*32 columns, even columns in plane 0, odd in plane 1."""
+    t, k = x.shape
+    x = jnp.pad(x, ((0, 0), (0, groups * BLOCK - k)))
+    return x.reshape(t, groups * _HALF, 2).swapaxes(1, 2)
+
+
+def _views(ew: ExpertWeights):
+    """Kernel views: gate/up rows split by parity ([X, I/2, 2, ...]: output column c, parity p is row 2c + p, so the
+    gate/up kernel writes the down kernel's even/odd split directly); down with a unit parity axis."""
+    e_i = ew.intermediate_size
+
+    def split(a):
+        return None if a is None else a.reshape(a.shape[0], e_i // 2, 2, *a.shape[2:])
+
+    def unit(a):
+        return None if a is None else a.reshape(a.shape[0], a.shape[1], 1, *a.shape[2:])
+
+    def as_bits(a):  # fp8 is read bytewise
+        return jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype == jnp.float8_e4m3fn else a
+
+    gate_up = [(split(as_bits(ew.gate)), split(ew.gate_scales)), (split(as_bits(ew.up)), split(ew.up_scales))]
+    down = [(unit(as_bits(ew.down)), unit(ew.down_scales))]
+    return gate_up, down
+
+
+class Plan(NamedTuple):
+    """A layer call's schedule and activations, ready for the kernels: the tile schedule, each tile's storage entry
+    (tile_slot [tiles], -1 past the used ones), the rows' activations x_rows [R, 2, Kh] in the MMA dtype (even and odd
+    columns split) and their power-of-two factors x_scale [R]."""
+
+    sched: moe_tiles.Schedule
+    tile_slot: jax.Array
+    x_rows: jax.Array
+    x_scale: jax.Array
+
+
+def plan(x: jax.Array, topk_ids: jax.Array, ew: ExpertWeights, slot_of_expert: jax.Array | None, n_experts: int,
+         tiles: Tiles) -> Plan:
+    """Groups the pairs of topk_ids [T, k] by expert and gathers x [T, D] into the tiles' rows."""
+    sched = moe_tiles.schedule(topk_ids, n_experts, tiles.block_m)
+    tile_slot = sched.tile_expert
+    if slot_of_expert is not None:
+        tile_slot = jnp.where(tile_slot >= 0, slot_of_expert[jnp.maximum(tile_slot, 0)], -1)
+    groups = ew.gate.shape[2]
+    xk, xs = mma_operand(jnp.concatenate([split_even_odd(x, groups), jnp.zeros((1, 2, groups * _HALF), x.dtype)]),
+                         _mma_dtype(ew))
+    return Plan(sched, tile_slot, xk[sched.token_of_row], xs[sched.token_of_row])
+
+
+def _mma_dtype(ew: ExpertWeights):
+    return jnp.bfloat16 if ew.fmt == "bfloat16" else jnp.float16
+
+
+def expert_rows(p: Plan, ew: ExpertWeights, hidden_dtype, tiles: Tiles, interpret: bool = False) -> jax.Array:
+    """The two kernels: gate/up (with SwiGLU, h in `hidden_dtype`) then down -> per-row outputs [R, D] float32."""
+    gate_up, down = _views(ew)
+    common = dict(fmt=ew.fmt, tiles=tiles, interpret=interpret)
+    hidden = ew.hidden_size
+    h = _matmul(p.x_rows, p.x_scale, p.sched.tile_expert, p.tile_slot, gate_up, gated=True,
+                n_valid=ew.intermediate_size // 2, n_out=ew.down.shape[2] * _HALF, parity=2, out_dtype=hidden_dtype,
+                **common)
+    hk, hs = mma_operand(h, _mma_dtype(ew))
+    out = _matmul(hk, hs, p.sched.tile_expert, p.tile_slot, down, gated=False, n_valid=hidden, n_out=hidden,
+                  parity=1, out_dtype=jnp.float32, **common)
+    return out[:, 0, :]
+
+
+def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ew: ExpertWeights,
+                   slot_of_expert: jax.Array | None = None, n_experts: int | None = None, tiles: Tiles | None = None,
+                   interpret: bool = False) -> jax.Array:
+    """Routed SwiGLU experts. x [T, D], topk_ids [T, k] int, topk_weights [T, k] -> [T, D] of x.dtype.
+
+    `ew` holds the weights in any format; entry `slot_of_expert[e]` holds expert e (default: entry e). The
+    intermediate size must be even.
+    """
+    if ew.intermediate_size % 2:
+        raise ValueError(f"the experts' intermediate size ({ew.intermediate_size}) must be even")
+    if n_experts is None:
+        n_experts = slot_of_expert.shape[0] if slot_of_expert is not None else ew.gate.shape[0]
+    tiles = tiles or choose_tiles(topk_ids.size, n_experts)
+    p = plan(x, topk_ids, ew, slot_of_expert, n_experts, tiles)
+    rows = expert_rows(p, ew, x.dtype, tiles, interpret)
+    return moe_tiles.combine(rows, p.sched, topk_weights).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------ conversion
+
+
+def _convert_kernel(need_ref, expert_ref, blocks_ref, scales_ref, ws_in_ref, ws_ref, *, fmt, br, gb, n_rows):
+    del ws_in_ref  # aliased with ws_ref: slots not converted here keep their contents
+    s = pl.program_id(0)
+    i = pl.program_id(1)
+    kk = pl.program_id(2)
+
+    @pl.when(need_ref[s] != 0)
+    def _():
+        e = expert_ref[s]
+        rows, groups = pl.ds(i * br, br), pl.ds(kk * gb, gb)
+        valid = (i * br + jnp.arange(br, dtype=jnp.int32)) < n_rows
+        b = pltriton.load(blocks_ref.at[e, rows, groups, :], mask=valid[:, None, None], other=0).astype(jnp.int32)
+        lo, hi = _nibbles_to_f16(b)
+        if fmt == "float8_e4m3fn":
+            lo = (lo * _UNIT["mxfp4"]).astype(ws_ref.dtype)  # exact: E2M1 values fit e4m3
+            hi = (hi * _UNIT["mxfp4"]).astype(ws_ref.dtype)
+        else:
+            sc = pltriton.load(scales_ref.at[e, rows, groups], mask=valid[:, None], other=0).astype(jnp.int32)
+            f = jnp.where(sc == SCALE_NAN, jnp.nan, _pow2_f32(sc) * _UNIT["mxfp4"])[:, :, None]
+            lo = (lo.astype(jnp.float32) * f).astype(ws_ref.dtype)
+            hi = (hi.astype(jnp.float32) * f).astype(ws_ref.dtype)
+        pltriton.store(ws_ref.at[s, rows, groups, _plane(0), :], lo, mask=valid[:, None, None])
+        pltriton.store(ws_ref.at[s, rows, groups, _plane(1), :], hi, mask=valid[:, None, None])
+
+
+def convert(ws: jax.Array, need: jax.Array, slot_expert: jax.Array, blocks: jax.Array, scales: jax.Array,
+            block_rows: int = 64, max_groups: int = 8, interpret: bool = False) -> jax.Array:
+    """Converts expert `slot_expert[s]` of packed `blocks` [E, N, n, 16] / `scales` [E, N, n] into workspace slot s
+    of `ws` [S, N, n, 2, 16] (float8_e4m3fn or bfloat16) wherever need[s] != 0; other slots keep their contents
+    (the workspace buffer is updated in place)."""
+    n_slots, n_rows, groups = ws.shape[:3]
+    gb = _group_tile(groups, max_groups)
+    kernel = functools.partial(_convert_kernel, fmt=jnp.dtype(ws.dtype).name, br=block_rows, gb=gb, n_rows=n_rows)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct(ws.shape, ws.dtype),
+        grid=(n_slots, pl.cdiv(n_rows, block_rows), groups // gb),
+        input_output_aliases={4: 0},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="mxfp4_to_workspace",
+    )(need.astype(jnp.int32), slot_expert.astype(jnp.int32), blocks, scales, ws)

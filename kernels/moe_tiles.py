@@ -1,0 +1,59 @@
+"""Token-expert pairs grouped into row tiles that each belong to one expert (the schedule of the grouped matmuls).
+
+Pairs are sorted by expert and each expert's rows are padded to a multiple of `block_m`, so a tile of `block_m`
+rows never mixes experts and needs no row masks. The number of tiles is bounded statically by
+ceil((P + min(E, P) * (block_m - 1)) / block_m) for P = tokens * top_k pairs; tiles past the used ones are marked
+-1 and the kernels skip them, so empty experts cost nothing and a decode step touches only the chosen experts.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Schedule(NamedTuple):
+    """row_of_pair [T, k] int32: the padded row of each (token, choice); token_of_row [R] int32: the token a row
+    reads (T, one past the last token, for padding rows); tile_expert [R / block_m] int32: each tile's expert or -1;
+    group_sizes [E] int32: pairs per expert."""
+
+    row_of_pair: jax.Array
+    token_of_row: jax.Array
+    tile_expert: jax.Array
+    group_sizes: jax.Array
+
+
+def max_tiles(n_pairs: int, n_experts: int, block_m: int) -> int:
+    """Static upper bound on the tiles any routing of `n_pairs` pairs over `n_experts` experts needs."""
+    return -(-(n_pairs + min(n_experts, n_pairs) * (block_m - 1)) // block_m)
+
+
+def schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:
+    """topk_ids [T, k] int -> Schedule (see the class)."""
+    n_tokens, top_k = topk_ids.shape
+    n_pairs = n_tokens * top_k
+    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    tiles = (sizes + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles)
+    first_row = (tile_end - tiles) * block_m
+    offsets = jnp.cumsum(sizes) - sizes
+    order = jnp.argsort(flat, stable=True)
+    expert = flat[order]
+    rows_sorted = first_row[expert] + jnp.arange(n_pairs, dtype=jnp.int32) - offsets[expert]
+    row_of_pair = jnp.zeros((n_pairs,), jnp.int32).at[order].set(rows_sorted)
+    n_tiles = max_tiles(n_pairs, n_experts, block_m)
+    token_of_row = jnp.full((n_tiles * block_m,), n_tokens, jnp.int32).at[row_of_pair].set(
+        jnp.arange(n_pairs, dtype=jnp.int32) // top_k)
+    t = jnp.arange(n_tiles, dtype=jnp.int32)
+    tile_expert = jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)  # one fused compare-sum
+    tile_expert = jnp.where(t < tile_end[-1], tile_expert, -1)
+    return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, tile_expert, sizes)
+
+
+def combine(rows: jax.Array, sched: Schedule, topk_weights: jax.Array) -> jax.Array:
+    """rows [R, D] expert outputs -> [T, D] float32: each token's outputs weighted by its routing weights, summed."""
+    picked = rows[sched.row_of_pair].astype(jnp.float32)  # [T, k, D]
+    return jnp.sum(picked * topk_weights.astype(jnp.float32)[..., None], axis=1)  # no dot: no TF32 on GPUs

@@ -1,0 +1,71 @@
+"""Pallas (Triton lowering) writes into the paged cache, in place (the cache operand is aliased to the output).
+
+`write_decode`: one token per request, one program per request. `write_prefill`: many tokens per request, one
+program per (request, tile of `block_t` tokens), each storing its tile's rows with one scattered store per feature
+segment. A token's row is found through the block table; invalid tokens go to row 0 of the layer's scratch block 0,
+as the reference does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import tiles
+
+
+def _token_rows(pos, ok, table_ref, b, layer_row0, block_size):
+    """Cache rows of tokens at positions `pos` (scalar or vector) of request b; invalid ones -> the scratch row."""
+    safe = jnp.where(ok, pos, 0)
+    page = table_ref[b, safe // block_size]
+    return jnp.where(ok, layer_row0 + page * block_size + safe % block_size, layer_row0)
+
+
+def _decode_kernel(pos_ref, ok_ref, table_ref, val_ref, _cache_ref, out_ref, *, layer_row0, block_size, pieces):
+    b = pl.program_id(0)
+    ok = ok_ref[b] != 0
+    row = _token_rows(pos_ref[b], ok, table_ref, b, layer_row0, block_size)
+    for start, size in pieces:
+        out_ref[row, pl.ds(start, size)] = val_ref[b, pl.ds(start, size)].astype(out_ref.dtype)
+
+
+def _prefill_kernel(pos_ref, ok_ref, table_ref, val_ref, _cache_ref, out_ref, *, layer_row0, block_size, block_t,
+                    pieces):
+    b, i = pl.program_id(0), pl.program_id(1)
+    tokens = pl.ds(i * block_t, block_t)
+    rows = _token_rows(pos_ref[b, tokens], ok_ref[b, tokens] != 0, table_ref, b, layer_row0, block_size)
+    for start, size in pieces:
+        out_ref[rows, pl.ds(start, size)] = val_ref[b, tokens, pl.ds(start, size)].astype(out_ref.dtype)
+
+
+def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
+          values: jax.Array, *, block_t: int = 64, num_warps: int = 4, interpret: bool = False) -> jax.Array:
+    """Same contract as `paged.write_reference`: cache [L, N, block, D], block_tables [B, NB] int32, positions/valid
+    [B, T], values [B, T, D] -> the cache with the tokens stored (in place when the cache buffer is donated)."""
+    n_layers, n_blocks, block_size, width = cache.shape
+    batch, length = positions.shape
+    rows = tiles.cache_rows(cache)
+    common = dict(layer_row0=layer * n_blocks * block_size, block_size=block_size, pieces=tiles.segments(width))
+    positions = positions.astype(jnp.int32)
+    valid = valid.astype(jnp.int32)
+    block_tables = block_tables.astype(jnp.int32)
+    if length == 1:
+        kernel = functools.partial(_decode_kernel, **common)
+        grid = (batch,)
+        args = (positions[:, 0], valid[:, 0], block_tables, values[:, 0])
+    else:
+        block_t = min(block_t, tiles.pow2_at_least(length))
+        padded = tiles.round_up(length, block_t)
+        pad = ((0, 0), (0, padded - length))
+        kernel = functools.partial(_prefill_kernel, block_t=block_t, **common)
+        grid = (batch, padded // block_t)
+        args = (jnp.pad(positions, pad), jnp.pad(valid, pad), block_tables, jnp.pad(values, pad + ((0, 0),)))
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype), grid=grid,
+        input_output_aliases={4: 0}, interpret=interpret, compiler_params=tiles.compiler_params(num_warps, 1),
+        name="paged_write_decode" if length == 1 else "paged_write_prefill",
+    )(*args, rows)
+    return out.reshape(cache.shape)

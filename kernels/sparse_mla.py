@@ -1,0 +1,164 @@
+"""Pallas (Triton lowering) sparse MLA attention in absorbed form over the paged latent cache.
+
+Each query token attends to its own selected tokens (DSA top-k indices, or every causal token when `indices` is
+None: dense MLA). Per program: one query token, `block_h` heads, a range of its selected tokens walked `block_k` at a
+time: their cache rows are found through the block table and gathered ([block_k, R + E], the 576-wide latent as a
+512 and a 64 segment), logits = q_latent . latent + q_rope . k_rope (W_UK already folded into q_latent), online
+softmax in float32, and acc += p . latent (the caller applies W_UV).
+
+- Prefill (`splits == 1`): one program per (token, head block); it normalizes and writes the output. Compute-bound:
+  the gathered latents are shared by `block_h` heads.
+- Decode (one token per request): the selected tokens are split over `splits` programs per (request, head block)
+  so enough programs stream the cache at once (memory-bound); each writes an unnormalized partial (acc, max, sum)
+  and `combine` merges them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import tiles
+
+
+@dataclass(frozen=True)
+class SparseMLAConfig:
+    """Tile sizes and launch parameters (powers of two)."""
+
+    block_h: int = 32  # heads per program
+    block_k: int = 32  # selected tokens per online-softmax step
+    decode_programs: int = 264  # decode: split the selected tokens until about this many programs run ...
+    min_split_tokens: int = 256  # ... while each split keeps at least this many (its partial costs H x R floats)
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces, rope_pieces, layer_row0,
+            block_size, partial):
+    if dense:
+        ql_ref, qr_ref, pos_ref, table_ref, lat_ref, *outs = refs
+        idx_ref = None
+    else:
+        ql_ref, qr_ref, pos_ref, idx_ref, table_ref, lat_ref, *outs = refs
+    r, split = pl.program_id(0), pl.program_id(2)
+    b = r // length
+    qpos = pos_ref[r]
+    q_lat = [ql_ref[:, pl.ds(start, size)] for start, size in rank_pieces]
+    q_rope = [qr_ref[:, pl.ds(start, size)] for start, size in rope_pieces]
+    rank = sum(size for _, size in rank_pieces)
+    heads = ql_ref.shape[0]
+
+    def step(c, carry):
+        m, l, accs = carry
+        if dense:
+            idx = c * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
+        else:
+            idx = idx_ref[r, pl.ds(c * block_k, block_k)]
+        ok = (idx >= 0) & (idx <= qpos)
+        safe = jnp.where(ok, idx, 0)
+        rows = layer_row0 + table_ref[b, safe // block_size] * block_size + safe % block_size
+        lat = [jnp.where(ok[:, None], lat_ref[rows, pl.ds(start, size)], 0) for start, size in rank_pieces]
+        rope = [lat_ref[rows, pl.ds(rank + start, size)] for start, size in rope_pieces]
+        logits = sum(tiles.mm_nt(q, k) for q, k in zip(q_lat + q_rope, lat + rope)) * scale  # [heads, block_k]
+        logits = jnp.where(ok[None, :], logits, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp(m - m_safe)
+        p = jnp.exp(logits - m_safe[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        p = p.astype(lat[0].dtype)
+        accs = tuple(acc * alpha[:, None] + tiles.mm(p, v) for acc, v in zip(accs, lat))
+        return m_new, l, accs
+
+    first = split * chunks_per_split
+    last = first + chunks_per_split
+    if dense:  # only chunks holding keys at or before the query position
+        last = jnp.minimum(last, (qpos + block_k) // block_k)
+    init = (jnp.full((heads,), -jnp.inf, jnp.float32), jnp.zeros((heads,), jnp.float32),
+            tuple(jnp.zeros((heads, size), jnp.float32) for _, size in rank_pieces))
+    m, l, accs = jax.lax.fori_loop(first, jnp.maximum(first, last) if dense else last, step, init)
+    if partial:
+        acc_ref, m_ref, l_ref = outs
+        for (start, size), acc in zip(rank_pieces, accs):
+            acc_ref[:, pl.ds(start, size)] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+    else:
+        (o_ref,) = outs
+        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+        for (start, size), acc in zip(rank_pieces, accs):
+            o_ref[:, pl.ds(start, size)] = (acc * inv[:, None]).astype(o_ref.dtype)
+
+
+def combine(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
+    """Partials acc [R, splits, H, D], m/l [R, splits, H] float32 -> normalized [R, H, D] in `dtype`."""
+    m_max = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.exp(m - jnp.where(m_max == -jnp.inf, 0.0, m_max))  # 0 for empty splits
+    total = jnp.sum(w * l, axis=1)
+    out = jnp.sum(w[..., None] * acc, axis=1)
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
+
+
+def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: int, block_tables: jax.Array,
+               query_positions: jax.Array, indices: jax.Array | None, scale: float,
+               config: SparseMLAConfig = SparseMLAConfig(), interpret: bool = False) -> jax.Array:
+    """q_latent [B, T, H, R], q_rope [B, T, H, E], cache [L, N, block, R + E] read at `layer` through block_tables
+    [B, max_blocks], query_positions [B, T] int (-1: a padding token), indices [B, T, K] int32 key positions (-1 =
+    none) or None (every key at or before the query position) -> latent outputs [B, T, H, R] in q_latent.dtype.
+    One token per request (T == 1) takes the split decode path."""
+    batch, length, heads, rank = q_latent.shape
+    rope_dim = q_rope.shape[-1]
+    n_layers, n_blocks, block_size, width = cache.shape
+    n_rows = batch * length
+    block_h = min(config.block_h, tiles.pow2_at_least(heads, 16))
+    heads_p = tiles.round_up(heads, block_h)
+    block_k = config.block_k
+    num_keys = block_tables.shape[1] * block_size if indices is None else indices.shape[-1]
+    n_chunks = -(-num_keys // block_k)
+    splits = 1
+    if length == 1:
+        wanted = -(-config.decode_programs // (n_rows * (heads_p // block_h)))
+        most = max(1, n_chunks * block_k // config.min_split_tokens)
+        splits = max(1, min(tiles.pow2_at_least(wanted), 1 << (most.bit_length() - 1)))
+    n_chunks = tiles.round_up(n_chunks, splits)
+    out_dtype = q_latent.dtype
+    q_latent = jnp.pad(q_latent.reshape(n_rows, heads, rank).astype(cache.dtype),
+                       ((0, 0), (0, heads_p - heads), (0, 0)))
+    q_rope = jnp.pad(q_rope.reshape(n_rows, heads, rope_dim).astype(cache.dtype),
+                     ((0, 0), (0, heads_p - heads), (0, 0)))
+    tables = block_tables.astype(jnp.int32)
+    args = [q_latent, q_rope, query_positions.reshape(n_rows).astype(jnp.int32)]
+    if indices is not None:
+        idx = indices.reshape(n_rows, -1).astype(jnp.int32)
+        args.append(jnp.pad(idx, ((0, 0), (0, n_chunks * block_k - idx.shape[1])), constant_values=-1))
+    args += [tables, tiles.cache_rows(cache)]
+    kernel = functools.partial(
+        _kernel, length=length, block_k=block_k, chunks_per_split=n_chunks // splits, dense=indices is None,
+        scale=scale, rank_pieces=tiles.segments(rank), rope_pieces=tiles.segments(rope_dim),
+        layer_row0=layer * n_blocks * block_size, block_size=block_size, partial=splits > 1)
+    grid = (n_rows, heads_p // block_h, splits)
+    in_specs = [pl.BlockSpec((None, block_h, rank), lambda r, h, s: (r, h, 0)),
+                pl.BlockSpec((None, block_h, rope_dim), lambda r, h, s: (r, h, 0))]
+    in_specs += [pl.no_block_spec] * (len(args) - 2)
+    if splits > 1:
+        out_shape = (jax.ShapeDtypeStruct((n_rows, splits, heads_p, rank), jnp.float32),
+                     jax.ShapeDtypeStruct((n_rows, splits, heads_p), jnp.float32),
+                     jax.ShapeDtypeStruct((n_rows, splits, heads_p), jnp.float32))
+        out_specs = (pl.BlockSpec((None, None, block_h, rank), lambda r, h, s: (r, s, h, 0)),
+                     pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h)),
+                     pl.BlockSpec((None, None, block_h), lambda r, h, s: (r, s, h)))
+    else:
+        out_shape = jax.ShapeDtypeStruct((n_rows, heads_p, rank), out_dtype)
+        out_specs = pl.BlockSpec((None, block_h, rank), lambda r, h, s: (r, h, 0))
+    out = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
+        compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
+        name="sparse_mla_decode" if splits > 1 else "sparse_mla_prefill",
+    )(*args)
+    if splits > 1:
+        out = combine(*out, out_dtype)
+    return out[:, :heads].reshape(batch, length, heads, rank)

@@ -1,0 +1,63 @@
+"""Tiling helpers shared by the Pallas (Triton lowering) kernels of the paged cache, the DSA indexer and sparse MLA.
+
+Triton tiles must have power-of-two extents, so a feature width is handled as its binary decomposition into
+power-of-two segments, largest first (the 576-wide MLA latent is 512 + 64: two loads and two dots). On a GPU every
+segment that feeds a dot must be at least 16 wide; interpret mode takes any width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
+
+
+def pow2_at_least(n: int, floor: int = 1) -> int:
+    """Smallest power of two >= max(n, floor)."""
+    return max(floor, 1 << max(int(n) - 1, 0).bit_length())
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-int(n) // multiple) * multiple
+
+
+def segments(width: int, offset: int = 0) -> tuple[tuple[int, int], ...]:
+    """(start, size) power-of-two pieces of [offset, offset + width), largest first: 576 -> (0, 512), (512, 64)."""
+    out = []
+    for bit in reversed(range(int(width).bit_length())):
+        if width >> bit & 1:
+            out.append((offset, 1 << bit))
+            offset += 1 << bit
+    return tuple(out)
+
+
+def dots_fit(*widths: int) -> bool:
+    """Whether every power-of-two segment of these feature widths can feed a Triton dot (>= 16 wide)."""
+    return all(size >= 16 for width in widths for _, size in segments(width))
+
+
+def precision(dtype) -> jax.lax.Precision:
+    """f32 operands keep f32 dots (IEEE); 16-bit operands take the tensor-core path."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def mm(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] @ b [K, N] -> [M, N] float32."""
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision(a.dtype),
+                               preferred_element_type=jnp.float32)
+
+
+def mm_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] @ b [N, K]^T -> [M, N] float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision(a.dtype),
+                               preferred_element_type=jnp.float32)
+
+
+def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def cache_rows(cache: jax.Array) -> jax.Array:
+    """A paged cache [L, N, block, D] viewed as rows [L * N * block, D] (a free reshape): kernels address token
+    (layer, page, offset) as row (layer * N + page) * block + offset."""
+    return cache.reshape(-1, cache.shape[-1])

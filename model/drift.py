@@ -1,0 +1,133 @@
+"""Whole-model, layer-by-layer drift of MXFP4 experts: online conversion vs offline-dequantized vs the original.
+
+Three runs of the same tokens: the original checkpoint (bf16/f32 experts), the MXFP4 checkpoint with experts
+converted online (the kernels' path: fused or through the workspace), and the same MXFP4 weights dequantized once
+into dense experts (`mxfp4_offline.dequantize_experts`). Per entry (embeddings, each layer, logits computed from the
+final hidden states in float64) it reports the relative max error (max |a - b| / max |b|) of online vs offline (the
+kernels' own error: rounding only), offline vs original (the quantization error) and online vs original, plus the
+workspace hit rate of the online run.
+`dayzero-drift --model DIR` quantizes DIR itself (into a temporary directory) unless `--mxfp4 DIR` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from .compare import Comparison, compare_hidden_states, entry_names
+from .config import ModelConfig, MXFP4Execution
+from .errors import DayzeroError
+from .model import Model, load_checkpoint
+from .mxfp4_offline import dequantize_experts
+from .quantize import quantize_checkpoint
+
+PAIRS = ("online vs offline", "offline vs original", "online vs original")
+
+
+@dataclass(frozen=True)
+class Drift:
+    """The three comparisons (see PAIRS), each a `Comparison` over the same entries, and the online run's workspace
+    counters (None when that run converted tile by tile, without the workspace)."""
+
+    comparisons: tuple[Comparison, Comparison, Comparison]
+    workspace_hits: int | None
+    workspace_misses: int | None
+    execution: MXFP4Execution
+
+    def format(self) -> str:
+        lines = [f"{'entry':<34}" + "".join(f"{p:>22}" for p in PAIRS) + "   (relative max error)"]
+        rows = list(zip(*(c.rows + ((c.logits,) if c.logits else ()) for c in self.comparisons)))
+        for row in rows:
+            lines.append(f"{row[0].name:<34}" + "".join(f"{r.rel:>22.3e}" for r in row))
+        ex = self.execution
+        if self.workspace_hits is None:
+            lines.append(f"online run: mode {ex.mode!r}, impl {ex.impl or 'default'}, experts converted tile by tile "
+                         "before each MMA (no workspace)")
+        else:
+            total = self.workspace_hits + self.workspace_misses
+            rate = self.workspace_hits / total if total else float("nan")
+            lines.append(f"online run: mode {ex.mode!r}, impl {ex.impl or 'default'}, {ex.workspace_dtype} workspace: "
+                         f"{self.workspace_misses} conversions, {self.workspace_hits} reused (hit rate {rate:.1%})")
+        return "\n".join(lines)
+
+
+def workspace_counters(model: Model, token_ids) -> tuple[int, int] | None:
+    """(hits, misses) of the MXFP4 workspace over one forward pass of `token_ids`, None when it is not used."""
+    _, state = model.module.apply({"params": model.params}, jnp.asarray(token_ids, jnp.int32),
+                                  mutable=["intermediates"])
+    found = state.get("intermediates", {}).get("mxfp4_workspace")
+    if not found:
+        return None
+    hits, misses = (int(v) for v in np.asarray(found[0]))
+    return hits, misses
+
+
+def _logits(model: Model, final: np.ndarray) -> np.ndarray:
+    """Logits [B, T, V] in float64 from the final hidden states (after the final norm): one forward pass per run
+    gives both the layers and the logits."""
+    p = model.params
+    head = np.asarray(p["embed_tokens"], np.float64).T if model.config.tie_word_embeddings else np.asarray(
+        p["lm_head"], np.float64)
+    return np.asarray(final, np.float64) @ head
+
+
+def drift_report(original: str, mxfp4_dir: str, token_ids: np.ndarray, dtype: str = "float32",
+                 execution: MXFP4Execution | None = None) -> Drift:
+    """Runs the three models on token_ids [B, T] and compares them entry by entry."""
+    execution = execution or MXFP4Execution()
+    base = load_checkpoint(original, dtype=dtype, progress=False)
+    packed = load_checkpoint(mxfp4_dir, dtype=dtype, progress=False)
+    online = Model(packed.config.replace(mxfp4=execution), packed.params, packed.dtype)
+    offline = dequantize_experts(packed)
+    runs = []
+    for m in (online, offline, base):
+        hidden = [np.asarray(h) for h in m.hidden_states(token_ids)]
+        runs.append((_logits(m, hidden[-1]), hidden))
+    names = entry_names(base.config)
+    pairs = ((0, 1), (1, 2), (0, 2))
+    comparisons = tuple(compare_hidden_states(runs[a][1], runs[b][1], rtol=float("inf"), names=names,
+                                              logits=(runs[a][0], runs[b][0])) for a, b in pairs)
+    counters = workspace_counters(online, token_ids)
+    hits, misses = counters if counters is not None else (None, None)
+    return Drift(comparisons, hits, misses, execution)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dayzero-drift", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="original checkpoint (bf16/f16/f32 experts)")
+    parser.add_argument("--mxfp4", help="its MXFP4 checkpoint (default: dayzero-quantize --model into a temp dir)")
+    parser.add_argument("--length", type=int, default=64, help="random prompt length")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", help="param/compute dtype of all three runs")
+    parser.add_argument("--mode", default="auto", choices=("auto", "fused", "workspace"),
+                        help="MXFP4 execution of the online run")
+    parser.add_argument("--workspace-dtype", default="float8_e4m3fn", choices=("float8_e4m3fn", "bfloat16"))
+    parser.add_argument("--impl", choices=("pallas", "interpret", "reference"),
+                        help="force the experts' kernels (default: the platform's choice)")
+    args = parser.parse_args(argv)
+    try:
+        execution = MXFP4Execution(mode=args.mode, workspace_dtype=args.workspace_dtype, impl=args.impl)
+        with tempfile.TemporaryDirectory() as tmp:
+            mxfp4_dir = args.mxfp4
+            if mxfp4_dir is None:
+                mxfp4_dir = tmp
+                print(quantize_checkpoint(args.model, tmp).format())
+            vocab = ModelConfig.from_pretrained(args.model).vocab_size
+            ids = np.random.default_rng(args.seed).integers(0, vocab, (args.batch, args.length))
+            report = drift_report(args.model, mxfp4_dir, ids, args.dtype, execution)
+    except DayzeroError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.format())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Shared MXFP4 MoE test cases (CPU interpret tests and tests/gpu): random packed experts, routings, and a float64
+numpy oracle of the routed SwiGLU experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dayzero.kernels import mxfp4
+
+_quantize = jax.jit(mxfp4.quantize)
+_to_workspace = jax.jit(mxfp4.to_workspace, static_argnums=2)
+
+ROUTINGS = ("random", "one_expert_takes_all", "empty_experts", "single_last")
+
+
+def packed_experts(rng, n_experts: int, hidden: int, inter: int, fmt: str = "mxfp4") -> mxfp4.ExpertWeights:
+    """Experts quantized from N(0, 1/sqrt(fan_in)) weights (scales vary a few binades, like real ones)."""
+    def one(rows, cols):
+        w = rng.standard_normal((n_experts, rows, cols)).astype(np.float32) / np.sqrt(cols)
+        return _quantize(jnp.asarray(w))
+
+    (gb, gs), (ub, us), (db, ds) = one(inter, hidden), one(inter, hidden), one(hidden, inter)
+    ew = mxfp4.ExpertWeights(gb, ub, db, gs, us, ds)
+    return ew if fmt == "mxfp4" else converted(ew, fmt)
+
+
+def converted(ew: mxfp4.ExpertWeights, fmt: str) -> mxfp4.ExpertWeights:
+    """The same experts converted offline to a workspace format."""
+    data = [_to_workspace(b, s, fmt) for b, s in ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales),
+                                                       (ew.down, ew.down_scales))]
+    scales = (ew.gate_scales, ew.up_scales, ew.down_scales) if fmt == "float8_e4m3fn" else (None, None, None)
+    return mxfp4.ExpertWeights(*data, *scales, fmt=fmt)
+
+
+def routing(rng, kind: str, n_tokens: int, n_experts: int, top_k: int = 2):
+    """topk_ids [T, k] int32 and weights [T, k] float32 for a routing pattern:
+    random (distinct experts per token); one_expert_takes_all (expert 1 in every token's choices, the second choice
+    from two others: the rest empty); empty_experts (only the even experts are used); single_last (everything on
+    the last expert, top-1)."""
+    if kind == "random":
+        ids = np.stack([rng.choice(n_experts, top_k, replace=False) for _ in range(n_tokens)])
+    elif kind == "one_expert_takes_all":
+        ids = np.stack([np.full(n_tokens, 1), rng.choice([2, n_experts - 1], n_tokens)], axis=1)[:, :top_k]
+    elif kind == "empty_experts":
+        ids = np.stack([rng.choice(np.arange(0, n_experts, 2), top_k, replace=False) for _ in range(n_tokens)])
+    elif kind == "single_last":
+        ids = np.full((n_tokens, 1), n_experts - 1)
+    else:
+        raise AssertionError(kind)
+    return ids.astype(np.int32), rng.uniform(0.1, 1.0, ids.shape).astype(np.float32)
+
+
+@jax.jit
+def _dense(ew: mxfp4.ExpertWeights):
+    n = ew.gate.shape[0]
+    return ew.dense(jnp.arange(n), jnp.arange(n), jnp.float32)
+
+
+def dense_weights(ew: mxfp4.ExpertWeights):
+    """float64 numpy [E, out, in] per projection (MXFP4 or offline-converted experts)."""
+    return [np.asarray(a, np.float64).swapaxes(1, 2) for a in _dense(ew)]
+
+
+def oracle(x, ids, weights, ew: mxfp4.ExpertWeights) -> np.ndarray:
+    """Routed SwiGLU experts in float64: sum_k w_k * down(silu(gate x) * up x) of expert ids[:, k]."""
+    wg, wu, wd = dense_weights(ew)
+    x = np.asarray(x, np.float64)
+    y = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            g, u = wg[e] @ x[t], wu[e] @ x[t]
+            y[t] += weights[t, j] * (wd[e] @ (g / (1 + np.exp(-g)) * u))
+    return y
+
+
+def rel_err(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))

@@ -1,0 +1,162 @@
+"""KDA Pallas kernels (interpret mode on CPU) against the plain-jnp reference and transformers' torch KDA, plus a
+check that each kernel lowers through Pallas' Triton backend for CUDA at production shapes.
+
+Fresh random inputs every run (the `seed` fixture); shapes are small because interpret mode is slow.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dayzero.kernels import kda as kda_ops
+from dayzero.kernels.kda import pallas as kda_pallas
+from dayzero.kernels.kda import reference as kda_ref
+from test_kernels_reference import _hf_kda, assert_close, hf_chunk_kda, hf_recurrent_kda, kda_inputs, run_kda
+from triton_lowering import count_triton_kernels
+
+F32 = 2e-5  # interpret mode computes in float32 throughout
+
+
+def _chunk(inputs, dtype=jnp.float32, **kwargs):
+    return run_kda(kda_pallas.chunk_kda, inputs, dtype=dtype, interpret=True, **kwargs)
+
+
+def _recurrent(inputs, dtype=jnp.float32, **kwargs):
+    return run_kda(kda_pallas.fused_recurrent_kda, inputs, dtype=dtype, interpret=True, **kwargs)
+
+
+# Interpret mode compiles one program per shape and flag set (tens of seconds on 2 cores), so the tests share a
+# few: STD (ragged length, K != V, l2norm, initial state), RAGGED (head dims padded to powers of two, rows of
+# unequal lengths, chunk states) and a bf16 one (l2norm off).
+STD = dict(B=2, T=77, H=2, K=32, V=16)
+
+
+def _std_inputs(seed, **kwargs):
+    return kda_inputs(seed, STD["B"], STD["T"], STD["H"], STD["K"], STD["V"], l2norm=True, init=True, **kwargs)
+
+
+def test_chunk_kernel_matches_reference_and_transformers(seed):
+    inputs = _std_inputs(seed, g_max=2.0)
+    o, s = _chunk(inputs, l2norm=True)
+    o_ref, s_ref = run_kda(kda_ref.chunk_kda, inputs, l2norm=True)
+    assert o.shape == o_ref.shape and s.shape == s_ref.shape
+    assert_close(o, o_ref, F32, "pallas chunk output", seed)
+    assert_close(s, s_ref, F32, "pallas chunk state", seed)
+    hf_o, hf_s = _hf_kda(hf_chunk_kda, inputs, True)
+    assert_close(o, hf_o, 1e-4, "pallas chunk vs transformers output", seed)
+    assert_close(s, hf_s, 1e-4, "pallas chunk vs transformers state", seed)
+
+
+def test_strong_decay(seed):
+    """Log-decays of -8 per step and -50 on a third of the channels: finite, same as the recurrence."""
+    inputs = _std_inputs(seed, g_max=8.0, g_extreme=-50.0)
+    hf_o, hf_s = _hf_kda(hf_recurrent_kda, inputs, True)
+    o, s = _chunk(inputs, l2norm=True)
+    assert_close(o, hf_o, 3e-4, "strong decay output vs transformers recurrent", seed)
+    assert_close(s, hf_s, 3e-4, "strong decay state vs transformers recurrent", seed)
+
+
+def test_unequal_lengths_padded_dims_and_chunk_states(seed):
+    """Rows of different lengths in one call equal each row run alone (head dims 24 / 20 padded inside); states
+    after each chunk equal the recurrence's state at that boundary; outputs past a row's length are zero."""
+    B, T, H, K, V = 3, 150, 2, 24, 20
+    inputs = kda_inputs(seed, B, T, H, K, V, g_max=1.0, l2norm=True, init=True)
+    lengths = np.array([150, 64, 97], np.int32)
+    o, s, states = run_kda(kda_pallas.chunk_kda, inputs, l2norm=True, lengths=jnp.asarray(lengths),
+                           output_chunk_states=True, interpret=True)
+    assert o.shape == (B, T, H, V) and s.shape == (B, H, K, V) and states.shape == (B, 3, H, K, V)
+    ref = run_kda(kda_ref.chunk_kda, inputs, l2norm=True, lengths=jnp.asarray(lengths), output_chunk_states=True)
+    for got, want, what in zip((o, s, states), ref, ("output", "final states", "chunk states")):
+        assert_close(got, want, F32, f"{what} vs the reference with lengths", seed)
+    for b, n in enumerate(lengths):
+        assert not np.any(np.asarray(o[b, n:])), f"row {b}: nonzero output past its length (seed={seed})"
+    q, k, v, g, beta, s0 = inputs  # one row run alone, by the token-by-token recurrence
+    b, n = 2, lengths[2]
+    row = tuple(x[b:b + 1, :n] for x in (q, k, v, g, beta)) + (s0[b:b + 1],)
+    o_b, s_b = run_kda(kda_ref.fused_recurrent_kda, row, l2norm=True)
+    assert_close(o[b:b + 1, :n], o_b, F32, f"row {b} output vs the row alone", seed)
+    assert_close(s[b:b + 1], s_b, F32, f"row {b} final state vs the row alone", seed)
+    assert_close(states[b:b + 1, 1], s_b, F32, f"row {b} state after its last chunk", seed)
+    assert_close(states[1:2, 1], s[1:2], F32, "a row ending on a chunk boundary keeps its state", seed)
+
+
+@pytest.mark.parametrize("T,K,V", [(1, 16, 32), (3, 24, 16)])
+def test_recurrent_kernel_matches_reference(seed, T, K, V):
+    inputs = kda_inputs(seed, 3, T, 2, K, V, g_max=3.0, l2norm=True, init=True)
+    lengths = jnp.array([T, max(T - 1, 0), T], jnp.int32)
+    o, s = _recurrent(inputs, l2norm=True, lengths=lengths)
+    o_ref, s_ref = run_kda(kda_ref.fused_recurrent_kda, inputs, l2norm=True, lengths=lengths)
+    assert_close(o, o_ref, F32, "pallas recurrent output", seed)
+    assert_close(s, s_ref, F32, "pallas recurrent state", seed)
+    hf_o, hf_s = _hf_kda(hf_recurrent_kda, inputs, True)
+    assert_close(o[0], hf_o[0], 1e-4, "pallas recurrent vs transformers", seed)
+
+
+def test_chunk_equals_recurrent_kernel(seed):
+    inputs = _std_inputs(seed, g_max=2.0)
+    o_c, s_c = _chunk(inputs, l2norm=True)
+    o_r, s_r = _recurrent(inputs, l2norm=True)
+    assert_close(o_c, o_r, F32, "chunk vs recurrent kernel output", seed)
+    assert_close(s_c, s_r, F32, "chunk vs recurrent kernel state", seed)
+
+
+@pytest.mark.parametrize("K,V", [(16, 32), (12, 20)])  # in-place kernel; gather/scatter fallback
+def test_slots_update_pool_in_place(seed, K, V):
+    rng = np.random.default_rng(seed)
+    q, k, v, g, beta, _ = kda_inputs(seed, 3, 2, 2, K, V, g_max=2.0, l2norm=True)
+    pool = jnp.asarray(rng.standard_normal((2, 6, 2, K, V)), jnp.float32)
+    slots = jnp.asarray(rng.permutation(np.arange(1, 6))[:3], jnp.int32)
+    args = [jnp.asarray(x) for x in (q, k, v, g, beta)]
+    o_ref, pool_ref = kda_ref.fused_recurrent_kda_slots(*args, pool, slots, layer=1, use_qk_l2norm_in_kernel=True)
+    o, new_pool = kda_ops.fused_recurrent_kda_slots(*args, pool, slots, layer=1, use_qk_l2norm_in_kernel=True,
+                                                   impl="interpret")
+    assert_close(o, o_ref, F32, "slots output", seed)
+    assert_close(new_pool, pool_ref, F32, "slots pool", seed)
+    untouched = np.setdiff1d(np.arange(6), np.asarray(slots))
+    assert np.array_equal(np.asarray(new_pool[1, untouched]), np.asarray(pool[1, untouched]))
+    assert np.array_equal(np.asarray(new_pool[0]), np.asarray(pool[0]))
+    assert not np.allclose(np.asarray(new_pool[1, slots]), np.asarray(pool[1, slots]))
+
+
+def test_bf16_inputs_without_l2norm(seed):
+    """bf16 inputs (the fast path on GPU: bf16 dots, f32 state) stay within bf16 error of the f32 reference on the
+    same rounded inputs; keys normalised outside the kernel (l2norm off)."""
+    inputs = kda_inputs(seed, 1, 96, 2, 32, 32, g_max=1.0, l2norm=False, init=True)
+    rounded = tuple(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in inputs[:5]) + (inputs[5],)
+    o, s = _chunk(rounded, dtype=jnp.bfloat16)
+    o_ref, s_ref = run_kda(kda_ref.chunk_kda, rounded)
+    assert o.dtype == jnp.bfloat16
+    assert_close(o, o_ref, 2e-2, "bf16 chunk output", seed)
+    assert_close(s, s_ref, 2e-2, "bf16 chunk state", seed)
+
+
+def _shapes(B, T, H, K, V, dtype=jnp.bfloat16):
+    S = jax.ShapeDtypeStruct
+    return (S((B, T, H, K), dtype), S((B, T, H, K), dtype), S((B, T, H, V), dtype), S((B, T, H, K), jnp.float32),
+            S((B, T, H), dtype))
+
+
+@pytest.mark.parametrize("shape", [(1, 8192, 32, 128, 128), (2, 77, 3, 24, 20)])
+def test_kernels_lower_to_triton(shape):
+    """Every KDA kernel goes through Pallas' Triton lowering for CUDA (no GPU needed to lower)."""
+    B, T, H, K, V = shape
+    args = _shapes(B, T, H, K, V)
+    state = jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)
+
+    def chunk(q, k, v, g, beta, h0):
+        return kda_pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, output_chunk_states=True)
+
+    def recurrent(q, k, v, g, beta, h0):
+        return kda_pallas.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+    assert count_triton_kernels(chunk, *args, state) == 2
+    assert count_triton_kernels(recurrent, *_shapes(B, 1, H, K, V), state) == 1
+    if kda_pallas.slots_supported((K, V)):
+        pool = jax.ShapeDtypeStruct((3, B + 1, H, K, V), jnp.float32)
+        slots = jax.ShapeDtypeStruct((B,), jnp.int32)
+        slot_fn = lambda *a: kda_pallas.fused_recurrent_kda_slots(*a, layer=2)
+        assert count_triton_kernels(slot_fn, *_shapes(B, 1, H, K, V), pool, slots) == 1

@@ -1,0 +1,173 @@
+"""MXFP4 MoE kernels: the Pallas grouped matmuls (interpret mode) and the jnp reference against a float64 oracle at
+odd token counts and skewed loads, the workspace (residency, conversion kernel), the tile schedule, and the Triton
+lowering of every kernel for CUDA at the medium-hybrid and DeepSeek shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mxfp4_cases import ROUTINGS, oracle, packed_experts, rel_err, routing
+from triton_lowering import count_triton_kernels
+from dayzero.kernels import moe, moe_mxfp4, moe_tiles, moe_workspace, mxfp4
+
+E, D, I = 6, 72, 40  # 72 = 2.25 blocks of 32: a padded, odd number of K groups; 40: masked column tiles
+SMALL = moe_mxfp4.Tiles(block_m=16, block_n=16, max_groups=2)  # several column tiles and K steps
+
+
+_packed = jax.jit(moe.moe_experts_packed, static_argnames=("tiles", "impl"))
+
+
+def _run(x, ids, w, ew, impl, tiles=SMALL, workspace=None, layer=0):
+    return _packed(x, ids, w, ew, layer=layer, workspace=workspace, tiles=tiles, impl=impl)
+
+
+def _check_fused(rng, kind, n_tokens, seed, top_k=2):
+    ew = packed_experts(rng, E, D, I)
+    x = rng.standard_normal((n_tokens, D)).astype(np.float32)
+    ids, w = routing(rng, kind, n_tokens, E, top_k)
+    want = oracle(x, ids, w, ew)
+    got, _ = _run(jnp.asarray(x), ids, w, ew, "interpret")
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert rel_err(got, want) < 4e-3, f"pallas {kind} T={n_tokens}: {rel_err(got, want):.2e} (seed={seed})"
+    ref, _ = _run(jnp.asarray(x), ids, w, ew, "reference")
+    assert rel_err(ref, want) < 1e-5, f"reference {kind}: {rel_err(ref, want):.2e} (seed={seed})"
+
+
+@pytest.mark.parametrize("n_tokens", [1, 13])
+def test_fused_mxfp4_matches_oracle(seed, n_tokens):
+    _check_fused(np.random.default_rng(seed), "random", n_tokens, seed)
+
+
+def test_fused_mxfp4_skewed_loads(seed):
+    """Empty experts, one expert in every token's choices, and every token on one expert (top-1)."""
+    rng = np.random.default_rng(seed)
+    for kind in ROUTINGS[1:]:
+        _check_fused(rng, kind, 9, seed, top_k=1 if kind == "single_last" else 2)
+
+
+@pytest.mark.parametrize("fmt,tol", [("float8_e4m3fn", 4e-3), ("bfloat16", 2e-2)])
+def test_offline_converted_matches_oracle(seed, fmt, tol):
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, E, D, I, fmt)
+    x = rng.standard_normal((11, D)).astype(np.float32)
+    ids, w = routing(rng, "random", 11, E)
+    want = oracle(x, ids, w, ew)
+    got, _ = _run(jnp.asarray(x), ids, w, ew, "interpret")
+    assert rel_err(got, want) < tol, f"pallas {fmt}: {rel_err(got, want):.2e} (seed={seed})"
+
+
+def test_default_tiles_bf16_activations(seed):
+    """choose_tiles' prefill tiles (64 rows, 4 groups per K step) with bf16 activations."""
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, 2, 128, 32)
+    x = jnp.asarray(rng.standard_normal((60, 128)), jnp.bfloat16)
+    ids, w = routing(rng, "random", 60, 2)
+    tiles = moe_mxfp4.choose_tiles(120, 2)
+    assert tiles.block_m == 64 and moe_mxfp4._group_tile(4, tiles.max_groups) == 4
+    got, _ = _run(x, ids, w, ew, "interpret", tiles=None)
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(got, oracle(np.asarray(x, np.float32), ids, w, ew)) < 2e-2
+
+
+@pytest.mark.parametrize("dtype,impl", [("float8_e4m3fn", "interpret"), ("bfloat16", "reference")])
+def test_workspace_layers_reuse_and_match(seed, dtype, impl):
+    """One workspace through two layers and back: conversions counted, resident experts reused, outputs right."""
+    rng = np.random.default_rng(seed)
+    layers = [packed_experts(rng, E, D, I), packed_experts(rng, E, D, I)]
+    x = rng.standard_normal((5, D)).astype(np.float32)
+    ids, w = routing(rng, "random", 5, E)
+    active = len(np.unique(ids))
+    ws = moe_workspace.create(moe_workspace.num_slots(ids.size, E), D, I, dtype)
+    tol = 4e-3 if dtype == "float8_e4m3fn" else 2e-2
+    counts = []
+    for layer in (0, 0, 1):
+        y, ws = _run(jnp.asarray(x), ids, w, layers[layer], impl, workspace=ws, layer=jnp.int32(layer))
+        assert rel_err(y, oracle(x, ids, w, layers[layer])) < tol, f"layer {layer} (seed={seed})"
+        counts.append((int(ws.hits), int(ws.misses)))
+    assert counts == [(0, active), (active, active), (active, 2 * active)]
+    assert moe_workspace.hit_rate(ws) == pytest.approx(1 / 3)
+
+
+def test_workspace_assign_policy():
+    assign = jax.jit(moe_workspace.assign)
+    ws = moe_workspace.create(4, 32, 32)
+    sizes = lambda *experts: jnp.zeros(8, jnp.int32).at[jnp.asarray(experts)].set(3)  # noqa: E731
+    ws, a = assign(ws, 2, sizes(1, 5, 6))
+    assert np.asarray(a.need).tolist() == [True, True, True, False]
+    assert np.asarray(a.slot_of_expert)[[1, 5, 6]].tolist() == [0, 1, 2]
+    assert np.asarray(ws.tags).tolist() == [17, 21, 22, -1]
+    # experts 5 and 6 stay resident in their slots; 0 and 3 take the free slot and the slot of expert 1
+    ws, a = assign(ws, 2, sizes(0, 3, 5, 6))
+    assert np.asarray(a.slot_of_expert)[[5, 6]].tolist() == [1, 2]
+    assert sorted(np.asarray(a.slot_of_expert)[[0, 3]].tolist()) == [0, 3]
+    assert np.asarray(a.need).tolist() == [True, False, False, True]
+    assert (int(ws.hits), int(ws.misses)) == (2, 5)
+    # the same experts of another layer are other weights: all misses
+    ws, a = assign(ws, 3, sizes(0, 3, 5, 6))
+    assert bool(jnp.all(a.need)) and (int(ws.hits), int(ws.misses)) == (2, 9)
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
+def test_convert_kernel_writes_only_needed_slots(seed, dtype):
+    rng = np.random.default_rng(seed)
+    blocks = jnp.asarray(rng.integers(0, 256, (5, 70, 3, 16), dtype=np.uint8))
+    scales = jnp.asarray(rng.integers(110, 140, (5, 70, 3), dtype=np.uint8))
+    old = mxfp4.to_workspace(blocks[:4], scales[:4], dtype)
+    need = jnp.asarray([True, False, True, False])
+    slot_expert = jnp.asarray([4, 0, 2, 0], jnp.int32)
+    new = jax.jit(lambda ws: moe_mxfp4.convert(ws, need, slot_expert, blocks, scales, block_rows=32,
+                                               max_groups=2, interpret=True))(old)
+    want = mxfp4.to_workspace(blocks[jnp.asarray([4, 1, 2, 3])], scales[jnp.asarray([4, 1, 2, 3])], dtype)
+    np.testing.assert_array_equal(np.asarray(new, np.float32), np.asarray(want, np.float32))
+
+
+def test_tile_schedule(seed):
+    rng = np.random.default_rng(seed)
+    ids, _ = routing(rng, "empty_experts", 21, 8, top_k=3)
+    bm = 4
+    s = jax.jit(moe_tiles.schedule, static_argnums=(1, 2))(jnp.asarray(ids), 8, bm)
+    rows = np.asarray(s.row_of_pair).reshape(-1)
+    assert len(set(rows.tolist())) == rows.size  # each pair its own row
+    tile_expert = np.asarray(s.tile_expert)
+    assert tile_expert.size == moe_tiles.max_tiles(ids.size, 8, bm)
+    np.testing.assert_array_equal(tile_expert[rows // bm], ids.reshape(-1))  # a pair's tile is its expert's
+    used = tile_expert[tile_expert >= 0]
+    assert set(used.tolist()) == set(np.unique(ids).tolist())  # empty experts get no tile
+    sizes = np.bincount(ids.reshape(-1), minlength=8)
+    assert used.size == int(np.sum(-(-sizes // bm))) and np.all(tile_expert[used.size:] == -1)
+    token_of_row = np.asarray(s.token_of_row)
+    np.testing.assert_array_equal(token_of_row[rows], np.repeat(np.arange(21), 3))
+    assert np.sum(token_of_row == 21) == token_of_row.size - rows.size  # the rest read the zero row
+
+
+SHAPES = {"medium": (64, 2048, 768, 6), "deepseek": (256, 7168, 2048, 8)}
+
+
+def _specs(n_experts, hidden, inter, fmt):
+    s = jax.ShapeDtypeStruct
+    gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(inter)
+    if fmt == "mxfp4":
+        data = [s((n_experts, inter, gd, 16), jnp.uint8)] * 2 + [s((n_experts, hidden, gi, 16), jnp.uint8)]
+    else:
+        data = [s((n_experts, inter, gd, 2, 16), jnp.dtype(fmt))] * 2 + [s((n_experts, hidden, gi, 2, 16),
+                                                                            jnp.dtype(fmt))]
+    scales = [s((n_experts, inter, gd), jnp.uint8)] * 2 + [s((n_experts, hidden, gi), jnp.uint8)]
+    return mxfp4.ExpertWeights(*data, *(scales if fmt != "bfloat16" else [None] * 3), fmt=fmt)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("n_tokens", [1, 8192])
+def test_kernels_lower_to_triton(shape, n_tokens):
+    n_experts, hidden, inter, top_k = SHAPES[shape]
+    s = jax.ShapeDtypeStruct
+    args = (s((n_tokens, hidden), jnp.bfloat16), s((n_tokens, top_k), jnp.int32), s((n_tokens, top_k), jnp.float32))
+    for fmt in ("mxfp4", "float8_e4m3fn", "bfloat16"):
+        fused = lambda x, i, w, ew: moe.moe_experts_packed(x, i, w, ew, impl="pallas")[0]  # noqa: E731
+        assert count_triton_kernels(fused, *args, _specs(n_experts, hidden, inter, fmt)) == 2, fmt
+    for dtype in ("float8_e4m3fn", "bfloat16"):
+        ws = jax.eval_shape(lambda: moe_workspace.create(min(n_experts, n_tokens * top_k), hidden, inter, dtype))
+        staged = lambda x, i, w, ew, ws: moe.moe_experts_packed(x, i, w, ew, workspace=ws, impl="pallas")  # noqa
+        assert count_triton_kernels(staged, *args, _specs(n_experts, hidden, inter, "mxfp4"), ws) == 5, dtype
