@@ -48,11 +48,16 @@ def _key_tile(table_ref, keys_ref, scales_ref, b, j, *, layer_row0, block_size, 
     return kpos, keys, scales
 
 
-def _rows_kernel(*refs, length, has_scales, block_k, **tile):
+def _unpack_refs(refs, has_scales):
+    """(q, w, positions, block table, keys, scales or None, out) refs of the indexer kernels."""
     if has_scales:
-        q_ref, w_ref, pos_ref, table_ref, keys_ref, scales_ref, out_ref = refs
-    else:
-        (q_ref, w_ref, pos_ref, table_ref, keys_ref, out_ref), scales_ref = refs, None
+        return refs
+    *inputs, out_ref = refs
+    return (*inputs, None, out_ref)
+
+
+def _rows_kernel(*refs, length, has_scales, block_k, **tile):
+    q_ref, w_ref, pos_ref, table_ref, keys_ref, scales_ref, out_ref = _unpack_refs(refs, has_scales)
     r, j = pl.program_id(0), pl.program_id(1)
     qpos = pos_ref[r]
 
@@ -73,10 +78,7 @@ def _rows_kernel(*refs, length, has_scales, block_k, **tile):
 
 
 def _tiles_kernel(*refs, has_scales, block_k, num_heads, **tile):
-    if has_scales:
-        q_ref, w_ref, pos_ref, table_ref, keys_ref, scales_ref, out_ref = refs
-    else:
-        (q_ref, w_ref, pos_ref, table_ref, keys_ref, out_ref), scales_ref = refs, None
+    q_ref, w_ref, pos_ref, table_ref, keys_ref, scales_ref, out_ref = _unpack_refs(refs, has_scales)
     b, j = pl.program_id(0), pl.program_id(2)
     qpos = pos_ref[...]  # [block_q]
     live = j * block_k <= jnp.max(qpos)
