@@ -19,8 +19,12 @@ ENV_OVERRIDE = "DAYZERO_KERNELS"
 
 
 def current_platform() -> str:
-    """Platform name of the default devices ('cpu', 'cuda', 'rocm', or a plugin's name such as 'musa')."""
-    return jax.devices()[0].platform
+    """Platform of the devices in use: the `jax.default_device` in effect (a device or a platform name) if any,
+    else the default backend ('cpu', 'cuda', 'rocm', or a plugin's name such as 'musa')."""
+    device = jax.config.jax_default_device
+    if device is not None:
+        return device if isinstance(device, str) else device.platform
+    return jax.default_backend()
 
 
 def choose(available: tuple[str, ...], impl: str | None = None, platform: str | None = None,

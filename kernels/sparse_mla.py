@@ -116,7 +116,7 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
     n_rows = batch * length
     block_h = min(config.block_h, tiles.pow2_at_least(heads, 16))
     heads_p = tiles.round_up(heads, block_h)
-    block_k = config.block_k
+    block_k = config.block_k if jnp.dtype(cache.dtype).itemsize < 4 else min(config.block_k, 16)  # f32: smem
     num_keys = block_tables.shape[1] * block_size if indices is None else indices.shape[-1]
     n_chunks = -(-num_keys // block_k)
     splits = 1

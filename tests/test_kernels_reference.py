@@ -564,3 +564,15 @@ def test_choose_env_override(no_env):
     no_env.setenv(dispatch.ENV_OVERRIDE, "musa")
     with pytest.raises(ValueError):
         dispatch.choose(both, platform="cpu")
+
+
+def test_dispatch_follows_the_default_device(monkeypatch):
+    """The platform is that of the devices in use: a `jax.default_device` in effect overrides the backend."""
+    monkeypatch.delenv(dispatch.ENV_OVERRIDE, raising=False)
+    assert dispatch.current_platform() == jax.default_backend()
+    with jax.default_device("gpu"):
+        assert dispatch.current_platform() == "gpu"
+        assert dispatch.choose(("reference", "pallas")) == "pallas"
+        assert dispatch.choose(("reference", "pallas"), gpu_verified=False) == "reference"
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert dispatch.choose(("reference", "pallas")) == "reference"
