@@ -184,20 +184,8 @@ def sweep(layer, name, impl) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", default="benchmarks/RESULTS.md")
-    parser.add_argument("--shapes", default="medium,deepseek")
-    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
-    parser.add_argument("--impl", default="pallas", help="pallas (GPU), or interpret for a CPU smoke run")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the fused kernel's tiles at 1 token")
-    args = parser.parse_args(argv)
-    device = jax.devices()[0]
-    start = time.perf_counter()
-    bandwidth = copy_bandwidth()
-    print(f"{device.device_kind}, jax {jax.__version__}: HBM copy {bandwidth / 1e12:.3f} TB/s (read + write)")
-    results: dict = {"hbm_copy_TBps": round(bandwidth / 1e12, 3)}
-    tokens = [int(t) for t in args.tokens.split(",")]
+def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> None:
+    """Every shape x token count of the run; fills `results` (printing a table row per case) as it goes."""
     for name in args.shapes.split(","):
         n_experts, top_k, hidden, inter = SHAPES[name]
         layer = make_layer(jax.random.key(0), n_experts, hidden, inter)
@@ -221,6 +209,26 @@ def main(argv=None) -> int:
             results[f"{name}_sweep_T1_fused_us"] = sweep(layer, name, args.impl)
             print("tile sweep, fused, 1 token (us):", results[f"{name}_sweep_T1_fused_us"])
         del layer
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="benchmarks/RESULTS.md")
+    parser.add_argument("--shapes", default="medium,deepseek")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--impl", default="pallas", help="pallas (GPU), or interpret for a CPU smoke run")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the fused kernel's tiles at 1 token")
+    args = parser.parse_args(argv)
+    device = jax.devices()[0]
+    start = time.perf_counter()
+    bandwidth = copy_bandwidth()
+    print(f"{device.device_kind}, jax {jax.__version__}: HBM copy {bandwidth / 1e12:.3f} TB/s (read + write)")
+    results: dict = {"hbm_copy_TBps": round(bandwidth / 1e12, 3)}
+    tokens = [int(t) for t in args.tokens.split(",")]
+    try:
+        measure_shapes(args, tokens, results, bandwidth)
+    except KeyboardInterrupt:  # `timeout -s INT`: report what was measured, marked as partial
+        results["interrupted_after_s"] = round(time.perf_counter() - start)
     decode = {k: v for k, v in results.items() if k.endswith("_T1") and isinstance(v, dict)}
     for key, r in decode.items():
         print(f"targets {key}: decode bandwidth {r.get('fused_pct_of_copy_bw')}% of copy for the layer, "

@@ -79,7 +79,8 @@ def fp8_selection_error(ctx: int = 8192, queries: int = 16, seed: int = 0) -> di
     return out
 
 
-def measure(quick: bool) -> dict:
+def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
+    """Fills `res` as it goes (so an interrupted run still reports what it measured) and returns it."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     import jax
     import jax.numpy as jnp
@@ -87,7 +88,9 @@ def measure(quick: bool) -> dict:
     from dayzero.kernels import fp8_indexer, indexer_pallas, sparse_mla
 
     decode_tunings, prefill_tunings, indexer_tunings = _tunings()
-    res = {}
+    if not sweep:  # the first (default) tuning of each kernel only: fewer compilations
+        decode_tunings, prefill_tunings, indexer_tunings = ({k: v} for k, v in
+                                                            (next(iter(t.items())) for t in _tunings()))
     contexts = CONTEXTS[:2] if quick else CONTEXTS
     prefill = PREFILL[:1] if quick else PREFILL
 
@@ -262,17 +265,36 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     parser.add_argument("--quick", action="store_true", help="8K/32K decode and 32K prefill only")
+    parser.add_argument("--no-sweep", action="store_true", help="default tunings only (no per-kernel tile sweep)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    res = measure(args.quick)
+    res: dict = {}
+    try:
+        measure(args.quick, res, sweep=not args.no_sweep)
+    except KeyboardInterrupt:  # `timeout -s INT`: report what was measured, marked as partial
+        res["interrupted_after_s"] = round(time.perf_counter() - start)
     import jax
 
     device = jax.devices()[0]
-    print(f"\n{device.device_kind}, jax {jax.__version__}, HBM copy {res['hbm_copy_TBps']} TB/s, "
+    print(f"\n{device.device_kind}, jax {jax.__version__}, HBM copy {res.get('hbm_copy_TBps')} TB/s, "
           f"{time.perf_counter() - start:.0f} s")
+    if "interrupted_after_s" in res:
+        print(f"interrupted: partial results {json.dumps(res)}")
+    else:
+        print_table(res, args.quick)
+    line = (f"- {datetime.date.today()} sparse_attention.py, {device.device_kind}, commit {git_commit()}, "
+            f"jax {jax.__version__}, Pallas (Triton) kernels, DeepSeek-V3.2 shapes (128 heads, 512+64 latent, "
+            f"indexer 64x128, top-k 2048): {json.dumps(res)} (dense MLA decode and cuDNN dense prefill measured in "
+            f"the same run)\n")
+    append_line(args.results, line)
+    return 0
+
+
+def print_table(res: dict, quick: bool) -> None:
+    """The decode table and the prefill lines of a complete run."""
     print("| batch | context | sparse attn (us, % HBM) | indexer+top-k bf16 (us, % HBM) | fp8 (us, % HBM) | "
           "scores only (us) | dense MLA (us, % HBM) |\n|---|---|---|---|---|---|---|")
-    contexts = CONTEXTS[:2] if args.quick else CONTEXTS
+    contexts = CONTEXTS[:2] if quick else CONTEXTS
     for batch in BATCHES:
         for ctx in contexts:
             tag = f"B{batch}_{ctx // 1024}K"
@@ -283,17 +305,11 @@ def main(argv=None) -> int:
                   f"{res[f'dense_decode_{tag}_us']} ({res[f'dense_decode_{tag}_pct_hbm']}) |")
         print(f"batch {batch}: sparse latency max/min over contexts {res[f'sparse_decode_B{batch}_max_over_min']}, "
               f"sparse overtakes dense at {res[f'sparse_overtakes_dense_B{batch}']}")
-    for ctx in PREFILL[:1] if args.quick else PREFILL:
+    for ctx in PREFILL[:1] if quick else PREFILL:
         print(f"prefill {ctx // 1024}K: sparse {res[f'sparse_prefill_{ctx // 1024}K_ms']} ms "
               f"({res[f'sparse_prefill_{ctx // 1024}K_TFLOPs']} TFLOP/s); dense cuDNN "
               f"{res.get(f'dense_prefill_cudnn_{ctx // 1024}K_ms')} ms "
               f"({res.get(f'dense_prefill_cudnn_{ctx // 1024}K_TFLOPs', '-')} TFLOP/s)")
-    line = (f"- {datetime.date.today()} sparse_attention.py, {device.device_kind}, commit {git_commit()}, "
-            f"jax {jax.__version__}, Pallas (Triton) kernels, DeepSeek-V3.2 shapes (128 heads, 512+64 latent, "
-            f"indexer 64x128, top-k 2048): {json.dumps(res)} (dense MLA decode and cuDNN dense prefill measured in "
-            f"the same run)\n")
-    append_line(args.results, line)
-    return 0
 
 
 if __name__ == "__main__":

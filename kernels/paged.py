@@ -13,9 +13,9 @@ import jax.numpy as jnp
 
 from . import dispatch, paged_pallas
 
-# The Pallas kernels of this op have not yet compiled on a GPU: they run when asked for (impl= or
-# DAYZERO_KERNELS), the reference by default. Set True once tests/gpu/test_sparse_attention_gpu.py passes on an H200.
-GPU_VERIFIED = False
+# Whether this op's Pallas kernels have passed tests/gpu/test_sparse_attention_gpu.py on a GPU (H200, jax 0.11.2:
+# 13/13 on 2026-11-30). Until a kernel has, dispatch runs it on CUDA/ROCm only when asked for (impl= or DAYZERO_KERNELS).
+GPU_VERIFIED = True
 
 BLOCK_SIZE = 64
 
