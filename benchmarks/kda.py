@@ -1,12 +1,16 @@
 """KDA kernels on the GPU: dayzero's Pallas chunked prefill and recurrent decode step beside flash-linear-attention
 (fla-core 0.6.0, in a subprocess of the same run) and the HBM copy bandwidth measured in the same run.
 
-    python3 benchmarks/kda.py [--results benchmarks/RESULTS.md] [--no-peer]
+    python3 benchmarks/kda.py [--results benchmarks/RESULTS.md] [--no-peer] [--no-decode]
+                              [--intra-variants fused,split,split:intra_block_k=64:intra_warps=8]
 
 Prefill: chunk_kda at B1 H32 D128 bf16, T 8192 and 32768 (inputs as ../shared/anchors: l2-normalised q/k, g in
-[-0.1, 0] f32, initial state, final state out). Decode: one token per row at B1 and B64, device time per step from
-50 steps unrolled inside one jitted function (the state pool updated in place), and the effective state bandwidth
-(state read + written, f32). Prints a table and appends a dated line to RESULTS.md.
+[-0.1, 0] f32, initial state, final state out). At T8192 every entry of --intra-variants (a KdaTuning: the
+intra_variant name, then optional `field=value` overrides of KdaTuning fields) is compiled (compile seconds
+reported), checked against the reference, and timed twice: prefill kernel 1 alone (`chunk_intra`) and the whole
+chunk_kda; T32768 runs the fastest. Decode: one token per row at B1 and B64, device time per step from 50 steps
+unrolled inside one jitted function (the state pool updated in place), and the effective state bandwidth (state
+read + written, f32). Prints a table and, when a GPU ran it, appends a dated line to RESULTS.md.
 """
 
 from __future__ import annotations
@@ -107,7 +111,27 @@ def run_peer() -> dict:
 # ----------------------------------------------------------------------------------------------------- dayzero
 
 
-def measure_dayzero() -> dict:
+def parse_tunings(spec: str) -> dict:
+    """'fused,split:intra_block_k=64' -> {name: KdaTuning}: each entry an intra_variant plus `field=value` overrides."""
+    import dataclasses
+
+    from dayzero.kernels.kda import pallas
+
+    fields = {f.name: f.type for f in dataclasses.fields(pallas.KdaTuning)}
+    tunings = {}
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        variant, *overrides = entry.split(":")
+        kwargs = {"intra_variant": variant}
+        for item in overrides:
+            key, _, value = item.partition("=")
+            if key not in fields or not value:
+                raise SystemExit(f"--intra-variants: bad override {item!r} (KdaTuning fields: {', '.join(fields)})")
+            kwargs[key] = value if fields[key] in (str, "str") else int(value)
+        tunings[entry] = pallas.KdaTuning(**kwargs)
+    return tunings
+
+
+def measure_dayzero(tunings: dict, decode: bool = True) -> dict:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     import functools
 
@@ -145,31 +169,38 @@ def measure_dayzero() -> dict:
         beta = jax.random.uniform(ks[4], (B, T, H), jnp.bfloat16)
         return q, k, v, g, beta, jax.random.normal(ks[5], (B, H, D, D), jnp.float32)
 
-    tunings = {"intra_s1": pallas.KdaTuning(), "intra_s2": pallas.KdaTuning(intra_stages=2)}
+    rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
+                             / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
     for T in PREFILL_T:
         q, k, v, g, beta, _ = inputs(1, T, jax.random.key(T))
         h0 = jnp.zeros((1, H, D, D), jnp.float32)
         lengths = jnp.full((1,), T, jnp.int32)
-        if T == PREFILL_T[0]:
-            intra = jax.jit(lambda *a: pallas.chunk_intra(*a, scale=D ** -0.5, l2norm=False))  # kernel 1 alone
-            res[f"intra_T{T}_ms"] = round(timed(intra, q, k, v, g, beta, lengths) * 1e3, 4)
-        names = list(tunings) if T == PREFILL_T[0] else [best_name]
+        first = T == PREFILL_T[0]
+        if first:  # sanity reference for every variant, on these inputs
+            o_r, s_r = jax.jit(functools.partial(reference.chunk_kda, output_final_state=True))(
+                q, k, v, g, beta, initial_state=h0)
+        names = list(tunings) if first else [best_name]
         best = None
         for name in names:
             fn = jax.jit(lambda q, k, v, g, beta, h0, t=tunings[name]: pallas.chunk_kda(
                 q, k, v, g, beta, initial_state=h0, output_final_state=True, tuning=t))
+            if first:
+                start = time.perf_counter()
+                fn.lower(q, k, v, g, beta, h0).compile()  # Triton compiles the kernels here
+                res[f"compile_{name}_s"] = round(time.perf_counter() - start, 1)
+                intra = jax.jit(lambda *a, t=tunings[name]: pallas.chunk_intra(
+                    *a, scale=D ** -0.5, l2norm=False, tuning=t))  # kernel 1 alone
+                res[f"intra_T{T}_{name}_ms"] = round(timed(intra, q, k, v, g, beta, lengths) * 1e3, 4)
+                o, s = fn(q, k, v, g, beta, h0)
+                res[f"chunk_T{T}_{name}_rel_err_vs_reference"] = [round(rel(o, o_r), 5), round(rel(s, s_r), 5)]
             ms = timed(fn, q, k, v, g, beta, h0) * 1e3
             res[f"chunk_T{T}_{name}_ms"] = round(ms, 4)
             if best is None or ms < best:
                 best, best_name = ms, name
         res[f"chunk_T{T}_ms"] = round(best, 4)
-        if T == PREFILL_T[0]:  # sanity: the kernel against the reference on these inputs
-            o, s = pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-            o_r, s_r = jax.jit(functools.partial(reference.chunk_kda, output_final_state=True))(
-                q, k, v, g, beta, initial_state=h0)
-            rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
-                                     / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
-            res["chunk_T8192_rel_err_vs_reference"] = [round(rel(o, o_r), 5), round(rel(s, s_r), 5)]
+        res[f"chunk_T{T}_best"] = best_name
+    if not decode:
+        return res
 
     decode_tunings = {"bv32w4": pallas.KdaTuning(decode_block_v=32, decode_warps=4),
                       "bv64w4": pallas.KdaTuning(decode_block_v=64, decode_warps=4),
@@ -209,22 +240,33 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     parser.add_argument("--no-peer", action="store_true", help="skip the fla measurements")
+    parser.add_argument("--no-decode", action="store_true", help="skip the decode-step measurements")
+    parser.add_argument("--intra-variants", default="fused,split",
+                        help="comma-separated prefill tunings: an intra_variant, then optional :field=value overrides")
     parser.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.peer_only:
         print("PEER " + json.dumps(measure_fla()))
         return 0
+    tunings = parse_tunings(args.intra_variants)
     peer = {} if args.no_peer else run_peer()
-    ours = measure_dayzero()
+    ours = measure_dayzero(tunings, decode=not args.no_decode)
     import jax
 
     device = jax.devices()[0]
     print(f"\n{device.device_kind}, jax {jax.__version__}, HBM copy {ours['hbm_copy_TBps']} TB/s")
-    print("| what | dayzero | fla | ratio (fla / dayzero) |\n|---|---|---|---|")
+    T = PREFILL_T[0]
+    print(f"| prefill tuning | compile (s) | kernel 1 T{T} (ms) | chunk_kda T{T} (ms) | rel err (o, state) |\n"
+          "|---|---|---|---|---|")
+    for name in tunings:
+        print(f"| {name} | {ours[f'compile_{name}_s']} | {ours[f'intra_T{T}_{name}_ms']} | "
+              f"{ours[f'chunk_T{T}_{name}_ms']} | {ours[f'chunk_T{T}_{name}_rel_err_vs_reference']} |")
+    print("\n| what | dayzero | fla | ratio (fla / dayzero) |\n|---|---|---|---|")
     for T in PREFILL_T:
         a, b = ours[f"chunk_T{T}_ms"], peer.get(f"chunk_T{T}_ms")
-        print(f"| chunk_kda T{T} (ms) | {a} | {b or '-'} | {round(b / a, 2) if b else '-'} |")
-    for B in DECODE_B:
+        print(f"| chunk_kda T{T} (ms, {ours[f'chunk_T{T}_best']}) | {a} | {b or '-'} | "
+              f"{round(b / a, 2) if b else '-'} |")
+    for B in DECODE_B if not args.no_decode else ():
         a = ours[f"decode_B{B}_us"]
         b = peer.get(f"decode_B{B}_graph_us")
         print(f"| decode step B{B} (us, device) | {a} ({ours[f'decode_B{B}_state_TBps']} TB/s) | "
@@ -232,7 +274,10 @@ def main(argv=None) -> int:
     line = (f"- {datetime.date.today()} kda.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__},"
             f" Pallas (Triton) kernels: dayzero {json.dumps(ours)}; fla-core 0.6.0 same run "
             f"{json.dumps(peer) if peer else 'not run'}\n")
-    append_line(args.results, line)
+    if device.platform == "gpu":
+        append_line(args.results, line)
+    else:
+        print(f"not a GPU ({device.platform}): nothing appended to {args.results}\n{line}")
     return 0
 
 

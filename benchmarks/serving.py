@@ -30,7 +30,7 @@ def kernel_choice() -> str:
     """Which implementation dispatch runs here for the ops that have a Pallas version (KDA so far)."""
     from dayzero.kernels import dispatch
 
-    return f"KDA {dispatch.choose(('reference', 'pallas'))}"
+    return f"KDA {dispatch.choose('kda', ('reference', 'pallas'))}"
 
 
 def timed_generate(engine: Engine, prompts, params):

@@ -73,7 +73,7 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
     padding token, output zeros), indices [B, T, K] int32 key positions (-1 = none; the DSA selection) or None
     (every key at or before the query position: dense MLA) -> latent outputs [B, T, H, R] in q_latent.dtype.
     """
-    choice = dispatch.choose(("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
+    choice = dispatch.choose("sparse_mla", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
     if choice == "pallas" and not tiles.dots_fit(q_latent.shape[-1], q_rope.shape[-1]):
         choice = "reference"  # Triton dots need >= 16-wide segments (tiny test models run the reference on GPUs)
     if choice == "reference":

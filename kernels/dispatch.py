@@ -1,39 +1,208 @@
 """The one place that decides which implementation of an op runs.
 
-CUDA/ROCm devices get the Pallas implementation where the op has one that has passed its GPU tests (tests/gpu on an
-H200: `gpu_verified=True` at the call site); every other platform (CPU, a vendor PJRT plugin such as MUSA) gets the
-plain-XLA reference. A kernel not yet verified on a GPU runs only when asked for. The decision is made at trace time from the platform of the
-default devices. `impl=` on an op, or `DAYZERO_KERNELS=reference|pallas|interpret` for a whole process, overrides it
-for experiments; an override naming an implementation the op lacks falls back to the reference.
+Every op with a Pallas implementation calls `choose(kernel, ...)` with its kernel name (one of `KERNELS`). The
+decision is made at trace time from the platform of the devices in use (`current_platform`):
+
+- CUDA: Pallas where the op's kernel has passed its GPU tests (tests/gpu on an H200: `gpu_verified=True` at the call
+  site);
+- ROCm: Pallas where, in addition, the kernel's `Kernel.rocm` declares that its lowering works there (Triton-lowered
+  kernels count as supported on ROCm only when declared; Mosaic GPU kernels never);
+- CPU and every other platform (a vendor PJRT plugin such as MUSA): the plain-XLA reference, unless a
+  `KernelPolicy` switches a Triton-lowered kernel on for that platform (a vendor whose Triton-based stack, e.g.
+  Triton-MUSA, consumes Pallas' Triton lowering).
+
+A `KernelPolicy` comes from the `dayzero.kernel_platforms` entry-point group (discovered once per process, see
+`discovered_policy`) and from `use_policy` (a context manager; `dayzero.platforms.PlatformConfig.pallas_kernels`
+uses it). Both are read when a function is traced, and jit caches traces: set them before the first call of the
+model or engine (a policy changed later does not reach functions already compiled).
+
+`impl=` on an op, or `DAYZERO_KERNELS=reference|pallas|interpret` for a whole process, overrides all of this for
+experiments; an override naming an implementation the op lacks falls back to the reference.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import jax
 
 IMPLS = ("reference", "pallas", "interpret")
-PALLAS_PLATFORMS = ("gpu", "cuda", "rocm")
 ENV_OVERRIDE = "DAYZERO_KERNELS"
+ENTRY_POINT_GROUP = "dayzero.kernel_platforms"
+LOWERINGS = ("triton", "mosaic_gpu")
+ALL_KERNELS = "*"
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """What dispatch knows of one op's Pallas implementation: the Pallas backend it is written for (`lowering`) and
+    whether that lowering is declared to work on ROCm (`rocm`; only meaningful for Triton-lowered kernels)."""
+
+    name: str
+    lowering: str = "triton"
+    rocm: bool = False
+
+    def __post_init__(self):
+        if self.lowering not in LOWERINGS:
+            raise ValueError(f"kernel '{self.name}': lowering '{self.lowering}' is not one of {LOWERINGS}")
+
+
+# Every kernel with a Pallas implementation, by name. All are written for the Triton lowering; none has been run on
+# ROCm yet, so none declares it.
+KERNELS: Mapping[str, Kernel] = MappingProxyType({k.name: k for k in (
+    Kernel("kda"),          # kernels/kda: chunked prefill, recurrent decode, in-place slot decode
+    Kernel("paged_write"),  # kernels/paged.py -> paged_pallas
+    Kernel("indexer"),      # kernels/indexer.py -> indexer_pallas (DSA lightning indexer + top-k)
+    Kernel("sparse_mla"),   # kernels/attention.py -> sparse_mla (attention over the selected latents)
+    Kernel("moe_mxfp4"),    # kernels/moe.py -> moe_mxfp4 (+ moe_workspace): MXFP4 grouped SwiGLU matmuls
+)})
+
+
+def _kernel(name: str) -> Kernel:
+    try:
+        return KERNELS[name]
+    except KeyError:
+        raise ValueError(f"unknown kernel '{name}'; known: {sorted(KERNELS)}") from None
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """Kernels switched on to run their Pallas implementation, as (platform, kernel name) pairs (kernel "*": every
+    kernel). Build one with `KernelPolicy.of({"musa": ["kda", "moe_mxfp4"]})`."""
+
+    pallas: frozenset[tuple[str, str]] = frozenset()
+
+    def __post_init__(self):
+        for platform, kernel in self.pallas:
+            if not isinstance(platform, str) or not platform:
+                raise ValueError(f"kernel policy: platform {platform!r} is not a platform name")
+            if kernel != ALL_KERNELS:
+                _kernel(kernel)
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, Iterable[str] | str]) -> "KernelPolicy":
+        """From {platform: kernel names} (a single name, or "*" for every kernel, may stand alone)."""
+        pairs = set()
+        for platform, kernels in mapping.items():
+            for kernel in ((kernels,) if isinstance(kernels, str) else kernels):
+                pairs.add((platform.lower(), kernel))
+        return cls(frozenset(pairs))
+
+    def allows(self, platform: str, kernel: str) -> bool:
+        """Whether the policy switches `kernel` on for `platform` (a canonical name: "cuda" and "rocm" also match
+        entries for JAX's "gpu" alias)."""
+        names = (platform, "gpu") if platform in ("cuda", "rocm") else (platform,)
+        return any((name, k) in self.pallas for name in names for k in (kernel, ALL_KERNELS))
+
+    def merge(self, other: "KernelPolicy | None") -> "KernelPolicy":
+        return self if other is None else KernelPolicy(self.pallas | other.pallas)
+
+
+def _as_policy(value, source: str) -> KernelPolicy:
+    if callable(value) and not isinstance(value, KernelPolicy):
+        value = value()
+    if isinstance(value, KernelPolicy):
+        return value
+    if isinstance(value, Mapping):
+        return KernelPolicy.of(value)
+    raise ValueError(f"{source} gave a {type(value).__name__}; expected a KernelPolicy, a mapping "
+                     "{platform: kernel names} or a function returning one")
+
+
+@functools.cache
+def discovered_policy() -> KernelPolicy:
+    """The union of the policies that installed packages declare in the `dayzero.kernel_platforms` entry-point group
+    (each entry point: a KernelPolicy, a {platform: kernel names} mapping, or a function returning one). Read once
+    per process; raises ValueError naming a broken entry point."""
+    from importlib.metadata import entry_points
+
+    policy = KernelPolicy()
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        source = f"entry point '{entry.name}' = '{entry.value}' (group {ENTRY_POINT_GROUP})"
+        try:
+            policy = policy.merge(_as_policy(entry.load(), source))
+        except ValueError:
+            raise
+        except Exception as e:  # an import error in the vendor's package: name the entry point that pulled it in
+            raise ValueError(f"{source} failed to load: {type(e).__name__}: {e}") from e
+    return policy
+
+
+_CONTEXT_POLICY: ContextVar[KernelPolicy | None] = ContextVar("dayzero_kernel_policy", default=None)
+
+
+@contextlib.contextmanager
+def use_policy(policy: KernelPolicy | Mapping[str, Iterable[str]] | None) -> Iterator[None]:
+    """Adds `policy` to the discovered one while the block runs (None: no change). Takes effect for functions traced
+    inside the block: jit caches traces, so enter it before the first call."""
+    if policy is None:
+        yield
+        return
+    policy = _as_policy(policy, "use_policy")
+    token = _CONTEXT_POLICY.set(policy.merge(_CONTEXT_POLICY.get()))
+    try:
+        yield
+    finally:
+        _CONTEXT_POLICY.reset(token)
+
+
+def active_policy() -> KernelPolicy:
+    """The policy in force: the discovered one plus any `use_policy` in effect."""
+    return discovered_policy().merge(_CONTEXT_POLICY.get())
 
 
 def current_platform() -> str:
-    """Platform of the devices in use: the `jax.default_device` in effect (a device or a platform name) if any,
-    else the default backend ('cpu', 'cuda', 'rocm', or a plugin's name such as 'musa')."""
+    """Platform of the devices in use, as JAX names it: the `jax.default_device` in effect (a device or a platform
+    name) if any, else the devices of the mesh set with `jax.set_mesh` (read through `get_abstract_mesh`, which works
+    while tracing), else the default backend ('cpu', 'gpu', or a plugin's name such as 'musa')."""
     device = jax.config.jax_default_device
     if device is not None:
         return device if isinstance(device, str) else device.platform
+    mesh_device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if mesh_device is not None:
+        return mesh_device.platform
     return jax.default_backend()
 
 
-def choose(available: tuple[str, ...], impl: str | None = None, platform: str | None = None,
-           gpu_verified: bool = True) -> str:
-    """Returns the implementation to run among `available` (always including "reference").
+def canonical_platform(platform: str) -> str:
+    """Lower-case platform name with JAX's "gpu" alias resolved: "rocm" when this process has a ROCm backend, else
+    "cuda" (JAX devices of both report "gpu")."""
+    platform = platform.lower()
+    if platform != "gpu":
+        return platform
+    from jax.extend import backend
 
-    `impl` (or the DAYZERO_KERNELS variable) forces a choice; otherwise Pallas on CUDA/ROCm when the op's Pallas
-    kernel is `gpu_verified`, the reference elsewhere.
+    return "rocm" if "rocm" in backend.backends() else "cuda"
+
+
+def pallas_allowed(kernel: str, platform: str, gpu_verified: bool = True, policy: KernelPolicy | None = None) -> bool:
+    """Whether `kernel` runs its Pallas implementation on `platform` by default (the rules of the module doc)."""
+    spec = _kernel(kernel)
+    platform = canonical_platform(platform)
+    if (policy if policy is not None else active_policy()).allows(platform, kernel):
+        return spec.lowering == "triton" or platform == "cuda"
+    if platform == "cuda":
+        return gpu_verified
+    if platform == "rocm":
+        return gpu_verified and spec.lowering == "triton" and spec.rocm
+    return False
+
+
+def choose(kernel: str, available: tuple[str, ...] = ("reference", "pallas"), impl: str | None = None,
+           platform: str | None = None, gpu_verified: bool = True) -> str:
+    """Returns the implementation of `kernel` (a name in `KERNELS`) to run among `available` (always including
+    "reference").
+
+    `impl` (or the DAYZERO_KERNELS variable) forces a choice; otherwise `pallas_allowed` on `platform` (default:
+    `current_platform()`), where `gpu_verified` is whether the op's Pallas kernels have passed their GPU tests.
     """
+    _kernel(kernel)
     forced = impl or os.environ.get(ENV_OVERRIDE) or None
     if forced is not None:
         if forced not in IMPLS:
@@ -42,6 +211,6 @@ def choose(available: tuple[str, ...], impl: str | None = None, platform: str | 
             return "interpret"
         return forced if forced in available else "reference"
     platform = platform or current_platform()
-    if platform in PALLAS_PLATFORMS and "pallas" in available and gpu_verified:
+    if "pallas" in available and pallas_allowed(kernel, platform, gpu_verified):
         return "pallas"
     return "reference"

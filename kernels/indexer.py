@@ -85,7 +85,7 @@ def indexer_topk(q: jax.Array, weights: jax.Array, query_positions: jax.Array, k
     num_keys = block_tables.shape[1] * key_cache.shape[2]
     if num_keys <= topk:
         return select_all(query_positions, num_keys, topk)
-    choice = dispatch.choose(("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
+    choice = dispatch.choose("indexer", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
     if choice == "pallas" and not tiles.dots_fit(q.shape[-1]):
         choice = "reference"  # Triton dots need >= 16-wide segments (tiny test models run the reference on GPUs)
     if choice == "reference":

@@ -53,7 +53,7 @@ def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
     matmul ("fused"). Converted experts (offline FP8 / BF16): multiplied directly. `layer` names the weights for
     the workspace's residency tags.
     """
-    kind = dispatch.choose(("reference", "pallas"), impl, gpu_verified=PACKED_GPU_VERIFIED)
+    kind = dispatch.choose("moe_mxfp4", ("reference", "pallas"), impl, gpu_verified=PACKED_GPU_VERIFIED)
     pallas, interpret = kind != "reference", kind == "interpret"
     n_experts = (experts.gate_scales if experts.gate_scales is not None else experts.gate).shape[0]
     source, slot_of_expert = experts, None

@@ -33,7 +33,7 @@ def write_reference(cache: jax.Array, layer: int, block_tables: jax.Array, posit
 def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
           values: jax.Array, impl: str | None = None) -> jax.Array:
     """`write_reference`'s contract; on CUDA/ROCm the Pallas kernels (one token per request: the decode kernel)."""
-    choice = dispatch.choose(("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
+    choice = dispatch.choose("paged_write", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
     if choice == "reference":
         return write_reference(cache, layer, block_tables, positions, valid, values)
     return paged_pallas.write(cache, layer, block_tables, positions, valid, values, interpret=choice == "interpret")

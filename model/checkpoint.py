@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from .config import ModelConfig
 from .errors import CheckpointError
+from .sharding import place
 from .safetensors_io import DTYPES, SafetensorsFile, TensorInfo, open_checkpoint_files
 from .vision import vision_published_name, vision_tensor_target
 
@@ -257,11 +258,11 @@ def _transform(array: np.ndarray, target: Target, shape: tuple[int, ...]) -> np.
     return array.reshape(shape)
 
 
-def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
-                sharding_for=None, progress: bool | None = None) -> dict[ParamPath, jax.Array]:
-    """Streams the checkpoint in `directory` into device arrays keyed by param path.
+def stream_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
+                  progress: bool | None = None, desc: str = "loading"):
+    """Yields (path, host numpy array of the param's dtype) for every param of `expected`, in order, one at a time
+    (an expert projection is stacked from its per-expert tensors first), so callers hold about one param at once.
 
-    `sharding_for(path) -> jax.sharding.Sharding | None` places each param as it is read (None: default device).
     Raises CheckpointError listing every problem before any tensor data is read.
     """
     files = open_checkpoint_files(directory)
@@ -269,8 +270,7 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
     if plan.problems:
         raise CheckpointError(f"{directory}: the checkpoint does not match the {config.model_type} model "
                               f"({len(plan.problems)} problem(s))", plan.problems)
-    params: dict[ParamPath, jax.Array] = {}
-    bar = tqdm(total=sum(len(v) for v in plan.sources.values()), unit="tensor", desc="loading",
+    bar = tqdm(total=sum(len(v) for v in plan.sources.values()), unit="tensor", desc=desc,
                disable=True if progress is False else None, leave=False)
     for path, want in expected.items():
         dtype = np.dtype(want.dtype)
@@ -285,11 +285,25 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
             host = np.ascontiguousarray(_transform(_read(files, info, plan, config), target, want.shape)).astype(
                 dtype, copy=False)
             bar.update(1)
-        sharding = sharding_for(path) if sharding_for is not None else None
-        params[path] = jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host)
+        yield path, host
         del host
     bar.close()
+
+
+def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
+                sharding_for=None, progress: bool | None = None) -> dict[ParamPath, jax.Array]:
+    """Streams the checkpoint in `directory` into device arrays keyed by param path.
+
+    `sharding_for(path) -> jax.sharding.Sharding | None` places each param as it is read (None: default device).
+    Raises CheckpointError listing every problem before any tensor data is read.
+    """
+    params: dict[ParamPath, jax.Array] = {}
+    for path, host in stream_params(directory, config, expected, progress):
+        sharding = sharding_for(path) if sharding_for is not None else None
+        params[path] = place(host, sharding) if sharding is not None else jnp.asarray(host)
+        del host
     return params
 
 
-__all__ = ["load_params", "plan_load", "map_tensor_name", "published_name", "dequantize_fp8_blocks", "DTYPES"]
+__all__ = ["load_params", "stream_params", "plan_load", "map_tensor_name", "published_name",
+           "dequantize_fp8_blocks", "DTYPES"]

@@ -15,6 +15,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from dayzero import platforms
+
 from .errors import DayzeroError
 from .presets import PRESETS, active_parameters, get_preset, parameter_table
 
@@ -52,6 +54,11 @@ def presets_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _where(model) -> str:
+    """The platform the model's calls run on."""
+    return model.placement.platform if model.placement is not None else jax.default_backend()
+
+
 def forward_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dayzero-forward", description=__doc__.split("\n\n")[1])
     parser.add_argument("--model", help="checkpoint directory; default: the embedded preset with random weights")
@@ -60,16 +67,18 @@ def forward_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-ids", default="1,17,42,99,7,250,3", help="comma-separated prompt token ids")
     parser.add_argument("--new-tokens", type=int, default=8, help="greedy tokens to append")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (presets only)")
+    platforms.add_cli_options(parser)
     args = parser.parse_args(argv)
     from .model import Model, load_checkpoint
 
     try:
         start = time.perf_counter()
         if args.model:
-            model = load_checkpoint(args.model, dtype=args.dtype)
+            model = load_checkpoint(args.model, dtype=args.dtype, platform=platforms.from_cli_args(args))
             source = f"checkpoint {args.model}"
         else:
-            model = Model.random(get_preset(args.preset), dtype=args.dtype or "float32", seed=args.seed)
+            model = Model.random(get_preset(args.preset), dtype=args.dtype or "float32", seed=args.seed,
+                                 platform=platforms.from_cli_args(args))
             source = f"embedded preset '{args.preset}' with RANDOM weights (seed {args.seed}): the tokens mean nothing"
         load_s = time.perf_counter() - start
         ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
@@ -77,7 +86,7 @@ def forward_main(argv: Sequence[str] | None = None) -> int:
         print(f"model: {source}")
         print(f"  {cfg.model_type}: {cfg.num_layers} layers {list(cfg.layer_types)}, mlp {list(cfg.mlp_types)}, "
               f"DSA {'top-' + str(cfg.index_topk) if cfg.use_dsa else 'off'}, {model.num_params():,} params, "
-              f"{model.dtype.name}, on {jax.devices()[0].platform}; ready in {load_s:.2f} s")
+              f"{model.dtype.name}, on {_where(model)}; ready in {load_s:.2f} s")
         print(f"prompt ids: {ids}")
         # The model is causal: padding the sequence at the end to one fixed length leaves every earlier position's
         # logits unchanged, so one compilation serves every step.

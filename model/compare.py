@@ -15,6 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
+from dayzero import platforms
+
 from .config import ModelConfig
 
 
@@ -92,11 +94,13 @@ def reference_outputs(path: str, token_ids: np.ndarray, dtype: str = "float32"):
     return [h.float().numpy() for h in out.hidden_states], out.logits.float().numpy()
 
 
-def compare_checkpoint(path: str, token_ids: np.ndarray, dtype: str = "float32", rtol: float = 1e-4) -> Comparison:
-    """Loads `path` with dayzero and with transformers, runs both on `token_ids` [B, T], compares layer by layer."""
+def compare_checkpoint(path: str, token_ids: np.ndarray, dtype: str = "float32", rtol: float = 1e-4,
+                       platform: platforms.PlatformConfig | str | None = None) -> Comparison:
+    """Loads `path` with dayzero (on `platform`, see `load_checkpoint`) and with transformers, runs both on
+    `token_ids` [B, T], compares layer by layer."""
     from .model import load_checkpoint
 
-    model = load_checkpoint(path, dtype=dtype, progress=False)
+    model = load_checkpoint(path, dtype=dtype, progress=False, platform=platform)
     ours = [np.asarray(h) for h in model.hidden_states(token_ids)]
     our_logits = np.asarray(model(token_ids))
     theirs, their_logits = reference_outputs(path, token_ids, dtype)
@@ -111,13 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", help="param/compute dtype for both sides")
     parser.add_argument("--rtol", type=float, default=1e-4, help="relative error that counts as agreement")
+    platforms.add_cli_options(parser)
     args = parser.parse_args(argv)
     config = ModelConfig.from_pretrained(args.model)
     if args.tokens:
         ids = np.array([[int(t) for t in args.tokens.split(",")]])
     else:
         ids = np.random.default_rng(args.seed).integers(0, config.vocab_size, (1, args.length))
-    report = compare_checkpoint(args.model, ids, args.dtype, args.rtol)
+    report = compare_checkpoint(args.model, ids, args.dtype, args.rtol, platforms.from_cli_args(args))
     print(report.format())
     return 0 if report.ok else 1
 

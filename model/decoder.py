@@ -6,10 +6,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from . import sharding
 from .config import LAYER_KDA, MLP_MOE, ModelConfig
 from .kda import KimiDeltaAttention
 from .mla import MLAttention
@@ -33,15 +36,16 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
     layer: int
     dtype: jnp.dtype
+    mesh: Any = None
 
     def setup(self):
         cfg = self.config
         self.is_kda = cfg.layer_types[self.layer] == LAYER_KDA
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        self.self_attn = (KimiDeltaAttention if self.is_kda else MLAttention)(cfg, self.dtype)
+        self.self_attn = KimiDeltaAttention(cfg, self.dtype, self.mesh) if self.is_kda else MLAttention(cfg, self.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if cfg.mlp_types[self.layer] == MLP_MOE:
-            self.mlp = MoE(cfg, self.dtype, layer=self.layer)
+            self.mlp = MoE(cfg, self.dtype, layer=self.layer, mesh=self.mesh)
         else:
             self.mlp = MLP(cfg.intermediate_size, cfg.hidden_size, self.dtype)
 
@@ -76,16 +80,20 @@ class DecoderLayer(nn.Module):
 
 class Decoder(nn.Module):
     """token_ids [B, T] -> logits [B, T, V] float32 (and, when asked, the hidden states after the embedding and
-    after every layer, the last one after the final norm, as transformers' `output_hidden_states`)."""
+    after every layer, the last one after the final norm, as transformers' `output_hidden_states`).
+
+    `mesh` (a `sharding.make_mesh` mesh, or None) is where the params live: MoE layers then run expert-parallel
+    and `step` keeps the cache arrays on their `sharding.CACHE_RULES` shardings."""
 
     config: ModelConfig
     dtype: jnp.dtype = jnp.bfloat16
+    mesh: Any = None
 
     def setup(self):
         cfg = self.config
         self.embed_tokens = self.param("embed_tokens", nn.initializers.normal(0.02),
                                        (cfg.vocab_size, cfg.hidden_size), self.dtype)
-        self.layers = [DecoderLayer(cfg, i, self.dtype) for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, i, self.dtype, self.mesh) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = self.param("lm_head", nn.initializers.normal(0.02), (cfg.hidden_size, cfg.vocab_size),
@@ -118,7 +126,7 @@ class Decoder(nn.Module):
             positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
         x = self.embed(token_ids, inputs_embeds, embeds_mask)
         hidden = [x]
-        workspace = new_workspace(self.config, token_ids.size)
+        workspace = new_workspace(self.config, token_ids.size, self.mesh)
         for layer in self.layers:
             x, workspace = layer(x, positions, workspace)
             hidden.append(x)
@@ -134,10 +142,13 @@ class Decoder(nn.Module):
         [B, max_blocks], slots [B], optional inputs_embeds [B, T, D] where embeds_mask [B, T] -> (logits [B, V]
         float32 of each row's last valid token, updated cache)."""
         x = self.embed(token_ids, inputs_embeds, embeds_mask)
-        workspace = new_workspace(self.config, token_ids.size)
+        workspace = new_workspace(self.config, token_ids.size, self.mesh)
         for layer in self.layers:
             x, cache, workspace = layer.step(x, positions, valid, cache, block_tables, slots, decode, workspace)
         self._sow_workspace(workspace)
+        if self.mesh is not None:
+            placements = sharding.cache_shardings(self.config, self.mesh, cache)
+            cache = {name: jax.lax.with_sharding_constraint(value, placements[name]) for name, value in cache.items()}
         last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
         x = self.norm(jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0])
         return self._logits(x), cache

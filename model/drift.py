@@ -20,6 +20,8 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from dayzero import platforms
+
 from .compare import Comparison, compare_hidden_states, entry_names
 from .config import ModelConfig, MXFP4Execution
 from .errors import DayzeroError
@@ -59,8 +61,9 @@ class Drift:
 
 def workspace_counters(model: Model, token_ids) -> tuple[int, int] | None:
     """(hits, misses) of the MXFP4 workspace over one forward pass of `token_ids`, None when it is not used."""
-    _, state = model.module.apply({"params": model.params}, jnp.asarray(token_ids, jnp.int32),
-                                  mutable=["intermediates"])
+    with platforms.activate(model.placement):
+        _, state = model.module.apply({"params": model.params}, jnp.asarray(token_ids, jnp.int32),
+                                      mutable=["intermediates"])
     found = state.get("intermediates", {}).get("mxfp4_workspace")
     if not found:
         return None
@@ -78,13 +81,16 @@ def _logits(model: Model, final: np.ndarray) -> np.ndarray:
 
 
 def drift_report(original: str, mxfp4_dir: str, token_ids: np.ndarray, dtype: str = "float32",
-                 execution: MXFP4Execution | None = None) -> Drift:
-    """Runs the three models on token_ids [B, T] and compares them entry by entry."""
+                 execution: MXFP4Execution | None = None,
+                 platform: platforms.PlatformConfig | str | None = None) -> Drift:
+    """Runs the three models on token_ids [B, T] (on `platform`, see `load_checkpoint`) and compares them entry by
+    entry."""
     execution = execution or MXFP4Execution()
-    base = load_checkpoint(original, dtype=dtype, progress=False)
-    packed = load_checkpoint(mxfp4_dir, dtype=dtype, progress=False)
-    online = Model(packed.config.replace(mxfp4=execution), packed.params, packed.dtype)
+    base = load_checkpoint(original, dtype=dtype, progress=False, platform=platform)
+    packed = load_checkpoint(mxfp4_dir, dtype=dtype, progress=False, platform=platform)
+    online = Model(packed.config.replace(mxfp4=execution), packed.params, packed.dtype, placement=packed.placement)
     offline = dequantize_experts(packed)
+    offline.placement = packed.placement  # the converted experts live there too; keep the kernel policy
     runs = []
     for m in (online, offline, base):
         hidden = [np.asarray(h) for h in m.hidden_states(token_ids)]
@@ -111,9 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workspace-dtype", default="float8_e4m3fn", choices=("float8_e4m3fn", "bfloat16"))
     parser.add_argument("--impl", choices=("pallas", "interpret", "reference"),
                         help="force the experts' kernels (default: the platform's choice)")
+    platforms.add_cli_options(parser)
     args = parser.parse_args(argv)
     try:
         execution = MXFP4Execution(mode=args.mode, workspace_dtype=args.workspace_dtype, impl=args.impl)
+        platform = platforms.from_cli_args(args, init=True)  # before quantizing starts JAX
         with tempfile.TemporaryDirectory() as tmp:
             mxfp4_dir = args.mxfp4
             if mxfp4_dir is None:
@@ -121,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(quantize_checkpoint(args.model, tmp).format())
             vocab = ModelConfig.from_pretrained(args.model).vocab_size
             ids = np.random.default_rng(args.seed).integers(0, vocab, (args.batch, args.length))
-            report = drift_report(args.model, mxfp4_dir, ids, args.dtype, execution)
+            report = drift_report(args.model, mxfp4_dir, ids, args.dtype, execution, platform)
     except DayzeroError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ gate, beta, the delta-rule scan, a gated RMSNorm and the output projection.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import numpy as np
 from dayzero.kernels import kda as kda_kernels
 from dayzero.kernels import short_conv
 
+from . import sharding
 from .config import ModelConfig
 from .mla import dense
 from .norms import GatedRMSNorm
@@ -59,10 +62,12 @@ class ShortConv(nn.Module):
 
 class KimiDeltaAttention(nn.Module):
     """KDA. Params: q/k/v_proj, q/k/v_conv1d (`weight` [C, W]), f_a_proj, f_b_proj, A_log [H], dt_bias [H*K],
-    b_proj, g_a_proj, g_b_proj, o_norm, o_proj."""
+    b_proj, g_a_proj, g_b_proj, o_norm, o_proj. On a `mesh`, the per-head streams are pinned to `tensor` (the
+    head-sharded params' and state's axis)."""
 
     config: ModelConfig
     dtype: jnp.dtype
+    mesh: Any = None
 
     def setup(self):
         cfg = self.config
@@ -94,7 +99,9 @@ class KimiDeltaAttention(nn.Module):
             states.append(state)
         g = forget_gate(self.f_b_proj(self.f_a_proj(x)), self.A_log, self.dt_bias, cfg.kda_gate_lower_bound)
         beta = jax.nn.sigmoid(self.b_proj(x).astype(jnp.float32))
-        return (*streams, g, beta, jnp.stack(states, axis=1))
+        heads = cfg.kda_num_heads
+        streams = [sharding.constrain(t, self.mesh, 2, heads) for t in (*streams, g, beta)]
+        return (*streams, jnp.stack(states, axis=1))
 
     def _output(self, x, o):
         batch, length, heads, head_dim = o.shape

@@ -15,9 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from dayzero import platforms
 from dayzero.kernels import mxfp4
 
+from . import sharding
 from .checkpoint import ParamPath, load_params
+from .convert import is_converted, restore_converted
 from .config import ModelConfig
 from .decoder import Decoder
 from .errors import ConfigError, ImageError, RequestError
@@ -109,18 +112,28 @@ class Model:
     params: dict[str, Any]
     dtype: jnp.dtype = jnp.bfloat16
     image_processor: ImageProcessorConfig | None = None
+    mesh: jax.sharding.Mesh | None = None  # where the params live (`sharding.make_mesh`); None: one device
+    placement: platforms.Placement | None = None  # the device calls run on (default: that of one-device params)
     module: Decoder = field(init=False)
 
     def __post_init__(self):
         self.dtype = jnp.dtype(self.dtype)
-        self.module = Decoder(self.config, self.dtype)
-        self._logits = lambda p, ids, feats: _FORWARD(self.module, p, ids, feats, False)
-        self._hidden = lambda p, ids, feats: _FORWARD(self.module, p, ids, feats, True)
+        self.module = Decoder(self.config, self.dtype, self.mesh)
+        if self.placement is None:
+            self.placement = platforms.placement_of(self.params)
+        self._logits = lambda p, ids, feats: self._run(_FORWARD, self.module, p, ids, feats, False)
+        self._hidden = lambda p, ids, feats: self._run(_FORWARD, self.module, p, ids, feats, True)
         if self.config.vision is not None:
             self.vision = KimiVision(self.config.vision, self.config.hidden_size, self.dtype)
             if self.image_processor is None:
                 self.image_processor = ImageProcessorConfig.for_vision(self.config.vision)
-            self._vision = lambda p, patches, layout: _ENCODE(self.vision, p, patches, layout)
+            self._vision = lambda p, patches, layout: self._run(_ENCODE, self.vision, p, patches, layout)
+
+    def _run(self, fn, *args):
+        """`fn(*args)` with this model's placement active: its device in use, so kernel dispatch (decided while
+        tracing) picks that platform's implementations."""
+        with platforms.activate(self.placement):
+            return fn(*args)
 
     def _check_tokens(self, token_ids) -> jax.Array:
         ids = np.asarray(token_ids)
@@ -131,6 +144,8 @@ class Model:
         bad = (ids < 0) | (ids >= self.config.vocab_size)
         if bad.any():
             raise RequestError(None, f"token id {int(ids[bad][0])} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if self.mesh is not None:  # rows split over the mesh's `data` axis when it divides the batch
+            return sharding.place(ids.astype(np.int32), sharding.batch_sharding(self.mesh, ids.shape))
         return jnp.asarray(ids, jnp.int32)
 
     def __call__(self, token_ids, pixel_values=None, image_grid_thw=None) -> jax.Array:
@@ -196,27 +211,45 @@ class Model:
         return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(self.params))
 
     @classmethod
-    def random(cls, config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0) -> "Model":
-        """A model with random weights (for presets, tests and benchmarks)."""
+    def random(cls, config: ModelConfig, dtype: Any = jnp.float32, seed: int = 0,
+               mesh: jax.sharding.Mesh | None = None, platform: platforms.PlatformConfig | str | None = None
+               ) -> "Model":
+        """A model with random weights (for presets, tests and benchmarks); with `mesh`, placed by the sharding
+        rules (`dayzero.model.sharding`); with `platform`, drawn on that platform's first device (as in
+        `load_checkpoint`)."""
+        if platform is not None:
+            return platforms.build_on(platform, mesh, lambda: cls.random(config, dtype, seed, mesh))
         dtype = resolve_dtype(dtype, config)
-        return cls(config, random_params(config, dtype, seed), dtype)
+        params = random_params(config, dtype, seed)
+        if mesh is not None:
+            params = sharding.shard_params(params, config, mesh)
+        return cls(config, params, dtype, mesh=mesh)
 
 
 def load_checkpoint(path: str | os.PathLike, dtype: Any = None, mesh: jax.sharding.Mesh | None = None,
-                    progress: bool | None = None) -> Model:
-    """Loads a hub checkpoint directory (config.json + safetensors) as a `Model`.
+                    progress: bool | None = None, platform: platforms.PlatformConfig | str | None = None) -> Model:
+    """Loads a hub checkpoint directory (config.json + safetensors), or one converted by `dayzero-convert`, as a
+    `Model`.
 
-    `dtype` picks the param and compute dtype (default: the checkpoint's; bf16 for FP8 checkpoints). With `mesh`,
-    every param is placed on the mesh as it is read (replicated; expert/tensor-parallel rules come with sharding).
+    `dtype` picks the param and compute dtype (default: the checkpoint's; bf16 for FP8 checkpoints). With `mesh`
+    (`sharding.make_mesh`), every param is placed straight onto its shards as it is read, by the rules of
+    `dayzero.model.sharding` (tensor-parallel heads / MLP dims, expert-parallel routed experts, the rest
+    replicated), and the model runs on that mesh. `platform` (a `dayzero.platforms.PlatformConfig` or a platform
+    name) initialises that platform first (registering its PJRT plugin, if the config names one), places the params
+    on its first device and runs the model's calls with that device in use, so kernel dispatch picks its kernels.
     """
+    if platform is not None:
+        return platforms.build_on(platform, mesh, lambda: load_checkpoint(path, dtype, mesh, progress))
     path = os.fspath(path)
     config = ModelConfig.from_pretrained(path)
     dtype = resolve_dtype(dtype, config)
     expected = expected_params(config, dtype)
     sharding_for = None
     if mesh is not None:
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        sharding_for = lambda _path: replicated  # noqa: E731
-    flat = load_params(path, config, expected, sharding_for=sharding_for, progress=progress)
+        sharding_for = sharding.param_shardings(config, mesh, expected)
+    if is_converted(path):  # written by dayzero-convert: orbax restores each param straight onto its sharding
+        flat = restore_converted(path, config, dtype, sharding_for, progress=progress)
+    else:
+        flat = load_params(path, config, expected, sharding_for=sharding_for, progress=progress)
     processor = ImageProcessorConfig.from_pretrained(path, config.vision) if config.vision is not None else None
-    return Model(config, traverse_util.unflatten_dict(flat), dtype, processor)
+    return Model(config, traverse_util.unflatten_dict(flat), dtype, processor, mesh=mesh)

@@ -3,14 +3,18 @@ score-correction bias, renormalisation and routed scaling; routed SwiGLU experts
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from dayzero.kernels import moe as moe_kernels
 from dayzero.kernels import moe_workspace, mxfp4
 from dayzero.kernels.moe_workspace import Workspace
 
+from . import sharding
 from .config import MLP_MOE, ModelConfig
 from .mla import dense
 
@@ -90,10 +94,10 @@ def packed_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], jn
     return out
 
 
-def new_workspace(cfg: ModelConfig, n_tokens: int) -> Workspace | None:
+def new_workspace(cfg: ModelConfig, n_tokens: int, mesh: Mesh | None = None) -> Workspace | None:
     """The one-layer expert workspace a forward pass over `n_tokens` tokens threads through its MoE layers, or None
-    when its experts are not MXFP4 or run without one (fused, offline)."""
-    if cfg.quant_method != "mxfp4" or MLP_MOE not in cfg.mlp_types:
+    when its experts are not MXFP4 or run without one (fused, offline, or expert-parallel on `mesh`)."""
+    if cfg.quant_method != "mxfp4" or MLP_MOE not in cfg.mlp_types or sharding.expert_parallel_size(cfg, mesh) > 1:
         return None
     if not cfg.mxfp4.uses_workspace(n_tokens, cfg.num_experts_per_token, cfg.num_experts):
         return None
@@ -101,33 +105,105 @@ def new_workspace(cfg: ModelConfig, n_tokens: int) -> Workspace | None:
     return moe_workspace.create(slots, cfg.hidden_size, cfg.moe_intermediate_size, cfg.mxfp4.workspace_dtype)
 
 
+def expert_parallel(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, experts: dict[str, jax.Array],
+                    run_local: Callable[[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]], jax.Array],
+                    mesh: Mesh, num_experts: int) -> jax.Array:
+    """Expert-parallel routed experts: x [N, D], topk_ids [N, k] int32, topk_weights [N, k] float32, `experts` the
+    layer's stacked expert arrays (leading dim E, any format) -> [N, D] of x.dtype.
+
+    Inside `shard_map`, the tokens are split over every mesh axis and the experts over `expert` (S shards of E / S
+    experts; replicated over `data` and `tensor`). Each shard packs its token-expert pairs by destination shard into
+    a send buffer [S, C, D] with C = n * min(k, E / S) rows per destination (n local tokens): the exact worst case,
+    every pair of every local token bound for one shard, so no pair is ever dropped. One all-to-all over `expert`
+    delivers the rows, `run_local(rows [S*C, D], local ids [S*C, 1], weights [S*C, 1], local experts)` runs them
+    through the shard's experts (empty rows: zeros at weight 0), a second all-to-all returns the outputs, and each
+    token sums its pairs' outputs times their routing weights in float32, as the single-device path does.
+    """
+    n_tokens, top_k = topk_ids.shape
+    n_shards = sharding.axis_size(mesh, "expert")
+    local_experts = num_experts // n_shards
+    token_shards = mesh.size
+    padded = -(-n_tokens // token_shards) * token_shards
+    if padded != n_tokens:  # padding tokens: zero rows, distinct experts, weight 0
+        extra = padded - n_tokens
+        x = jnp.concatenate([x, jnp.zeros((extra, x.shape[1]), x.dtype)])
+        topk_ids = jnp.concatenate([topk_ids, jnp.broadcast_to(jnp.arange(top_k, dtype=topk_ids.dtype),
+                                                               (extra, top_k))])
+        topk_weights = jnp.concatenate([topk_weights, jnp.zeros((extra, top_k), topk_weights.dtype)])
+
+    def body(x, ids, weights, local):
+        n = x.shape[0]
+        capacity = n * min(top_k, local_experts)
+        flat = ids.reshape(-1)
+        dest = flat // local_experts
+        order = jnp.argsort(flat, stable=True)  # by expert, hence by destination shard
+        counts = jnp.bincount(dest, length=n_shards)
+        starts = jnp.cumsum(counts) - counts
+        pairs = jnp.arange(n * top_k, dtype=jnp.int32)
+        pos = jnp.zeros_like(pairs).at[order].set(pairs - starts[dest[order]].astype(jnp.int32))
+        token = pairs // top_k
+        send = jnp.zeros((n_shards, capacity, x.shape[1]), x.dtype).at[dest, pos].set(x[token])
+        send_ids = jnp.full((n_shards, capacity), -1, jnp.int32).at[dest, pos].set(flat % local_experts)
+        rows = jax.lax.all_to_all(send, "expert", 0, 0, tiled=True).reshape(n_shards * capacity, x.shape[1])
+        row_ids = jax.lax.all_to_all(send_ids, "expert", 0, 0, tiled=True).reshape(-1, 1)
+        valid = row_ids >= 0
+        out = run_local(rows, jnp.maximum(row_ids, 0), valid.astype(jnp.float32), local)
+        back = jax.lax.all_to_all(out.reshape(n_shards, capacity, -1), "expert", 0, 0, tiled=True)
+        weighted = back[dest, pos].astype(jnp.float32) * weights.reshape(-1, 1).astype(jnp.float32)
+        return jnp.zeros((n, x.shape[1]), jnp.float32).at[token].add(weighted).astype(x.dtype)
+
+    tokens = PartitionSpec(sharding.TOKEN_AXES)
+    # check_vma=False: the shard's expert kernels may be Pallas calls, whose outputs carry no varying-axes types
+    y = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, PartitionSpec("expert")),
+                      out_specs=tokens, check_vma=False)(x, topk_ids, topk_weights, experts)
+    return y[:n_tokens]
+
+
 class Experts(nn.Module):
     """Routed experts stacked per projection: w_gate, w_up [E, D, I] and w_down [E, I, D]; or, for MXFP4 checkpoints,
-    the packed params of `packed_param_shapes`. Returns (y, workspace)."""
+    the packed params of `packed_param_shapes`. Returns (y, workspace). On a `mesh` whose `expert` axis divides E,
+    the experts run expert-parallel (`expert_parallel`; MXFP4 then converts each shard's active experts per call,
+    without the workspace)."""
 
     config: ModelConfig
     dtype: jnp.dtype
     layer: int = 0
+    mesh: Any = None
 
     @nn.compact
     def __call__(self, x, ids, weights, workspace: Workspace | None = None):
         cfg = self.config
+        ep = sharding.expert_parallel_size(cfg, self.mesh) > 1
         if cfg.quant_method == "mxfp4":
             p = {name: self.param(name, _packed_init(name), shape, dtype)
                  for name, (shape, dtype) in packed_param_shapes(cfg).items()}
             offline = cfg.mxfp4.mode == "offline"
-            data = [p[f"{proj}_converted" if offline else f"{proj}_blocks"] for proj in PROJECTIONS]
-            scales = [p.get(f"{proj}_scales") for proj in PROJECTIONS]
             fmt = cfg.mxfp4.workspace_dtype if offline else "mxfp4"
-            experts = mxfp4.ExpertWeights(*data, *scales, fmt=fmt)
-            return moe_kernels.moe_experts_packed(x, ids, weights, experts, layer=self.layer, workspace=workspace,
+
+            def packed(p):
+                data = [p[f"{proj}_converted" if offline else f"{proj}_blocks"] for proj in PROJECTIONS]
+                return mxfp4.ExpertWeights(*data, *[p.get(f"{proj}_scales") for proj in PROJECTIONS], fmt=fmt)
+
+            if ep:
+                def run_local(rows, local_ids, row_weights, local):
+                    return moe_kernels.moe_experts_packed(rows, local_ids, row_weights, packed(local),
+                                                          impl=cfg.mxfp4.impl)[0]
+
+                return expert_parallel(x, ids, weights, p, run_local, self.mesh, cfg.num_experts), workspace
+            return moe_kernels.moe_experts_packed(x, ids, weights, packed(p), layer=self.layer, workspace=workspace,
                                                   impl=cfg.mxfp4.impl)
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
-        w_gate = self.param("w_gate", init, (e, d, i), self.dtype)
-        w_up = self.param("w_up", init, (e, d, i), self.dtype)
-        w_down = self.param("w_down", init, (e, i, d), self.dtype)
-        return moe_kernels.moe_experts(x, ids, weights, w_gate, w_up, w_down), workspace
+        w = {"w_gate": self.param("w_gate", init, (e, d, i), self.dtype),
+             "w_up": self.param("w_up", init, (e, d, i), self.dtype),
+             "w_down": self.param("w_down", init, (e, i, d), self.dtype)}
+        if ep:
+            def run_local(rows, local_ids, row_weights, local):
+                return moe_kernels.moe_experts(rows, local_ids, row_weights, local["w_gate"], local["w_up"],
+                                               local["w_down"])
+
+            return expert_parallel(x, ids, weights, w, run_local, self.mesh, cfg.num_experts), workspace
+        return moe_kernels.moe_experts(x, ids, weights, w["w_gate"], w["w_up"], w["w_down"]), workspace
 
 
 def _packed_init(name: str):
@@ -137,11 +213,13 @@ def _packed_init(name: str):
 
 
 class MoE(nn.Module):
-    """Routed experts plus shared experts (unscaled). x [B, T, D] -> [B, T, D] (and the workspace)."""
+    """Routed experts plus shared experts (unscaled). x [B, T, D] -> [B, T, D] (and the workspace). `mesh`: the
+    device mesh the params live on (None: one device); see `Experts`."""
 
     config: ModelConfig
     dtype: jnp.dtype
     layer: int = 0
+    mesh: Any = None
 
     @nn.compact
     def __call__(self, x, workspace: Workspace | None = None):
@@ -149,7 +227,7 @@ class MoE(nn.Module):
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = Router(cfg, self.dtype, name="gate")(flat)
-        y, workspace = Experts(cfg, self.dtype, self.layer, name="experts")(flat, ids, weights, workspace)
+        y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(flat, ids, weights, workspace)
         y = y.reshape(x.shape)
         if cfg.num_shared_experts:
             y = y + MLP(cfg.moe_intermediate_size * cfg.num_shared_experts, cfg.hidden_size, self.dtype,

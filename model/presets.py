@@ -73,6 +73,8 @@ def get_preset(name: str) -> ModelConfig:
 
 def component_of(path: tuple[str, ...]) -> str:
     """The accounting component a param path belongs to."""
+    if path[0] in ("vision_tower", "mm_projector"):
+        return "vision"
     if path[0] == "embed_tokens":
         return "embedding"
     if path[0] == "lm_head":
@@ -92,22 +94,26 @@ def parameter_table(config: ModelConfig, dtype=jnp.bfloat16, experts_mxfp4: bool
 
     if experts_mxfp4 is None:
         experts_mxfp4 = config.quant_method == "mxfp4"
-    item = jnp.dtype(dtype).itemsize
     table: OrderedDict[str, list] = OrderedDict()
     for path, leaf in expected_params(config, dtype).items():
-        count = int(np.prod(leaf.shape))
-        comp = component_of(path)
-        if path[-1].endswith(("_blocks", "_scales")):  # packed MXFP4 params: two weights per block byte
-            nbytes = count
-            count = 2 * count if path[-1].endswith("_blocks") else 0
-        elif comp == "routed experts" and experts_mxfp4:
-            nbytes = count * MXFP4_BITS_PER_WEIGHT / 8
-        else:
-            nbytes = count * jnp.dtype(leaf.dtype).itemsize if leaf.dtype == jnp.float32 else count * item
-        entry = table.setdefault(comp, [0, 0.0])
+        count, nbytes = param_footprint(path, leaf, dtype, experts_mxfp4)
+        entry = table.setdefault(component_of(path), [0, 0.0])
         entry[0] += count
         entry[1] += nbytes
     return OrderedDict((k, (v[0], int(v[1]))) for k, v in table.items())
+
+
+def param_footprint(path: tuple[str, ...], leaf, dtype, experts_mxfp4: bool) -> tuple[int, float]:
+    """(weights, bytes) of one param (`leaf`: its shape and dtype from `expected_params`): packed MXFP4 params as
+    stored (two weights per block byte; scales count bytes only), routed experts at 4.25 bits per weight when
+    `experts_mxfp4`, float32 params as float32, everything else in `dtype`."""
+    count = int(np.prod(leaf.shape))
+    if path[-1].endswith(("_blocks", "_scales")):
+        return (2 * count if path[-1].endswith("_blocks") else 0), float(count)
+    if experts_mxfp4 and component_of(path) == "routed experts":
+        return count, count * MXFP4_BITS_PER_WEIGHT / 8
+    itemsize = jnp.dtype(leaf.dtype).itemsize if leaf.dtype == jnp.float32 else jnp.dtype(dtype).itemsize
+    return count, float(count * itemsize)
 
 
 def active_parameters(config: ModelConfig) -> int:

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import numpy as np
 
+from dayzero import platforms
+from dayzero.model import sharding
 from dayzero.model.errors import DayzeroError
 from dayzero.model.model import Model
 from dayzero.model.presets import PRESETS, get_preset
@@ -105,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per device dispatch")
     parser.add_argument("--warmup", action="store_true", help="compile every bucketed shape before generating")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--mesh", help="run on a device mesh, e.g. expert=2,tensor=4 (axes data, expert, tensor; "
+                        "unnamed axes 1; default: one device); see docs/SHARDING.md")
+    platforms.add_cli_options(parser)
     args = parser.parse_args(argv)
     if args.image and (args.input or not args.prompt):
         parser.error("--image goes with --prompt (in a JSONL file, give an \"image\" field)")
@@ -113,11 +118,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                    max_prefill_tokens=args.max_prefill_tokens or (512 if args.model else 128))
     try:
         start = time.perf_counter()
+        platform = platforms.from_cli_args(args)
+        mesh = None
+        if args.mesh:  # over the platform's devices (initialised first: a plugin registers before JAX starts)
+            devices = platforms.init_platform(platform) if platform is not None else None
+            mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh), devices=devices)
         if args.model:
-            engine = Engine.from_checkpoint(args.model, dtype=args.dtype, **options)
+            engine = Engine.from_checkpoint(args.model, dtype=args.dtype, mesh=mesh, platform=platform, **options)
             print(f"model: {args.model} ({engine.model.config.model_type}, {engine.model.dtype.name})")
         else:
-            model = Model.random(get_preset(args.preset), dtype=args.dtype or "float32", seed=args.seed)
+            model = Model.random(get_preset(args.preset), dtype=args.dtype or "float32", seed=args.seed, mesh=mesh,
+                                 platform=platform)
             engine = Engine(model, None, EngineConfig(**options))
             print(f"model: embedded preset '{args.preset}' with RANDOM weights (seed {args.seed}): the generated "
                   "tokens mean nothing; pass --model DIR for a real checkpoint")

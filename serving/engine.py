@@ -111,13 +111,16 @@ class Engine:
             num_slots * bytes_per_slot(mcfg, model.dtype)
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike, dtype: Any = None, mesh=None, **engine_options) -> "Engine":
-        """Loads a checkpoint directory (and its tokenizer, if any) into an engine; options go to EngineConfig."""
+    def from_checkpoint(cls, path: str | os.PathLike, dtype: Any = None, mesh=None, platform=None,
+                        **engine_options) -> "Engine":
+        """Loads a checkpoint directory (and its tokenizer, if any) into an engine; options go to EngineConfig.
+        `platform` (a `dayzero.platforms.PlatformConfig` or a platform name) is `load_checkpoint`'s: the model, its
+        cache and its steps then live on that platform's first device."""
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine_options) - known)
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
-        model = load_checkpoint(path, dtype=dtype, mesh=mesh)
+        model = load_checkpoint(path, dtype=dtype, mesh=mesh, platform=platform)
         return cls(model, load_tokenizer(path), EngineConfig(**engine_options))
 
     # ------------------------------------------------------------------ requests

@@ -7,13 +7,18 @@ with the cache donated, and samples the next token on the device. `num_compilati
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from dayzero.model.cache import init_cache
+from dayzero import platforms
+from dayzero.model import sharding
+from dayzero.model.cache import cache_shapes
 from dayzero.model.config import LAYER_KDA
 from dayzero.model.model import Model
 
@@ -123,18 +128,34 @@ _SAVE = jax.jit(_save, donate_argnums=(1,))
 _RESTORE = jax.jit(_restore, donate_argnums=(0,))
 
 
+def _zeros(config, shapes: dict[str, tuple[tuple[int, ...], Any]], mesh) -> dict[str, jax.Array]:
+    """Zeroed arrays {name: (shape, dtype)}: on the default device, or with a `mesh` created straight on their
+    `sharding.CACHE_RULES` shardings (no device ever holds a whole sharded array)."""
+    if mesh is None:
+        return {name: jnp.zeros(shape, dtype) for name, (shape, dtype) in shapes.items()}
+    placements = sharding.cache_shardings(config, mesh, {name: shape for name, (shape, _) in shapes.items()})
+    return {name: jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=placements[name])()
+            for name, (shape, dtype) in shapes.items()}
+
+
 class ModelRunner:
-    """Owns the cache (and snapshot) arrays of one model and runs steps on them."""
+    """Owns the cache (and snapshot) arrays of one model and runs steps on them. For a model on a mesh
+    (`Model.mesh`), the cache and snapshots live on their `sharding.CACHE_RULES` shardings (KDA heads over
+    `tensor`; latents and indexer keys replicated) and the step inputs are replicated over the mesh."""
 
     def __init__(self, model: Model, num_blocks: int, num_slots: int, num_snapshots: int, block_size: int = 64):
         self.model = model
         self.block_size = block_size
-        self.cache = init_cache(model.config, num_blocks, num_slots, model.dtype, block_size)
         self.has_kda = LAYER_KDA in model.config.layer_types
         self.snapshots = {}
-        if self.has_kda and num_snapshots > 0:
-            self.snapshots = {k: jnp.zeros((v.shape[0], num_snapshots, *v.shape[2:]), v.dtype)
-                              for k, v in self.cache.items() if k in ("conv", "state")}
+        with platforms.activate(model.placement):  # the cache lives on the model's device (or its mesh)
+            shapes = cache_shapes(model.config, num_blocks, num_slots, model.dtype, block_size)
+            self.cache = _zeros(model.config, shapes, model.mesh)
+            if self.has_kda and num_snapshots > 0:
+                self.snapshots = _zeros(model.config, {k: ((s[0], num_snapshots, *s[2:]), dt)
+                                                       for k, (s, dt) in shapes.items() if k in ("conv", "state")},
+                                        model.mesh)
+        self._inputs = None if model.mesh is None else NamedSharding(model.mesh, PartitionSpec())
         self._shapes: set[tuple] = set()
 
     @property
@@ -152,11 +173,13 @@ class ModelRunner:
         """Launches one dispatch and returns device arrays without waiting (JAX dispatch is asynchronous)."""
         steps = rows.keys.shape[1] if decode else 0
         self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1], steps))
-        arrays = jax.device_put(dict(vars(rows)))  # one transfer call for all step inputs (None stays None)
-        if decode:
-            tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays)
-        else:
-            tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays, False)
+        with platforms.activate(self.model.placement):  # the model's device in use: dispatch picks its kernels
+            arrays = jax.device_put(dict(vars(rows)), self._inputs)  # one transfer for all inputs (None stays None)
+            if decode:
+                tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays)
+            else:
+                tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays,
+                                                     False)
         return tokens, logprobs
 
     def reset_slots(self, slots: list[int]) -> None:

@@ -20,8 +20,16 @@ from triton_lowering import count_triton_kernels
 F32 = 2e-5  # interpret mode computes in float32 throughout
 
 
-def _chunk(inputs, dtype=jnp.float32, **kwargs):
-    return run_kda(kda_pallas.chunk_kda, inputs, dtype=dtype, interpret=True, **kwargs)
+# Prefill kernel 1 variants (KdaTuning.intra_variant); the split one over 16-channel slices so that its channel loop
+# runs more than once at the tests' head dims, with bf16 products for bf16 inputs (f32 inputs keep f32 products).
+TUNINGS = {"fused": kda_pallas.KdaTuning(intra_variant="fused"),
+           "split": kda_pallas.KdaTuning(intra_variant="split", intra_block_k=16, intra_bf16_dots=True)}
+variants = pytest.mark.parametrize("variant", list(TUNINGS))
+default_variant = pytest.mark.parametrize("variant", ["split"])  # the default; the fused one is checked above
+
+
+def _chunk(inputs, dtype=jnp.float32, variant="split", **kwargs):
+    return run_kda(kda_pallas.chunk_kda, inputs, dtype=dtype, interpret=True, tuning=TUNINGS[variant], **kwargs)
 
 
 def _recurrent(inputs, dtype=jnp.float32, **kwargs):
@@ -38,9 +46,10 @@ def _std_inputs(seed, **kwargs):
     return kda_inputs(seed, STD["B"], STD["T"], STD["H"], STD["K"], STD["V"], l2norm=True, init=True, **kwargs)
 
 
-def test_chunk_kernel_matches_reference_and_transformers(seed):
+@variants
+def test_chunk_kernel_matches_reference_and_transformers(seed, variant):
     inputs = _std_inputs(seed, g_max=2.0)
-    o, s = _chunk(inputs, l2norm=True)
+    o, s = _chunk(inputs, variant=variant, l2norm=True)
     o_ref, s_ref = run_kda(kda_ref.chunk_kda, inputs, l2norm=True)
     assert o.shape == o_ref.shape and s.shape == s_ref.shape
     assert_close(o, o_ref, F32, "pallas chunk output", seed)
@@ -50,23 +59,25 @@ def test_chunk_kernel_matches_reference_and_transformers(seed):
     assert_close(s, hf_s, 1e-4, "pallas chunk vs transformers state", seed)
 
 
-def test_strong_decay(seed):
+@variants
+def test_strong_decay(seed, variant):
     """Log-decays of -8 per step and -50 on a third of the channels: finite, same as the recurrence."""
     inputs = _std_inputs(seed, g_max=8.0, g_extreme=-50.0)
     hf_o, hf_s = _hf_kda(hf_recurrent_kda, inputs, True)
-    o, s = _chunk(inputs, l2norm=True)
+    o, s = _chunk(inputs, variant=variant, l2norm=True)
     assert_close(o, hf_o, 3e-4, "strong decay output vs transformers recurrent", seed)
     assert_close(s, hf_s, 3e-4, "strong decay state vs transformers recurrent", seed)
 
 
-def test_unequal_lengths_padded_dims_and_chunk_states(seed):
+@default_variant
+def test_unequal_lengths_padded_dims_and_chunk_states(seed, variant):
     """Rows of different lengths in one call equal each row run alone (head dims 24 / 20 padded inside); states
     after each chunk equal the recurrence's state at that boundary; outputs past a row's length are zero."""
     B, T, H, K, V = 3, 150, 2, 24, 20
     inputs = kda_inputs(seed, B, T, H, K, V, g_max=1.0, l2norm=True, init=True)
     lengths = np.array([150, 64, 97], np.int32)
-    o, s, states = run_kda(kda_pallas.chunk_kda, inputs, l2norm=True, lengths=jnp.asarray(lengths),
-                           output_chunk_states=True, interpret=True)
+    o, s, states = _chunk(inputs, variant=variant, l2norm=True, lengths=jnp.asarray(lengths),
+                          output_chunk_states=True)
     assert o.shape == (B, T, H, V) and s.shape == (B, H, K, V) and states.shape == (B, 3, H, K, V)
     ref = run_kda(kda_ref.chunk_kda, inputs, l2norm=True, lengths=jnp.asarray(lengths), output_chunk_states=True)
     for got, want, what in zip((o, s, states), ref, ("output", "final states", "chunk states")):
@@ -121,12 +132,13 @@ def test_slots_update_pool_in_place(seed, K, V):
     assert not np.allclose(np.asarray(new_pool[1, slots]), np.asarray(pool[1, slots]))
 
 
-def test_bf16_inputs_without_l2norm(seed):
+@default_variant
+def test_bf16_inputs_without_l2norm(seed, variant):
     """bf16 inputs (the fast path on GPU: bf16 dots, f32 state) stay within bf16 error of the f32 reference on the
     same rounded inputs; keys normalised outside the kernel (l2norm off)."""
     inputs = kda_inputs(seed, 1, 96, 2, 32, 32, g_max=1.0, l2norm=False, init=True)
     rounded = tuple(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)) for x in inputs[:5]) + (inputs[5],)
-    o, s = _chunk(rounded, dtype=jnp.bfloat16)
+    o, s = _chunk(rounded, dtype=jnp.bfloat16, variant=variant)
     o_ref, s_ref = run_kda(kda_ref.chunk_kda, rounded)
     assert o.dtype == jnp.bfloat16
     assert_close(o, o_ref, 2e-2, "bf16 chunk output", seed)
@@ -141,19 +153,23 @@ def _shapes(B, T, H, K, V, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("shape", [(1, 8192, 32, 128, 128), (2, 77, 3, 24, 20)])
 def test_kernels_lower_to_triton(shape):
-    """Every KDA kernel goes through Pallas' Triton lowering for CUDA (no GPU needed to lower)."""
+    """Every KDA kernel goes through Pallas' Triton lowering for CUDA (no GPU needed to lower); both variants of
+    prefill kernel 1 at their default channel slice."""
     B, T, H, K, V = shape
     args = _shapes(B, T, H, K, V)
     state = jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)
 
-    def chunk(q, k, v, g, beta, h0):
+    def chunk(q, k, v, g, beta, h0, tuning):
         return kda_pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                    use_qk_l2norm_in_kernel=True, output_chunk_states=True)
+                                    use_qk_l2norm_in_kernel=True, output_chunk_states=True, tuning=tuning)
 
     def recurrent(q, k, v, g, beta, h0):
         return kda_pallas.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
 
-    assert count_triton_kernels(chunk, *args, state) == 2
+    for tuning, kernels in ((kda_pallas.KdaTuning(intra_variant="fused"), 2),
+                            (kda_pallas.KdaTuning(intra_variant="split"), 3),
+                            (kda_pallas.KdaTuning(intra_variant="split", intra_block_k=64, intra_bf16_dots=True), 3)):
+        assert count_triton_kernels(lambda *a: chunk(*a, tuning), *args, state) == kernels, tuning
     assert count_triton_kernels(recurrent, *_shapes(B, 1, H, K, V), state) == 1
     if kda_pallas.slots_supported((K, V)):
         pool = jax.ShapeDtypeStruct((3, B + 1, H, K, V), jnp.float32)

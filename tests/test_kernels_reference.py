@@ -524,46 +524,47 @@ def no_env(monkeypatch):
 
 def test_choose_by_platform(no_env):
     both = ("reference", "pallas")
-    assert dispatch.choose(both, platform="cpu") == "reference"
-    assert dispatch.choose(both, platform="musa") == "reference"
-    assert dispatch.choose(both, platform="tpu") == "reference"
-    for platform in ("cuda", "rocm", "gpu"):
-        assert dispatch.choose(both, platform=platform) == "pallas"
-        assert dispatch.choose(("reference",), platform=platform) == "reference"
+    assert dispatch.choose("kda", both, platform="cpu") == "reference"
+    assert dispatch.choose("kda", both, platform="musa") == "reference"
+    assert dispatch.choose("kda", both, platform="tpu") == "reference"
+    for platform in ("cuda", "gpu"):  # "gpu" resolves to CUDA unless this process has a ROCm backend
+        assert dispatch.choose("kda", both, platform=platform) == "pallas"
+        assert dispatch.choose("kda", ("reference",), platform=platform) == "reference"
+    # ROCm: only kernels whose lowering is declared to work there (none yet).
+    assert dispatch.choose("kda", both, platform="rocm") == "reference"
     assert dispatch.current_platform() == jax.devices()[0].platform
-    assert dispatch.choose(both) == ("pallas" if jax.devices()[0].platform in dispatch.PALLAS_PLATFORMS
-                                     else "reference")
+    assert dispatch.choose("kda", both) == ("pallas" if jax.devices()[0].platform in ("gpu", "cuda") else "reference")
 
 
 def test_choose_overrides(no_env):
     both = ("reference", "pallas")
-    assert dispatch.choose(both, impl="interpret", platform="cpu") == "interpret"
-    assert dispatch.choose(both, impl="interpret", platform="cuda") == "interpret"
-    assert dispatch.choose(both, impl="pallas", platform="cpu") == "pallas"
-    assert dispatch.choose(both, impl="reference", platform="cuda") == "reference"
+    assert dispatch.choose("kda", both, impl="interpret", platform="cpu") == "interpret"
+    assert dispatch.choose("kda", both, impl="interpret", platform="cuda") == "interpret"
+    assert dispatch.choose("kda", both, impl="pallas", platform="cpu") == "pallas"
+    assert dispatch.choose("kda", both, impl="reference", platform="cuda") == "reference"
     # An override naming an implementation the op lacks falls back to the reference.
-    assert dispatch.choose(("reference",), impl="pallas", platform="cuda") == "reference"
-    assert dispatch.choose(("reference",), impl="interpret", platform="cuda") == "reference"
+    assert dispatch.choose("kda", ("reference",), impl="pallas", platform="cuda") == "reference"
+    assert dispatch.choose("kda", ("reference",), impl="interpret", platform="cuda") == "reference"
     with pytest.raises(ValueError):
-        dispatch.choose(both, impl="triton", platform="cuda")
+        dispatch.choose("kda", both, impl="triton", platform="cuda")
     # A kernel not yet verified on a GPU runs only when asked for.
-    assert dispatch.choose(both, platform="cuda", gpu_verified=False) == "reference"
-    assert dispatch.choose(both, impl="pallas", platform="cuda", gpu_verified=False) == "pallas"
+    assert dispatch.choose("kda", both, platform="cuda", gpu_verified=False) == "reference"
+    assert dispatch.choose("kda", both, impl="pallas", platform="cuda", gpu_verified=False) == "pallas"
 
 
 def test_choose_env_override(no_env):
     both = ("reference", "pallas")
     no_env.setenv(dispatch.ENV_OVERRIDE, "interpret")
-    assert dispatch.choose(both, platform="cpu") == "interpret"
-    assert dispatch.choose(("reference",), platform="cpu") == "reference"
-    assert dispatch.choose(both, impl="reference", platform="cpu") == "reference"  # impl= beats the variable
+    assert dispatch.choose("kda", both, platform="cpu") == "interpret"
+    assert dispatch.choose("kda", ("reference",), platform="cpu") == "reference"
+    assert dispatch.choose("kda", both, impl="reference", platform="cpu") == "reference"  # impl= beats the variable
     no_env.setenv(dispatch.ENV_OVERRIDE, "reference")
-    assert dispatch.choose(both, platform="cuda") == "reference"
+    assert dispatch.choose("kda", both, platform="cuda") == "reference"
     no_env.setenv(dispatch.ENV_OVERRIDE, "")  # empty means unset
-    assert dispatch.choose(both, platform="cuda") == "pallas"
+    assert dispatch.choose("kda", both, platform="cuda") == "pallas"
     no_env.setenv(dispatch.ENV_OVERRIDE, "musa")
     with pytest.raises(ValueError):
-        dispatch.choose(both, platform="cpu")
+        dispatch.choose("kda", both, platform="cpu")
 
 
 def test_dispatch_follows_the_default_device(monkeypatch):
@@ -572,7 +573,7 @@ def test_dispatch_follows_the_default_device(monkeypatch):
     assert dispatch.current_platform() == jax.default_backend()
     with jax.default_device("gpu"):
         assert dispatch.current_platform() == "gpu"
-        assert dispatch.choose(("reference", "pallas")) == "pallas"
-        assert dispatch.choose(("reference", "pallas"), gpu_verified=False) == "reference"
+        assert dispatch.choose("kda", ("reference", "pallas")) == "pallas"
+        assert dispatch.choose("kda", ("reference", "pallas"), gpu_verified=False) == "reference"
     with jax.default_device(jax.devices("cpu")[0]):
-        assert dispatch.choose(("reference", "pallas")) == "reference"
+        assert dispatch.choose("kda", ("reference", "pallas")) == "reference"

@@ -18,7 +18,7 @@ _AVAILABLE = ("reference", "pallas")
 
 def _pick(name: str, impl: str | None):
     """(function, extra kwargs) of the chosen implementation of op `name`."""
-    choice = dispatch.choose(_AVAILABLE, impl)
+    choice = dispatch.choose("kda", _AVAILABLE, impl)
     if choice == "reference":
         return getattr(reference, name), {}
     return getattr(pallas, name), {"interpret": choice == "interpret"}

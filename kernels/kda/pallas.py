@@ -11,6 +11,9 @@ Prefill (`chunk_kda`), chunks of C = 64 tokens:
      Safe decay: off-diagonal sub-chunk pairs are scaled about the sub-chunk boundary (both exponents <= 0), the
      diagonal ones take exp(G_t - G_s) element by element for s <= t only: no positive cumulative log-decay is
      ever exponentiated, so strong decays underflow to 0 instead of overflowing.
+     `KdaTuning(intra_variant="split")` replaces it by two kernels without serial loops: `_akk_kernel` (A_kk and A_qk
+     of a chunk as six masked [64, 64] products, one per "pair level", see `_level_exponent`, plus the decayed q, k)
+     and `_wy_kernel` (the block solve and w, u), A_kk passing through HBM in f32.
   2. `_state_kernel`, one program per (row, head, V block), sequential over chunks: v' = u - w S,
      o = (q exp(G)) S + A_qk v', S <- exp(G_C) S + (k exp(G_C - G))^T v'. Optionally writes S after every chunk.
 Decode (`fused_recurrent_kda`, `fused_recurrent_kda_slots`): one program per (row, head, V block) holding its
@@ -92,6 +95,21 @@ def _unit_lower_inverse(n):
         inv = _mm(inv, eye + power, exact)
         width *= 2
     return inv
+
+
+def _block_inverse(a, n_sub):
+    """T = (I + A)^-1 for a strictly lower A given as 16 x 16 blocks {(i, j): A_ij, j <= i}: diagonal inverses by
+    nilpotent products, then T_ij = -T_ii sum_{j<=m<i} A_im T_mj. Returns the blocks {(i, j): T_ij, j <= i}."""
+    exact = jax.lax.Precision.HIGHEST
+    t = {}
+    for i in range(n_sub):
+        t[i, i] = _unit_lower_inverse(a[i, i])
+        for j in range(i - 1, -1, -1):
+            acc = _mm(a[i, j], t[j, j], exact)
+            for m in range(j + 1, i):
+                acc = acc + _mm(a[i, m], t[m, j], exact)
+            t[i, j] = -_mm(t[i, i], acc, exact)
+    return t
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -188,15 +206,7 @@ def _intra_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
         kd_ref[rows, :] = (k_i * jnp.exp(g_last[None, :] - cum_i)).astype(io_dtype)
     gl_ref[...] = g_last
 
-    # T = (I + beta A_kk)^-1 by blocks: diagonal inverses, then T_ij = -T_ii sum_{j<=m<i} N_im T_mj.
-    t = {}
-    for i in range(n_sub):
-        t[i, i] = _unit_lower_inverse(a_kk[i, i])
-        for j in range(i - 1, -1, -1):
-            acc = _mm(a_kk[i, j], t[j, j], jax.lax.Precision.HIGHEST)
-            for m in range(j + 1, i):
-                acc = acc + _mm(a_kk[i, m], t[m, j], jax.lax.Precision.HIGHEST)
-            t[i, j] = -_mm(t[i, i], acc, jax.lax.Precision.HIGHEST)
+    t = _block_inverse(a_kk, n_sub)
 
     # WY factors w = T (beta k exp(G)), u = T (beta v), one row block at a time.
     for i in range(n_sub):
@@ -207,6 +217,132 @@ def _intra_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
             v_j = jnp.where(live(j), v_ref[pl.ds(j * SUB, SUB), :].astype(jnp.float32), 0.0)  # [SUB, V]
             w_i = w_i + _mm(t[i, j], beta_j * load_k(j) * jnp.exp(cum(j)), precision)
             u_i = u_i + _mm(t[i, j], beta_j * v_j, precision)
+        w_ref[pl.ds(i * SUB, SUB), :] = w_i.astype(io_dtype)
+        u_ref[pl.ds(i * SUB, SUB), :] = u_i.astype(io_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prefill kernel 1, split variant: (1a) the A blocks of a chunk without serial loops, (1b) the solve and WY factors.
+
+# Pair levels of the 64-token chunk: the pair (t, s), s < t, belongs to the level h (a power of two) where t and s
+# first differ, i.e. h <= t ^ s < 2h: s lies in the even h-block just before t's odd one, inside one 2h-block.
+_LEVELS = (32, 16, 8, 4, 2, 1)
+
+
+def _level_exponent(g, h):
+    """Per-row log-decays of level h relative to the boundary between the two h-blocks of each pair.
+
+    g [C, W] (per-token log-decays, <= 0). Row t of an odd h-block gets sum_{j = block start .. t} g_j (= G_t - G_ref),
+    row s of an even h-block gets sum_{j = s + 1 .. block end} g_j (= G_ref - G_s), G_ref the cumulative log-decay at
+    the end of the even block: for a pair (t, s) of level h, exp(row t) * exp(row s) = exp(G_t - G_s) and both factors
+    are sums of g's, never a positive exponent. Segmented sums by reshaping to [C / h, h, W], no gather.
+    """
+    rows, width = g.shape
+    if h == 1:
+        odd = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & 1
+        return jnp.where(odd == 1, g, 0.0)
+    blocks = g.reshape(rows // h, h, width)
+    inclusive = jnp.cumsum(blocks, axis=1)
+    total = jnp.sum(blocks, axis=1, keepdims=True)
+    odd = jax.lax.broadcasted_iota(jnp.int32, (rows // h, 1, 1), 0) & 1
+    return jnp.where(odd == 1, inclusive, total - inclusive).reshape(rows, width)
+
+
+def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, kd_ref, x_ref, gl_ref, *, scale,
+                l2norm, precision, block_k, dot_dtype):
+    """One chunk, all 64 rows at once, over slices of `block_k` channels (a loop Triton keeps as a loop).
+
+    For each level h the chunk's keys and queries are scaled by exp(level exponent) (one exp per element and level)
+    and one [64, 64] product per level, masked to the level's pairs, accumulates A_kk and A_qk: six levels cover every
+    pair s < t, the diagonal of A_qk is q_t . k_t. Writes A_kk (beta-scaled, strictly lower, f32), A_qk, q exp(G),
+    k exp(G_C - G), G_C and x = beta k exp(G) (the right-hand side of w, rounded to the input dtype as fla does);
+    kernel 1b reads A_kk back by 16 x 16 blocks. Products on `dot_dtype` operands (f32: tf32 on the GPU for 16-bit
+    inputs, exact for f32 inputs; or bf16).
+    """
+    chunk = pl.program_id(1)
+    key_dim = q_ref.shape[-1]
+    n_k = key_dim // block_k
+    io_dtype = qg_ref.dtype
+    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0)
+    live = chunk * CHUNK + row < len_ref[0]  # [C, 1]
+
+    def cols(kb):
+        return pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+
+    def load(ref, kb):
+        return ref[:, cols(kb)].astype(jnp.float32)
+
+    q_mul = jnp.where(live, scale, 0.0)  # [C, 1]: scale, l2 norm and the length mask in one factor per row
+    k_mul = jnp.where(live, 1.0, 0.0)
+    beta = jnp.where(live, b_ref[...].astype(jnp.float32)[:, None], 0.0)
+    if l2norm:
+        def sum_squares(kb, acc):
+            q, k = load(q_ref, kb), load(k_ref, kb)
+            return (acc[0] + jnp.sum(q * q, axis=1, keepdims=True), acc[1] + jnp.sum(k * k, axis=1, keepdims=True))
+
+        zero = jnp.zeros((CHUNK, 1), jnp.float32)
+        q_sq, k_sq = jax.lax.fori_loop(0, n_k, sum_squares, (zero, zero))
+        q_mul = q_mul * jax.lax.rsqrt(q_sq + _EPS)
+        k_mul = k_mul * jax.lax.rsqrt(k_sq + _EPS)
+
+    r = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
+    c = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
+
+    def body(kb, carry):
+        a_kk, a_qk, diag = carry
+        q = load(q_ref, kb) * q_mul
+        k = load(k_ref, kb) * k_mul
+        g = jnp.where(live, load(g_ref, kb), 0.0)
+        differ = r ^ c
+        for h in _LEVELS:
+            f = jnp.exp(_level_exponent(g, h))
+            kf, qf = (k * f).astype(dot_dtype), (q * f).astype(dot_dtype)
+            pairs = (differ >= h) & (differ < 2 * h)
+            a_kk = a_kk + jnp.where(pairs, _mm_nt(kf, kf, precision), 0.0)
+            a_qk = a_qk + jnp.where(pairs, _mm_nt(qf, kf, precision), 0.0)
+        diag = diag + jnp.sum(q * k, axis=1, keepdims=True)
+        cum = jnp.cumsum(g, axis=0)  # G within the chunk
+        g_last = jnp.sum(g, axis=0)
+        decay = jnp.exp(cum)
+        qg_ref[:, cols(kb)] = (q * decay).astype(io_dtype)
+        x_ref[:, cols(kb)] = (beta * k * decay).astype(io_dtype)
+        kd_ref[:, cols(kb)] = (k * jnp.exp(g_last[None, :] - cum)).astype(io_dtype)
+        gl_ref[cols(kb)] = g_last
+        return a_kk, a_qk, diag
+
+    zeros = jnp.zeros((CHUNK, CHUNK), jnp.float32)
+    a_kk, a_qk, diag = jax.lax.fori_loop(0, n_k, body, (zeros, zeros, jnp.zeros((CHUNK, 1), jnp.float32)))
+    lower = r > c  # the levels' products also fill mirrored pairs (s > t): dropped here
+    akk_ref[...] = jnp.where(lower, beta * a_kk, 0.0)
+    aqk_ref[...] = (jnp.where(lower, a_qk, 0.0) + jnp.where(r == c, diag, 0.0)).astype(aqk_ref.dtype)
+
+
+def _wy_kernel(len_ref, x_ref, v_ref, b_ref, akk_ref, w_ref, u_ref, *, precision, dot_dtype):
+    """One chunk: T = (I + A_kk)^-1 from A_kk's 16 x 16 blocks (f32 throughout), then w = T x (x = beta k exp(G) from
+    kernel 1a) and u = T (beta v), products on `dot_dtype` operands."""
+    chunk = pl.program_id(1)
+    length = len_ref[0]
+    n_sub = CHUNK // SUB
+    row16 = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
+    io_dtype = w_ref.dtype
+    blocks = {(i, j): akk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] for i in range(n_sub) for j in range(i + 1)}
+    t = _block_inverse(blocks, n_sub)
+
+    def rhs(j):  # x_j and beta_j v_j, [SUB, K] and [SUB, V], reloaded per use (cached) to keep few tiles live
+        rows = pl.ds(j * SUB, SUB)
+        live = chunk * CHUNK + j * SUB + row16 < length
+        beta = jnp.where(live, b_ref[rows].astype(jnp.float32)[:, None], 0.0)
+        y = beta * jnp.where(live, v_ref[rows, :].astype(jnp.float32), 0.0)
+        return x_ref[rows, :].astype(dot_dtype), y.astype(dot_dtype)
+
+    t = {key: value.astype(dot_dtype) for key, value in t.items()}
+    for i in range(n_sub):
+        x, y = rhs(0)
+        w_i, u_i = _mm(t[i, 0], x, precision), _mm(t[i, 0], y, precision)
+        for j in range(1, i + 1):
+            x, y = rhs(j)
+            w_i = w_i + _mm(t[i, j], x, precision)
+            u_i = u_i + _mm(t[i, j], y, precision)
         w_ref[pl.ds(i * SUB, SUB), :] = w_i.astype(io_dtype)
         u_ref[pl.ds(i * SUB, SUB), :] = u_i.astype(io_dtype)
 
@@ -258,15 +394,27 @@ class KdaTuning:
     """Launch parameters of the KDA kernels (the H200 measurements behind the defaults: benchmarks/RESULTS.md)."""
 
     state_block_v: int = 32  # V columns per program of the sequential prefill pass
-    intra_warps: int = 4
+    intra_warps: int = 8
     intra_stages: int = 1
     state_warps: int = 4
     state_stages: int = 3
     decode_block_v: int = 64  # V columns per program of the recurrent step
     decode_warps: int = 4
+    # Prefill kernel 1: "fused" (one kernel per chunk, 16-step column loops for the diagonal blocks) or "split"
+    # (kernel 1a: A blocks by pair levels, no serial loop, over `intra_block_k` channels at a time, with intra_warps /
+    # intra_stages; kernel 1b: block solve and WY factors with wy_warps). `intra_bf16_dots`: the split variant's A
+    # and WY products on bf16 operands for 16-bit inputs (fla's choice for WY) instead of tf32.
+    # Defaults: the fastest measured on the H200 for bf16 (chunk_kda T8192 1.31 ms split vs 3.56 ms fused); float32
+    # inputs run the split kernels with at most F32_INTRA_BLOCK_K channels and F32_INTRA_WARPS warps, the setting
+    # that passed tests/gpu/test_kda_gpu.py.
+    intra_variant: str = "split"
+    intra_block_k: int = 64
+    wy_warps: int = 4
+    intra_bf16_dots: bool = True
 
 
 DEFAULT_TUNING = KdaTuning()
+F32_INTRA_BLOCK_K, F32_INTRA_WARPS = 32, 4
 
 
 def chunk_intra(q, k, v, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=DEFAULT_TUNING):
@@ -275,6 +423,11 @@ def chunk_intra(q, k, v, g, beta, lengths, *, scale, l2norm, interpret=False, tu
     Returns w, u, q exp(G) (scaled), k exp(G_C - G) [B, T, H, K or V] and A_qk [B, T, H, 64] in the input dtype
     (f32 for f32 inputs), and the chunk log-decays G_C [B, T / 64, H, K] f32.
     """
+    if tuning.intra_variant == "split":
+        return _chunk_intra_split(q, k, v, g, beta, lengths, scale=scale, l2norm=l2norm, interpret=interpret,
+                                  tuning=tuning)
+    if tuning.intra_variant != "fused":
+        raise ValueError(f"unknown intra_variant {tuning.intra_variant!r} (fused or split)")
     batch, t_pad, heads, kp = k.shape
     vp = v.shape[-1]
     n_chunks = t_pad // CHUNK
@@ -295,6 +448,49 @@ def chunk_intra(q, k, v, g, beta, lengths, *, scale, l2norm, interpret=False, tu
         interpret=interpret,
         name="kda_chunk_intra",
     )(lengths, q, k, v, g, beta)
+
+
+def _chunk_intra_split(q, k, v, g, beta, lengths, *, scale, l2norm, interpret, tuning):
+    """`chunk_intra`'s outputs from two kernels: 1a (A_kk, A_qk, decayed q and k, G_C, x) and 1b (w, u)."""
+    batch, t_pad, heads, kp = k.shape
+    vp = v.shape[-1]
+    n_chunks = t_pad // CHUNK
+    io_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+    precision = _precision(io_dtype)
+    dot_dtype = jnp.bfloat16 if tuning.intra_bf16_dots and io_dtype != jnp.float32 else jnp.float32
+    block_k, warps = tuning.intra_block_k, tuning.intra_warps
+    if io_dtype == jnp.float32:
+        block_k, warps = min(block_k, F32_INTRA_BLOCK_K), min(warps, F32_INTRA_WARPS)
+    sq = pl.squeezed
+    index = lambda b, c, h: (b, c, h, 0)
+    chunk_spec = lambda d: pl.BlockSpec((sq, CHUNK, sq, d), index)
+    beta_spec = pl.BlockSpec((sq, CHUNK, sq), lambda b, c, h: (b, c, h))
+    len_spec = pl.BlockSpec((1,), lambda b, c, h: (b,))
+    shape = lambda d, dtype=io_dtype: jax.ShapeDtypeStruct((batch, t_pad, heads, d), dtype)
+    a_kk, a_qk, qg, kd, x, g_last = pl.pallas_call(
+        functools.partial(_akk_kernel, scale=scale, l2norm=l2norm, precision=precision,
+                          block_k=min(block_k, kp), dot_dtype=dot_dtype),
+        grid=(batch, n_chunks, heads),
+        in_specs=[len_spec, chunk_spec(kp), chunk_spec(kp), chunk_spec(kp), beta_spec],
+        out_specs=[chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(kp), chunk_spec(kp), chunk_spec(kp),
+                   pl.BlockSpec((sq, sq, sq, kp), index)],
+        out_shape=[shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
+                   jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)],
+        compiler_params=_params(warps, tuning.intra_stages),
+        interpret=interpret,
+        name="kda_chunk_akk",
+    )(lengths, q, k, g, beta)
+    w, u = pl.pallas_call(
+        functools.partial(_wy_kernel, precision=precision, dot_dtype=dot_dtype),
+        grid=(batch, n_chunks, heads),
+        in_specs=[len_spec, chunk_spec(kp), chunk_spec(vp), beta_spec, chunk_spec(CHUNK)],
+        out_specs=[chunk_spec(kp), chunk_spec(vp)],
+        out_shape=[shape(kp), shape(vp)],
+        compiler_params=_params(tuning.wy_warps),
+        interpret=interpret,
+        name="kda_chunk_wy",
+    )(lengths, x, v, beta, a_kk)
+    return w, u, qg, kd, a_qk, g_last
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "use_qk_l2norm_in_kernel",

@@ -1,0 +1,98 @@
+"""Serving on a device mesh against one device: the medium hybrid preset (random weights, bf16) with expert
+parallelism over the GPUs of one host.
+
+    python3 benchmarks/mesh_serving.py [--mesh expert=2] [--batches 16,64] [--max-tokens 48]
+
+The same weights (same seed) are built once on one GPU and once sharded by `dayzero.model.sharding`'s rules on the
+mesh. Both engines run the same greedy requests (prompts of 128 tokens): the script reports whether every request's
+tokens are equal, and per batch size the ITL (median of per-request means) and tokens/s, each shape compiled before
+it is timed. Appends one dated line to the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import jax
+import numpy as np
+
+from dayzero.model import Model, sharding
+from dayzero.model.presets import get_preset
+from dayzero.serving import Engine, EngineConfig, SamplingParams
+
+from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
+
+
+def engine_for(model: Model, max_batch: int) -> Engine:
+    return Engine(model, None, EngineConfig(
+        max_num_seqs=max_batch, max_model_len=1024, max_prefill_tokens=4096, max_prefill_rows=16,
+        prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0))
+
+
+def run_batches(engine: Engine, prompts: dict[int, list[list[int]]], params: SamplingParams) -> tuple[dict, dict]:
+    """-> ({batch: figures}, {batch: generated token ids per request}); each batch run once to compile, once timed."""
+    figures, tokens = {}, {}
+    for batch, batch_prompts in prompts.items():
+        engine.generate(prompt_token_ids=batch_prompts, sampling_params=params)
+        start = time.perf_counter()
+        outs = engine.generate(prompt_token_ids=batch_prompts, sampling_params=params)
+        wall = time.perf_counter() - start
+        itl = float(np.median([o.mean_itl for o in outs]))
+        generated = sum(len(o.token_ids) for o in outs)
+        figures[batch] = {"itl_ms": round(itl * 1e3, 3), "tok_s": round(generated / wall, 1),
+                          "decode_tok_s": round(batch / itl, 1)}
+        tokens[batch] = [list(o.token_ids) for o in outs]
+    figures["compilations"] = engine.num_compilations
+    return figures, tokens
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="benchmarks/RESULTS.md")
+    parser.add_argument("--mesh", default="expert=2")
+    parser.add_argument("--batches", default="16,64")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--preset", default="medium_hybrid", help="a smaller preset (tiny) for a CPU smoke run")
+    args = parser.parse_args(argv)
+    sizes = sharding.parse_mesh(args.mesh)
+    mesh = sharding.make_mesh(**sizes)
+    batches = [int(b) for b in args.batches.split(",")]
+    config = get_preset(args.preset)
+    rng = np.random.default_rng(0)
+    prompts = {b: [rng.integers(3, config.vocab_size, 128).tolist() for _ in range(b)] for b in batches}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    results, generated = {}, {}
+    for label, build in (("one_gpu", lambda: Model.random(config, dtype="bfloat16", seed=0)),
+                         ("mesh", lambda: Model.random(config, dtype="bfloat16", seed=0, mesh=mesh))):
+        start = time.perf_counter()
+        model = build()
+        jax.block_until_ready(model.params)
+        print(f"{label}: {args.preset} built in {time.perf_counter() - start:.1f} s")
+        results[label], generated[label] = run_batches(engine_for(model, max(batches)), prompts, params)
+        print(label, json.dumps(results[label]))
+        del model
+    same = {b: sum(a == m for a, m in zip(generated["one_gpu"][b], generated["mesh"][b])) for b in batches}
+    first_diff = {b: min((next((i for i, (x, y) in enumerate(zip(a, m)) if x != y), len(a))
+                          for a, m in zip(generated["one_gpu"][b], generated["mesh"][b])), default=None)
+                  for b in batches}
+    results["greedy_equal_requests"] = {b: f"{same[b]}/{b}" for b in batches}
+    results["earliest_differing_token"] = first_diff
+    device = jax.devices()[0]
+    print("\n| batch | 1 GPU ITL ms | mesh ITL ms | 1 GPU tok/s | mesh tok/s | greedy equal |\n|---|---|---|---|---|---|")
+    for b in batches:
+        one, sh = results["one_gpu"][b], results["mesh"][b]
+        print(f"| {b} | {one['itl_ms']} | {sh['itl_ms']} | {one['tok_s']} | {sh['tok_s']} | {same[b]}/{b} |")
+    line = (f"- {datetime.date.today()} mesh_serving.py, {len(jax.devices())} x {device.device_kind}, commit "
+            f"{git_commit()}, jax {jax.__version__}, {args.preset} (random bf16 weights), mesh {sizes} against one "
+            f"GPU in the same run, prompts 128, {args.max_tokens} new tokens, greedy: {json.dumps(results)}\n")
+    append_line(args.results, line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
