@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from tqdm.auto import tqdm
 from .checkpoint import ParamPath, published_name, stream_params
 from .config import ModelConfig
 from .errors import CheckpointError, DayzeroError
+from .safetensors_io import copy_side_files
 
 FORMAT = "dayzero-orbax"
 FORMAT_VERSION = 1
@@ -48,7 +48,6 @@ MARKER = "dayzero_checkpoint.json"
 PARAMS_DIR = "dayzero_params"
 DEFAULT_ITEM_BYTES = 1 << 30
 CHUNK_BYTES = 16 << 20  # storage chunks: a device restoring its shard reads only the chunks it overlaps
-_HUB_WEIGHTS = ("model.safetensors.index.json", "config.json")
 
 
 @dataclass(frozen=True)
@@ -141,10 +140,7 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, dtype:
             flush()
     if pending:
         flush()
-    for entry in sorted(os.listdir(source)):
-        file = os.path.join(source, entry)
-        if os.path.isfile(file) and not entry.endswith(".safetensors") and entry not in _HUB_WEIGHTS:
-            shutil.copy2(file, os.path.join(out, entry))
+    copy_side_files(source, out)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
     marker = {"format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype.name, "model_type": config.model_type,

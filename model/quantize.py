@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -29,10 +28,9 @@ from .checkpoint import map_tensor_name, plan_load
 from .config import MLP_MOE, ModelConfig
 from .errors import CheckpointError, ConfigError, DayzeroError
 from .model import expected_params
-from .safetensors_io import open_checkpoint_files, save_file
+from .safetensors_io import INDEX, copy_side_files, open_checkpoint_files, save_file
 
 CANONICAL = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
-INDEX = "model.safetensors.index.json"
 
 
 @dataclass
@@ -139,10 +137,7 @@ def quantize_checkpoint(source: str, out: str, shard_bytes: int = 4 << 30) -> Qu
     raw["quantization_config"] = {"quant_method": "mxfp4"}
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
-    for entry in os.listdir(source):
-        path = os.path.join(source, entry)
-        if os.path.isfile(path) and not entry.endswith(".safetensors") and entry not in (INDEX, "config.json"):
-            shutil.copy2(path, os.path.join(out, entry))
+    copy_side_files(source, out)
     return report
 
 

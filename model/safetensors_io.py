@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -122,9 +123,21 @@ def save_file(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str
             f.write(array.tobytes())
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def copy_side_files(source: str, out: str) -> None:
+    """Copies a checkpoint directory's other files (tokenizer, generation config, processor, ...) into `out`: every
+    regular file but the safetensors weights, their index and config.json (which a converter writes itself)."""
+    for entry in sorted(os.listdir(source)):
+        path = os.path.join(source, entry)
+        if os.path.isfile(path) and not entry.endswith(".safetensors") and entry not in (INDEX, "config.json"):
+            shutil.copy2(path, os.path.join(out, entry))
+
+
 def open_checkpoint_files(directory: str) -> dict[str, SafetensorsFile]:
     """Opens `model.safetensors`, or every shard named by `model.safetensors.index.json`. Returns name -> file."""
-    index_path = os.path.join(directory, "model.safetensors.index.json")
+    index_path = os.path.join(directory, INDEX)
     single = os.path.join(directory, "model.safetensors")
     if os.path.isfile(index_path):
         try:
