@@ -1,11 +1,11 @@
 """Serving on a device mesh against one device: the medium hybrid preset (random weights, bf16) with expert
 parallelism over the GPUs of one host.
 
-    python3 benchmarks/mesh_serving.py [--mesh expert=2] [--batches 16,64] [--max-tokens 48]
+    python3 benchmarks/mesh_serving.py [--mesh expert=2] [--batches 16,64] [--max-tokens 48] [--dtype float32]
 
 The same weights (same seed) are built once on one GPU and once sharded by `dayzero.model.sharding`'s rules on the
-mesh. Both engines run the same greedy requests (prompts of 128 tokens): the script reports whether every request's
-tokens are equal, and per batch size the ITL (median of per-request means) and tokens/s, each shape compiled before
+mesh. Both engines run the same greedy requests (prompts of 128 tokens): the script reports the full-forward logits'
+relative difference on a few prompts, whether every request's tokens are equal, and per batch size the ITL (median of per-request means) and tokens/s, each shape compiled before
 it is timed. Appends one dated line to the results file.
 """
 
@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="16,64")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--preset", default="medium_hybrid", help="a smaller preset (tiny) for a CPU smoke run")
+    parser.add_argument("--dtype", default="bfloat16", help="params and compute dtype (float32 for an exactness run)")
     args = parser.parse_args(argv)
     sizes = sharding.parse_mesh(args.mesh)
     mesh = sharding.make_mesh(**sizes)
@@ -67,15 +68,21 @@ def main(argv=None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     results, generated = {}, {}
-    for label, build in (("one_gpu", lambda: Model.random(config, dtype="bfloat16", seed=0)),
-                         ("mesh", lambda: Model.random(config, dtype="bfloat16", seed=0, mesh=mesh))):
+    logits = {}
+    probe = np.asarray(prompts[batches[0]][:4])  # full-forward logits of a few prompts, compared below
+    for label, build in (("one_gpu", lambda: Model.random(config, dtype=args.dtype, seed=0)),
+                         ("mesh", lambda: Model.random(config, dtype=args.dtype, seed=0, mesh=mesh))):
         start = time.perf_counter()
         model = build()
         jax.block_until_ready(model.params)
         print(f"{label}: {args.preset} built in {time.perf_counter() - start:.1f} s")
+        logits[label] = np.asarray(model(probe), np.float32)
         results[label], generated[label] = run_batches(engine_for(model, max(batches)), prompts, params)
         print(label, json.dumps(results[label]))
         del model
+    diff = logits["mesh"] - logits["one_gpu"]
+    results["full_forward_logits_rel_err"] = float(np.linalg.norm(diff) / np.linalg.norm(logits["one_gpu"]))
+    results["full_forward_argmax_agree"] = float((logits["mesh"].argmax(-1) == logits["one_gpu"].argmax(-1)).mean())
     same = {b: sum(a == m for a, m in zip(generated["one_gpu"][b], generated["mesh"][b])) for b in batches}
     first_diff = {b: min((next((i for i, (x, y) in enumerate(zip(a, m)) if x != y), len(a))
                           for a, m in zip(generated["one_gpu"][b], generated["mesh"][b])), default=None)
@@ -88,7 +95,7 @@ def main(argv=None) -> int:
         one, sh = results["one_gpu"][b], results["mesh"][b]
         print(f"| {b} | {one['itl_ms']} | {sh['itl_ms']} | {one['tok_s']} | {sh['tok_s']} | {same[b]}/{b} |")
     line = (f"- {datetime.date.today()} mesh_serving.py, {len(jax.devices())} x {device.device_kind}, commit "
-            f"{git_commit()}, jax {jax.__version__}, {args.preset} (random bf16 weights), mesh {sizes} against one "
+            f"{git_commit()}, jax {jax.__version__}, {args.preset} (random {args.dtype} weights), mesh {sizes} against one "
             f"GPU in the same run, prompts 128, {args.max_tokens} new tokens, greedy: {json.dumps(results)}\n")
     append_line(args.results, line)
     return 0
