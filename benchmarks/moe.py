@@ -19,7 +19,7 @@ MXFP4 bytes (4.25 bits per weight); the bandwidth figures divide those bytes by 
 kernels' time. Beside the measured bf16 ragged_dot (which XLA may run over every expert, padded), "bf16 roofline" is
 an ideal bf16 kernel reading only the active experts at the copy bandwidth. A variant that cannot run (out of memory)
 is reported as not measured. Prints a table and appends a dated line to the results file.
-`--sweep` also times the fused kernel at 1 token over a few tile configurations.
+`--sweep` also times the fused kernel at 1 token over a few tile configurations, split-K ones included.
 """
 
 from __future__ import annotations
@@ -181,7 +181,16 @@ def sweep(layer, name, impl) -> dict:
                 t, _ = per_call(lambda x, i, tiles=tiles: x + jnp.asarray(1e-3, x.dtype) * moe.moe_experts_packed(
                     x, ids, w, ew, tiles=tiles, impl=impl)[0], x, 20)
                 out[f"bn{bn}_g{groups}_w{warps}"] = round(t * 1e6, 2)
+    for bn, groups, split in SPLIT_K_SWEEP:  # split-K (benchmarks/NOTES_moe.md)
+        tiles = moe_mxfp4.Tiles(block_m=16, block_n=bn, max_groups=groups, num_warps=4, num_stages=3, split_k=split)
+        t, _ = per_call(lambda x, i, tiles=tiles: x + jnp.asarray(1e-3, x.dtype) * moe.moe_experts_packed(
+            x, ids, w, ew, tiles=tiles, impl=impl)[0], x, 20)
+        out[f"bn{bn}_g{groups}_w4_s{split}"] = round(t * 1e6, 2)
     return out
+
+
+# (block_n, max_groups, split_k) of the split-K tiles swept at 1 token (4 warps, 3 stages)
+SPLIT_K_SWEEP = ((16, 4, 4), (16, 4, 8), (32, 4, 4), (32, 4, 8), (32, 2, 16), (64, 4, 8), (64, 2, 16), (32, 1, 32))
 
 
 def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> None:

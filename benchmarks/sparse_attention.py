@@ -40,7 +40,13 @@ def _tunings():
 
     decode = {"h32k32w8": SparseMLAConfig(), "h64k16w8": SparseMLAConfig(block_h=64, block_k=16),
               "h32k32w8_split1024": SparseMLAConfig(min_split_tokens=1024),
-              "h16k32w4": SparseMLAConfig(block_h=16, num_warps=4)}
+              "h16k32w4": SparseMLAConfig(block_h=16, num_warps=4),
+              # the "fused" decode variant (benchmarks/NOTES_dsa.md): two 64-head halves, many splits
+              "fused_h64k32w8": SparseMLAConfig(block_h=64, min_split_tokens=128, decode_variant="fused"),
+              "fused_h64k32w16_s64": SparseMLAConfig(block_h=64, num_warps=16, decode_programs=132,
+                                                     min_split_tokens=64, decode_variant="fused"),
+              "fused_h64k16w8_s64": SparseMLAConfig(block_h=64, block_k=16, decode_programs=132,
+                                                    min_split_tokens=64, decode_variant="fused")}
     prefill = {"h32k32w8": SparseMLAConfig(), "h64k16w8": SparseMLAConfig(block_h=64, block_k=16)}
     indexer = {"k128w4": IndexerKernelConfig(), "k64w4": IndexerKernelConfig(block_k=64),
                "k256w8": IndexerKernelConfig(block_k=256, num_warps=8)}

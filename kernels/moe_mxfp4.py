@@ -17,6 +17,15 @@ Conversion happens on each weight tile immediately before the MMA, in registers:
 - the MMA runs in fp16 x fp16 -> fp32; activations are rounded to fp16 (11 significant bits, more than bf16) after a
   per-row power-of-two scaling that keeps them below 2^15, undone on the fp32 result.
 The BF16 workspace format holds scaled bf16 values and runs a plain bf16 MMA.
+
+Split-K (`Tiles.split_k` > 1, for decode): with one or a few tokens per expert the grid above has only
+(active experts) x (column tiles) programs, each walking all of K serially: under one wave, latency-bound. Split-K
+adds a third grid axis over contiguous ranges of K steps; each program writes its float32 partial sums (row factors
+applied) for the tile's real rows only (padding rows are masked off, so the partials cost ~S x pairs x N x 4 bytes,
+not S x padded rows). Small jnp passes then read back only the pairs' rows: gate/up sums its partials and applies
+silu(gate) * up (the SwiGLU needs complete sums), gathered into the padded row layout for the down kernel (padding
+rows zero); down sums its partials straight into per-pair outputs, which are weighted and combined per token.
+No atomics: the result does not depend on the order programs run in.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ class Tiles:
     max_groups: int = 8  # blocks of 32 per K step (the K of each dot is 16 * groups)
     num_warps: int = 4
     num_stages: int = 2
+    split_k: int = 1  # > 1: K split over up to this many programs per output tile (see the module docstring)
 
 
 def choose_tiles(n_pairs: int, n_experts: int) -> Tiles:
@@ -65,6 +75,15 @@ def _group_tile(groups: int, limit: int) -> int:
     while g * 2 <= limit and groups % (g * 2) == 0:
         g *= 2
     return g
+
+
+def _k_split(groups: int, tiles: Tiles) -> tuple[int, int]:
+    """(groups per K step, K splits) of a kernel over `groups` blocks of 32: the splits are the largest divisor of
+    the K step count not above `tiles.split_k`, so every program walks the same number of whole K steps."""
+    gk = _group_tile(groups, tiles.max_groups)
+    steps = groups // gk
+    split = max(d for d in range(1, min(steps, max(1, tiles.split_k)) + 1) if steps % d == 0)
+    return gk, split
 
 
 def _plane(i: int):
@@ -123,13 +142,16 @@ def _dot_t(a, b):
 
 
 def _matmul_kernel(te_ref, ts_ref, rs_ref, x_ref, *refs, fmt, gated, bm, bn, gk, k_steps, col_tiles, n_valid,
-                   n_out):
+                   n_out, split):
+    if split > 1:  # the rows' validity (1: a pair's row, 0: padding), then the weights
+        rv_ref, refs = refs[0], refs[1:]
     per = 1 if fmt == "bfloat16" else 2
     n_w = 2 if gated else 1
     wrefs = [refs[i * per:(i + 1) * per] for i in range(n_w)]
     o_ref = refs[-1]
     t = pl.program_id(0)
     j = pl.program_id(1)
+    q = pl.program_id(2) if split > 1 else 0  # the K split
     expert = te_ref[t]
 
     @pl.when(expert >= 0)
@@ -141,8 +163,10 @@ def _matmul_kernel(te_ref, ts_ref, rs_ref, x_ref, *refs, fmt, gated, bm, bn, gk,
         wmask = cols < n_valid
         r0 = pl.multiple_of(t * bm, bm)
 
+        k0 = q * k_steps
+
         def step(kk, accs):
-            g0 = kk * gk
+            g0 = (k0 + kk) * gk
             xl = x_ref[pl.ds(r0, bm), 0, pl.ds(g0 * _HALF, gk * _HALF)]
             xh = x_ref[pl.ds(r0, bm), 1, pl.ds(g0 * _HALF, gk * _HALF)]
             out = []
@@ -154,6 +178,12 @@ def _matmul_kernel(te_ref, ts_ref, rs_ref, x_ref, *refs, fmt, gated, bm, bn, gk,
 
         accs = jax.lax.fori_loop(0, k_steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(n_w)))
         rs = rs_ref[pl.ds(r0, bm)][:, None]
+        if split > 1:  # partial sums of the pairs' rows: [split, R, projection, parity, n_out]
+            mask = (rv_ref[pl.ds(r0, bm)] != 0)[:, None] & (cols < n_out)[None, :]
+            for i, acc in enumerate(accs):
+                pltriton.store(o_ref.at[q, pl.ds(r0, bm), _plane(i), p, pl.ds(c0, bn)], acc * rs,
+                               mask=mask)
+            return
         if gated:
             g, u = accs[0] * rs, accs[1] * rs
             y = g / (1.0 + jnp.exp(-g)) * u
@@ -163,23 +193,32 @@ def _matmul_kernel(te_ref, ts_ref, rs_ref, x_ref, *refs, fmt, gated, bm, bn, gk,
 
 
 def _matmul(x_rows, row_scale, tile_expert, tile_slot, weights, *, fmt, gated, n_valid, n_out, parity, out_dtype,
-            tiles: Tiles, interpret: bool):
+            tiles: Tiles, interpret: bool, row_valid=None):
     """x_rows [R, 2, Kh] (MMA dtype), row_scale [R] f32, weights: per projection (data view, scales view or None)
-    -> [R, parity, n_out] of out_dtype."""
+    -> [R, parity, n_out] of out_dtype; with K split (`_k_split` > 1 and `row_valid` [R] int32 given): float32
+    partial sums [split, R, projections, parity, n_out], row_scale applied, written only where row_valid != 0."""
     n_rows, _, kh = x_rows.shape
-    groups = kh // _HALF
-    gk = _group_tile(groups, tiles.max_groups)
+    gk, split = _k_split(kh // _HALF, tiles)
+    if row_valid is None:
+        split = 1
     col_tiles = pl.cdiv(n_out, tiles.block_n)
     kernel = functools.partial(_matmul_kernel, fmt=fmt, gated=gated, bm=tiles.block_m, bn=tiles.block_n, gk=gk,
-                               k_steps=groups // gk, col_tiles=col_tiles, n_valid=n_valid, n_out=n_out)
+                               k_steps=kh // _HALF // gk // split, col_tiles=col_tiles, n_valid=n_valid,
+                               n_out=n_out, split=split)
     flat = [a for w in weights for a in w if a is not None]
+    grid = (n_rows // tiles.block_m, parity * col_tiles)
+    if split > 1:
+        out_shape = jax.ShapeDtypeStruct((split, n_rows, len(weights), parity, n_out), jnp.float32)
+        grid, flat = grid + (split,), [row_valid] + flat
+    else:
+        out_shape = jax.ShapeDtypeStruct((n_rows, parity, n_out), out_dtype)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((n_rows, parity, n_out), out_dtype),
-        grid=(n_rows // tiles.block_m, parity * col_tiles),
+        out_shape=out_shape,
+        grid=grid,
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name="moe_gate_up" if gated else "moe_down",
+        name=("moe_gate_up" if gated else "moe_down") + ("_split_k" if split > 1 else ""),
     )(tile_expert, tile_slot, row_scale, x_rows, *flat)
 
 
@@ -248,8 +287,50 @@ def _mma_dtype(ew: ExpertWeights):
     return jnp.bfloat16 if ew.fmt == "bfloat16" else jnp.float16
 
 
+def _split_k(ew: ExpertWeights, tiles: Tiles) -> bool:
+    """Whether a layer call with these tiles takes the split-K path (either kernel's K splits)."""
+    return tiles.split_k > 1 and max(_k_split(ew.gate.shape[2], tiles)[1], _k_split(ew.down.shape[2], tiles)[1]) > 1
+
+
+def expert_pairs(p: Plan, ew: ExpertWeights, hidden_dtype, tiles: Tiles, interpret: bool = False) -> jax.Array:
+    """The split-K path (`Tiles.split_k`): the two kernels with their K split, the partial sums reduced over the
+    pairs' rows only -> per-pair outputs [T * k, D] float32 (pairs in topk_ids order)."""
+    gate_up, down = _views(ew)
+    common = dict(fmt=ew.fmt, tiles=tiles, interpret=interpret)
+    rows = p.sched.row_of_pair.reshape(-1)
+    n_pairs, n_rows = rows.shape[0], p.x_rows.shape[0]
+    row_valid = (p.sched.token_of_row < p.sched.row_of_pair.shape[0]).astype(jnp.int32)
+    n_half = ew.down.shape[2] * _HALF
+    if _k_split(ew.gate.shape[2], tiles)[1] > 1:
+        part = _matmul(p.x_rows, p.x_scale, p.sched.tile_expert, p.tile_slot, gate_up, gated=True,
+                       n_valid=ew.intermediate_size // 2, n_out=n_half, parity=2, out_dtype=jnp.float32,
+                       row_valid=row_valid, **common)
+        gu = jnp.sum(part[:, rows], axis=0)  # [P, 2, parity, n_half]
+        g, u = gu[:, 0], gu[:, 1]
+        h_pairs = (g / (1.0 + jnp.exp(-g)) * u).astype(hidden_dtype)
+        pair_of_row = jnp.full((n_rows,), n_pairs, jnp.int32).at[rows].set(jnp.arange(n_pairs, dtype=jnp.int32))
+        h = jnp.concatenate([h_pairs, jnp.zeros((1,) + h_pairs.shape[1:], hidden_dtype)])[pair_of_row]
+    else:
+        h = _matmul(p.x_rows, p.x_scale, p.sched.tile_expert, p.tile_slot, gate_up, gated=True,
+                    n_valid=ew.intermediate_size // 2, n_out=n_half, parity=2, out_dtype=hidden_dtype, **common)
+    hk, hs = mma_operand(h, _mma_dtype(ew))
+    hidden = ew.hidden_size
+    if _k_split(ew.down.shape[2], tiles)[1] > 1:
+        part = _matmul(hk, hs, p.sched.tile_expert, p.tile_slot, down, gated=False, n_valid=hidden, n_out=hidden,
+                       parity=1, out_dtype=jnp.float32, row_valid=row_valid, **common)
+        return jnp.sum(part[:, rows, 0, 0], axis=0)
+    out = _matmul(hk, hs, p.sched.tile_expert, p.tile_slot, down, gated=False, n_valid=hidden, n_out=hidden,
+                  parity=1, out_dtype=jnp.float32, **common)
+    return out[rows, 0]
+
+
 def expert_rows(p: Plan, ew: ExpertWeights, hidden_dtype, tiles: Tiles, interpret: bool = False) -> jax.Array:
-    """The two kernels: gate/up (with SwiGLU, h in `hidden_dtype`) then down -> per-row outputs [R, D] float32."""
+    """The two kernels: gate/up (with SwiGLU, h in `hidden_dtype`) then down -> per-row outputs [R, D] float32
+    (with split-K tiles, through `expert_pairs`: padding rows zero)."""
+    if _split_k(ew, tiles):
+        pairs = expert_pairs(p, ew, hidden_dtype, tiles, interpret)
+        rows = p.sched.row_of_pair.reshape(-1)
+        return jnp.zeros((p.x_rows.shape[0], pairs.shape[1]), jnp.float32).at[rows].set(pairs)
     gate_up, down = _views(ew)
     common = dict(fmt=ew.fmt, tiles=tiles, interpret=interpret)
     hidden = ew.hidden_size
@@ -276,6 +357,9 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
         n_experts = slot_of_expert.shape[0] if slot_of_expert is not None else ew.gate.shape[0]
     tiles = tiles or choose_tiles(topk_ids.size, n_experts)
     p = plan(x, topk_ids, ew, slot_of_expert, n_experts, tiles)
+    if _split_k(ew, tiles):
+        pairs = expert_pairs(p, ew, x.dtype, tiles, interpret).reshape(*topk_ids.shape, -1)
+        return jnp.sum(pairs * topk_weights.astype(jnp.float32)[..., None], axis=1).astype(x.dtype)
     rows = expert_rows(p, ew, x.dtype, tiles, interpret)
     return moe_tiles.combine(rows, p.sched, topk_weights).astype(x.dtype)
 

@@ -11,6 +11,12 @@ softmax in float32, and acc += p . latent (the caller applies W_UV).
 - Decode (one token per request): the selected tokens are split over `splits` programs per (request, head block)
   so enough programs stream the cache at once (memory-bound); each writes an unnormalized partial (acc, max, sum)
   and `combine` merges them.
+- Decode, `decode_variant="fused"` (see benchmarks/NOTES_dsa.md): the cache row of every selected token is resolved
+  once in XLA (no block-table load inside the token loop); the grid is (head block, split, request) with the head
+  block fastest, so the head blocks that gather the same rows run side by side and all but the first read them
+  from L2; each program writes its split's normalized output in the cache dtype plus a float32 log-sum-exp (half
+  the partial bytes of f32 acc/max/sum), merged by `combine_normalized`. Meant for block_h 64 (two head halves of
+  DeepSeek-V3.2's 128) and many splits at small batch.
 """
 
 from __future__ import annotations
@@ -35,6 +41,26 @@ class SparseMLAConfig:
     min_split_tokens: int = 256  # ... while each split keeps at least this many (its partial costs H x R floats)
     num_warps: int = 8
     num_stages: int = 2
+    decode_variant: str = "heads_split"  # decode: "heads_split" (grid request, head block, split) or "fused"
+
+    def __post_init__(self):
+        if self.decode_variant not in ("heads_split", "fused"):
+            raise ValueError(f"decode_variant must be 'heads_split' or 'fused', got {self.decode_variant!r}")
+
+
+def _online_softmax_step(carry, queries, lat, rope, ok, scale):
+    """One online-softmax step over `block_k` gathered keys: carry (m [H], l [H], accs: pieces of [H, R]) float32,
+    queries the q_latent + q_rope pieces [H, .], lat / rope the keys' pieces [block_k, .], ok [block_k] bool."""
+    m, l, accs = carry
+    logits = sum(tiles.mm_nt(q, k) for q, k in zip(queries, lat + rope)) * scale  # [heads, block_k]
+    logits = jnp.where(ok[None, :], logits, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp(m - m_safe)
+    p = jnp.exp(logits - m_safe[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    p = p.astype(lat[0].dtype)
+    return m_new, l, tuple(acc * alpha[:, None] + tiles.mm(p, v) for acc, v in zip(accs, lat))
 
 
 def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces, rope_pieces, layer_row0,
@@ -53,7 +79,6 @@ def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces,
     heads = ql_ref.shape[0]
 
     def step(c, carry):
-        m, l, accs = carry
         if dense:
             idx = c * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         else:
@@ -63,16 +88,7 @@ def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces,
         rows = layer_row0 + table_ref[b, safe // block_size] * block_size + safe % block_size
         lat = [jnp.where(ok[:, None], lat_ref[rows, pl.ds(start, size)], 0) for start, size in rank_pieces]
         rope = [lat_ref[rows, pl.ds(rank + start, size)] for start, size in rope_pieces]
-        logits = sum(tiles.mm_nt(q, k) for q, k in zip(q_lat + q_rope, lat + rope)) * scale  # [heads, block_k]
-        logits = jnp.where(ok[None, :], logits, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(m - m_safe)
-        p = jnp.exp(logits - m_safe[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        p = p.astype(lat[0].dtype)
-        accs = tuple(acc * alpha[:, None] + tiles.mm(p, v) for acc, v in zip(accs, lat))
-        return m_new, l, accs
+        return _online_softmax_step(carry, q_lat + q_rope, lat, rope, ok, scale)
 
     first = split * chunks_per_split
     last = first + chunks_per_split
@@ -92,6 +108,62 @@ def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces,
         inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
         for (start, size), acc in zip(rank_pieces, accs):
             o_ref[:, pl.ds(start, size)] = (acc * inv[:, None]).astype(o_ref.dtype)
+
+
+def _fused_decode_kernel(ql_ref, qr_ref, pos_ref, rows_ref, lat_ref, o_ref, lse_ref, *, block_k,
+                         chunks_per_split, dense, scale, rank_pieces, rope_pieces):
+    """One (head block, split, request) program: rows_ref holds each selected token's cache row (-1 = skip)."""
+    split, r = pl.program_id(1), pl.program_id(2)
+    q_lat = [ql_ref[:, pl.ds(start, size)] for start, size in rank_pieces]
+    q_rope = [qr_ref[:, pl.ds(start, size)] for start, size in rope_pieces]
+    rank = sum(size for _, size in rank_pieces)
+    heads = ql_ref.shape[0]
+
+    def step(c, carry):
+        rows = rows_ref[r, pl.ds(c * block_k, block_k)]
+        ok = rows >= 0
+        safe = jnp.where(ok, rows, 0)
+        lat = [jnp.where(ok[:, None], lat_ref[safe, pl.ds(start, size)], 0) for start, size in rank_pieces]
+        rope = [lat_ref[safe, pl.ds(rank + start, size)] for start, size in rope_pieces]
+        return _online_softmax_step(carry, q_lat + q_rope, lat, rope, ok, scale)
+
+    first = split * chunks_per_split
+    last = first + chunks_per_split
+    if dense:  # only chunks holding keys at or before the query position
+        last = jnp.maximum(first, jnp.minimum(last, (pos_ref[r] + block_k) // block_k))
+    init = (jnp.full((heads,), -jnp.inf, jnp.float32), jnp.zeros((heads,), jnp.float32),
+            tuple(jnp.zeros((heads, size), jnp.float32) for _, size in rank_pieces))
+    m, l, accs = jax.lax.fori_loop(first, last, step, init)
+    seen = l > 0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    for (start, size), acc in zip(rank_pieces, accs):
+        o_ref[:, pl.ds(start, size)] = (acc * inv[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+
+def combine_normalized(out: jax.Array, lse: jax.Array, dtype) -> jax.Array:
+    """Per-split normalized outputs out [R, splits, H, D] and log-sum-exps lse [R, splits, H] (-inf: the split saw
+    no key) -> [R, H, D] in `dtype` (zeros where no split saw a key)."""
+    top = jnp.max(lse, axis=1, keepdims=True)
+    w = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # 0 for empty splits, 1 for the largest
+    total = jnp.sum(w, axis=1)
+    merged = jnp.einsum("rsh,rshd->rhd", w, out.astype(jnp.float32))
+    return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
+
+
+def _cache_rows_of(block_tables, query_positions, indices, num_keys, padded, layer_row0, block_size):
+    """-> [B * T, padded] int32 cache row of each selected causal key (-1: none or padding), in selection order."""
+    batch, length = query_positions.shape
+    pos = query_positions.reshape(batch, length, 1).astype(jnp.int32)
+    if indices is None:
+        idx = jnp.broadcast_to(jnp.arange(num_keys, dtype=jnp.int32), (batch, length, num_keys))
+    else:
+        idx = indices.astype(jnp.int32)
+    ok = (idx >= 0) & (idx <= pos)
+    safe = jnp.where(ok, idx, 0)
+    pages = jnp.take_along_axis(block_tables.astype(jnp.int32), (safe // block_size).reshape(batch, -1), axis=1)
+    rows = jnp.where(ok, layer_row0 + pages.reshape(safe.shape) * block_size + safe % block_size, -1)
+    return jnp.pad(rows.reshape(batch * length, -1), ((0, 0), (0, padded - num_keys)), constant_values=-1)
 
 
 def combine(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
@@ -126,10 +198,15 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
         splits = max(1, min(tiles.pow2_at_least(wanted), 1 << (most.bit_length() - 1)))
     n_chunks = tiles.round_up(n_chunks, splits)
     out_dtype = q_latent.dtype
+    fused = length == 1 and config.decode_variant == "fused"
     q_latent = jnp.pad(q_latent.reshape(n_rows, heads, rank).astype(cache.dtype),
                        ((0, 0), (0, heads_p - heads), (0, 0)))
     q_rope = jnp.pad(q_rope.reshape(n_rows, heads, rope_dim).astype(cache.dtype),
                      ((0, 0), (0, heads_p - heads), (0, 0)))
+    if fused:
+        return _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions, indices, scale, config,
+                             interpret, heads=heads, block_h=block_h, block_k=block_k, n_chunks=n_chunks, splits=splits,
+                             num_keys=num_keys, out_dtype=out_dtype).reshape(batch, length, heads, rank)
     tables = block_tables.astype(jnp.int32)
     args = [q_latent, q_rope, query_positions.reshape(n_rows).astype(jnp.int32)]
     if indices is not None:
@@ -162,3 +239,30 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
     if splits > 1:
         out = combine(*out, out_dtype)
     return out[:, :heads].reshape(batch, length, heads, rank)
+
+
+def _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions, indices, scale, config, interpret,
+                  *, heads, block_h, block_k, n_chunks, splits, num_keys, out_dtype):
+    """The "fused" decode variant on head-padded q_latent [R, Hp, rank], q_rope [R, Hp, E] -> [R, heads, rank]."""
+    n_rows, heads_p, rank = q_latent.shape
+    rope_dim = q_rope.shape[-1]
+    _, n_blocks, block_size, _ = cache.shape
+    rows = _cache_rows_of(block_tables, query_positions, indices, num_keys, n_chunks * block_k,
+                          layer * n_blocks * block_size, block_size)
+    kernel = functools.partial(
+        _fused_decode_kernel, block_k=block_k, chunks_per_split=n_chunks // splits, dense=indices is None,
+        scale=scale, rank_pieces=tiles.segments(rank), rope_pieces=tiles.segments(rope_dim))
+    part_dtype = cache.dtype if jnp.dtype(cache.dtype).itemsize < 4 else jnp.float32
+    grid = (heads_p // block_h, splits, n_rows)  # head blocks sharing a split's rows are adjacent programs
+    in_specs = [pl.BlockSpec((None, block_h, rank), lambda h, s, r: (r, h, 0)),
+                pl.BlockSpec((None, block_h, rope_dim), lambda h, s, r: (r, h, 0))]
+    in_specs += [pl.no_block_spec] * 3
+    out_shape = (jax.ShapeDtypeStruct((n_rows, splits, heads_p, rank), part_dtype),
+                 jax.ShapeDtypeStruct((n_rows, splits, heads_p), jnp.float32))
+    out_specs = (pl.BlockSpec((None, None, block_h, rank), lambda h, s, r: (r, s, h, 0)),
+                 pl.BlockSpec((None, None, block_h), lambda h, s, r: (r, s, h)))
+    out, lse = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
+        compiler_params=tiles.compiler_params(config.num_warps, config.num_stages), name="sparse_mla_decode_fused",
+    )(q_latent, q_rope, query_positions.reshape(n_rows).astype(jnp.int32), rows, tiles.cache_rows(cache))
+    return combine_normalized(out[:, :, :heads], lse[:, :, :heads], out_dtype)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mxfp4_cases import ROUTINGS, oracle, packed_experts, rel_err, routing
-from triton_lowering import count_triton_kernels
+from triton_lowering import count_triton_kernels, lower_for_cuda
 from dayzero.kernels import moe, moe_mxfp4, moe_tiles, moe_workspace, mxfp4
 
 E, D, I = 6, 72, 40  # 72 = 2.25 blocks of 32: a padded, odd number of K groups; 40: masked column tiles
@@ -171,3 +171,41 @@ def test_kernels_lower_to_triton(shape, n_tokens):
         ws = jax.eval_shape(lambda: moe_workspace.create(min(n_experts, n_tokens * top_k), hidden, inter, dtype))
         staged = lambda x, i, w, ew, ws: moe.moe_experts_packed(x, i, w, ew, workspace=ws, impl="pallas")  # noqa
         assert count_triton_kernels(staged, *args, _specs(n_experts, hidden, inter, "mxfp4"), ws) == 5, dtype
+
+
+# split-K (decode): gate/up K = 3 groups -> 3 splits of one group; down K = 2 groups -> 2 splits (SPLIT) or one
+# K step, not split (SPLIT_GATE_UP: only gate/up split, the down kernel on the default path)
+SPLIT = moe_mxfp4.Tiles(block_m=16, block_n=16, max_groups=1, split_k=4)
+SPLIT_GATE_UP = moe_mxfp4.Tiles(block_m=16, block_n=32, max_groups=2, split_k=3)
+
+
+@pytest.mark.parametrize("kind,n_tokens,top_k,tiles", [
+    ("random", 1, 2, SPLIT), ("one_expert_takes_all", 3, 2, SPLIT), ("single_last", 3, 1, SPLIT_GATE_UP)])
+def test_split_k_matches_oracle(seed, kind, n_tokens, top_k, tiles):
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, E, D, I)
+    assert moe_mxfp4._k_split(3, tiles)[1] == 3 and moe_mxfp4._split_k(ew, tiles)
+    x = rng.standard_normal((n_tokens, D)).astype(np.float32)
+    ids, w = routing(rng, kind, n_tokens, E, top_k)
+    got, _ = _run(jnp.asarray(x), ids, w, ew, "interpret", tiles=tiles)
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert rel_err(got, oracle(x, ids, w, ew)) < 4e-3, f"split-K {kind} T={n_tokens} (seed={seed})"
+    if n_tokens == 1:  # the pairs' rows of the kernels alone agree with the default path's
+        p = moe_mxfp4.plan(jnp.asarray(x), jnp.asarray(ids), ew, None, E, tiles)
+        pairs = np.asarray(p.sched.row_of_pair).reshape(-1)
+        rows = moe_mxfp4.expert_rows(p, ew, jnp.float32, tiles, interpret=True)
+        ref = moe_mxfp4.expert_rows(p, ew, jnp.float32, SMALL, interpret=True)
+        np.testing.assert_allclose(np.asarray(rows)[pairs], np.asarray(ref)[pairs], rtol=1e-4, atol=1e-5)
+
+
+def test_split_k_lowers_to_triton():
+    """The split-K kernels at the medium hybrid's decode shape (gate/up K split 8 ways, down 6 ways)."""
+    n_experts, hidden, inter, top_k = SHAPES["medium"]
+    s = jax.ShapeDtypeStruct
+    args = (s((1, hidden), jnp.bfloat16), s((1, top_k), jnp.int32), s((1, top_k), jnp.float32))
+    tiles = moe_mxfp4.Tiles(block_m=16, block_n=32, max_groups=4, split_k=8)
+    assert [moe_mxfp4._k_split(g, tiles)[1] for g in (hidden // 32, inter // 32)] == [8, 6]
+    for fmt in ("mxfp4", "float8_e4m3fn"):
+        fused = lambda x, i, w, ew: moe.moe_experts_packed(x, i, w, ew, tiles=tiles, impl="pallas")[0]  # noqa: E731
+        text = lower_for_cuda(fused, *args, _specs(n_experts, hidden, inter, fmt))
+        assert text.count("__gpu$xla.gpu.triton") == 2, fmt

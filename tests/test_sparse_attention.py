@@ -235,6 +235,41 @@ def test_sparse_mla_matches_reference(seed, length, k, dtype):
         assert np.all(np.asarray(got, np.float32)[1, 2] == 0), f"padding query is not zero (seed={seed})"
 
 
+@pytest.mark.parametrize("k, dtype, block_h", [
+    (45, jnp.float32, 16),  # odd top-k, -1 padding, 3 heads padded to one head block
+    (None, jnp.float32, 2),  # dense decode; two head blocks (the fused grid's innermost axis)
+    (37, jnp.bfloat16, 16),  # bf16: partials in bf16
+])
+def test_fused_decode_matches_reference(seed, k, dtype, block_h):
+    rng = np.random.default_rng(seed)
+    batch, heads, rank, rope = 3, 3, 12, 4
+    tables = scattered_tables(rng, batch, 4)
+    cache = jnp.asarray(rng.standard_normal((LAYERS, BLOCKS, BLOCK, rank + rope)), dtype)
+    pos = np.array(positions(rng, batch, 1, [250, 70, 1]))  # row 2: a single key
+    q_lat = jnp.asarray(rng.standard_normal((batch, 1, heads, rank)), dtype)
+    q_rope = jnp.asarray(rng.standard_normal((batch, 1, heads, rope)), dtype)
+    idx = None if k is None else random_selection(rng, pos, k)
+    args = (q_lat, q_rope, cache, LAYER, tables, jnp.asarray(pos), idx, 0.2)
+    cfg = sparse_mla.SparseMLAConfig(block_h=block_h, block_k=8, decode_programs=64, min_split_tokens=8,
+                                     decode_variant="fused")
+    ref = mla_op(*args, impl="reference")
+    got = mla_op(*args, impl="interpret", config=cfg)
+    assert got.shape == ref.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert rel_err(got, ref) < tol, f"relative error {rel_err(got, ref):.2e} (seed={seed})"
+
+
+def test_fused_decode_combine_handles_empty_splits():
+    """Splits that saw no key (lse -inf) get weight 0; a row no split saw comes out zero."""
+    out = jnp.asarray(np.arange(2 * 3 * 1 * 2, dtype=np.float32).reshape(2, 3, 1, 2))
+    lse = jnp.asarray([[[-jnp.inf], [0.0], [np.log(3.0)]], [[-jnp.inf]] * 3], jnp.float32)
+    got = np.asarray(sparse_mla.combine_normalized(out, lse, jnp.float32))
+    np.testing.assert_allclose(got[0, 0], (np.array([2.0, 3.0]) + 3 * np.array([4.0, 5.0])) / 4, rtol=1e-6)
+    np.testing.assert_array_equal(got[1], 0)
+    with pytest.raises(ValueError):
+        sparse_mla.SparseMLAConfig(decode_variant="nope")
+
+
 # ---------------------------------------------------------------------------------------------------------- FP8
 
 
@@ -296,9 +331,12 @@ def _indexer(length, fp8):
     return fn, args + ((V32_SCALES,) if fp8 else ())
 
 
-def _sparse(length, dense):
+FUSED_H64 = sparse_mla.SparseMLAConfig(block_h=64, min_split_tokens=128, decode_variant="fused")
+
+
+def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
     def fn(ql, qr, c, t, p, i):
-        return sparse_mla.sparse_mla(ql, qr, c, 1, t, p, None if dense else i, 0.1)
+        return sparse_mla.sparse_mla(ql, qr, c, 1, t, p, None if dense else i, 0.1, config=config)
 
     return fn, (S((2, length, 128, 512), BF16), S((2, length, 128, 64), BF16), V32_LATENT, S((2, 64), I32),
                 S((2, length), I32), S((2, length, 2048), I32))
@@ -309,6 +347,8 @@ def _sparse(length, dense):
     ("indexer decode", lambda: _indexer(1, False)), ("indexer decode fp8", lambda: _indexer(1, True)),
     ("indexer prefill", lambda: _indexer(128, False)), ("indexer prefill fp8", lambda: _indexer(128, True)),
     ("sparse decode", lambda: _sparse(1, False)), ("dense decode", lambda: _sparse(1, True)),
+    ("sparse decode fused", lambda: _sparse(1, False, FUSED_H64)),
+    ("dense decode fused", lambda: _sparse(1, True, FUSED_H64)),
     ("sparse prefill", lambda: _sparse(64, False)), ("dense prefill", lambda: _sparse(64, True)),
 ])
 def test_kernels_lower_to_triton(name, case):
