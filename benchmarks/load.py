@@ -21,7 +21,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from dayzero.kernels.mxfp4 import SCALE_BIAS
+from dayzero.kernels.mxfp4 import random_scale_centre
 from dayzero.model.checkpoint import EXPERT_PARAMS, map_tensor_name, published_name
 from dayzero.model.config import LAYER_KDA, MLP_MOE, ModelConfig
 from dayzero.model.presets import PRESETS, get_preset
@@ -79,7 +79,7 @@ def _random_tensor(rng, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     if name.endswith("_blocks"):
         return rng.integers(0, 256, shape, dtype=np.uint8)
     if name.endswith("_scales"):
-        centre = int(np.floor(np.log2(0.02 / 2.9))) + SCALE_BIAS
+        centre = random_scale_centre(0.02)
         return rng.integers(centre - 1, centre + 2, shape).astype(np.uint8)
     if name.endswith("A_log"):
         return np.log(rng.uniform(1, 16, shape)).astype(np.float32)

@@ -65,15 +65,8 @@ def copy_bandwidth() -> float:
 
 def make_layer(key, n_experts: int, hidden: int, inter: int):
     """Random MXFP4 experts (std ~0.02) and their pre-converted FP8 and dense bf16 versions (converted per expert)."""
-    def packed(k, rows, cols):
-        kb, ks = jax.random.split(k)
-        n = mxfp4.num_blocks(cols)
-        return (mxfp4.random_packed(kb, (n_experts, rows, n, 16), False),
-                mxfp4.random_packed(ks, (n_experts, rows, n), True))
-
-    kg, ku, kd = jax.random.split(key, 3)
-    (gb, gs), (ub, us), (db, ds) = packed(kg, inter, hidden), packed(ku, inter, hidden), packed(kd, hidden, inter)
-    ew = mxfp4.ExpertWeights(gb, ub, db, gs, us, ds)
+    ew = mxfp4.random_experts(key, n_experts, hidden, inter)
+    gb, ub, db, gs, us, ds = ew.gate, ew.up, ew.down, ew.gate_scales, ew.up_scales, ew.down_scales
     fp8 = jax.jit(lambda b, s: jax.lax.map(lambda a: mxfp4.to_workspace(a[0], a[1], "float8_e4m3fn"), (b, s)))
     ew8 = mxfp4.ExpertWeights(fp8(gb, gs), fp8(ub, us), fp8(db, ds), gs, us, ds, fmt="float8_e4m3fn")
     dense = jax.jit(lambda b, s, k: jax.lax.map(lambda a: mxfp4.dequantize(a[0], a[1], jnp.bfloat16)[:, :k].T,

@@ -131,13 +131,33 @@ def from_workspace(data: jax.Array, scales: jax.Array | None, dtype=jnp.float32)
     return x.astype(dtype)
 
 
+def random_scale_centre(std: float = 0.02) -> int:
+    """The E8M0 scale byte around which random scales are drawn (centre - 1 .. centre + 1) so that dequantized
+    weights with uniform codes have about `std` standard deviation."""
+    return int(np.floor(np.log2(std / 2.9))) + SCALE_BIAS
+
+
 def random_packed(key: jax.Array, shape: tuple[int, ...], is_scales: bool, std: float = 0.02) -> jax.Array:
     """Random packed expert weights: uniform codes (blocks) or E8M0 scales around std / 3 (scales), so the
     dequantized weights have about `std` standard deviation (for presets and benchmarks)."""
     if is_scales:
-        centre = int(np.floor(np.log2(std / 2.9))) + SCALE_BIAS
+        centre = random_scale_centre(std)
         return jax.random.randint(key, shape, centre - 1, centre + 2).astype(jnp.uint8)
     return jax.random.randint(key, shape, 0, 256).astype(jnp.uint8)
+
+
+def random_experts(key: jax.Array, n_experts: int, hidden: int, inter: int, std: float = 0.02) -> "ExpertWeights":
+    """Random MXFP4 routed experts of one layer (gate/up [E, inter, hidden/32, 16], down [E, hidden, inter/32, 16]
+    and their scales), dequantizing to about `std` standard deviation (for benchmarks and GPU tests)."""
+    def packed(k, rows, cols):
+        kb, ks = jax.random.split(k)
+        n = num_blocks(cols)
+        return (random_packed(kb, (n_experts, rows, n, 16), False, std),
+                random_packed(ks, (n_experts, rows, n), True, std))
+
+    kg, ku, kd = jax.random.split(key, 3)
+    (gb, gs), (ub, us), (db, ds) = packed(kg, inter, hidden), packed(ku, inter, hidden), packed(kd, hidden, inter)
+    return ExpertWeights(gb, ub, db, gs, us, ds)
 
 
 @functools.partial(jax.tree_util.register_dataclass,

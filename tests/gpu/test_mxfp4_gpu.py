@@ -23,18 +23,6 @@ def _reference(x, ids, w, ew, **kw):
         return _packed(x, ids, w, ew, impl="reference", **kw)
 
 
-def _random_layer(key, n_experts, hidden, inter):
-    def one(k, rows, cols):
-        kb, ks = jax.random.split(k)
-        n = mxfp4.num_blocks(cols)
-        return (mxfp4.random_packed(kb, (n_experts, rows, n, 16), False),
-                mxfp4.random_packed(ks, (n_experts, rows, n), True))
-
-    kg, ku, kd = jax.random.split(key, 3)
-    (gb, gs), (ub, us), (db, ds) = one(kg, inter, hidden), one(ku, inter, hidden), one(kd, hidden, inter)
-    return mxfp4.ExpertWeights(gb, ub, db, gs, us, ds)
-
-
 def _device_routing(key, n_tokens, n_experts, top_k, kind="random"):
     if kind != "random":
         ids, w = routing(np.random.default_rng(int(jax.random.randint(key, (), 0, 1 << 30))), kind, n_tokens,
@@ -47,7 +35,7 @@ def _device_routing(key, n_tokens, n_experts, top_k, kind="random"):
 @pytest.mark.parametrize("n_tokens", [1, 16, 77, 256, 1031])
 def test_fused_medium_shape(seed, n_tokens):
     key = jax.random.key(seed)
-    ew = _random_layer(key, 64, 2048, 768)
+    ew = mxfp4.random_experts(key, 64, 2048, 768)
     ids, w = _device_routing(jax.random.fold_in(key, 1), n_tokens, 64, 6)
     x = jax.random.normal(jax.random.fold_in(key, 2), (n_tokens, 2048), jnp.float32)
     got, _ = _packed(x, ids, w, ew, impl="pallas")
@@ -59,7 +47,7 @@ def test_fused_medium_shape(seed, n_tokens):
 @pytest.mark.parametrize("kind", ROUTINGS[1:])
 def test_fused_skewed_loads(seed, kind):
     key = jax.random.key(seed)
-    ew = _random_layer(key, 64, 2048, 768)
+    ew = mxfp4.random_experts(key, 64, 2048, 768)
     top_k = 1 if kind == "single_last" else 2
     ids, w = _device_routing(jax.random.fold_in(key, 1), 333, 64, top_k, kind)
     x = jax.random.normal(jax.random.fold_in(key, 2), (333, 2048), jnp.bfloat16)
@@ -71,7 +59,7 @@ def test_fused_skewed_loads(seed, kind):
 @pytest.mark.parametrize("n_tokens", [1, 5])
 def test_fused_deepseek_shape_decode(seed, n_tokens):
     key = jax.random.key(seed)
-    ew = _random_layer(key, 256, 7168, 2048)
+    ew = mxfp4.random_experts(key, 256, 7168, 2048)
     ids, w = _device_routing(jax.random.fold_in(key, 1), n_tokens, 256, 8)
     x = jax.random.normal(jax.random.fold_in(key, 2), (n_tokens, 7168), jnp.float32)
     got, _ = _packed(x, ids, w, ew, impl="pallas")
@@ -83,7 +71,7 @@ def test_fused_deepseek_shape_decode(seed, n_tokens):
 @pytest.mark.parametrize("n_tokens", [3, 700])
 def test_preconverted_formats(seed, fmt, tol, n_tokens):
     key = jax.random.key(seed)
-    ew = converted(_random_layer(key, 64, 2048, 768), fmt)
+    ew = converted(mxfp4.random_experts(key, 64, 2048, 768), fmt)
     ids, w = _device_routing(jax.random.fold_in(key, 1), n_tokens, 64, 6)
     x = jax.random.normal(jax.random.fold_in(key, 2), (n_tokens, 2048), jnp.float32)
     got, _ = _packed(x, ids, w, ew, impl="pallas")
@@ -94,7 +82,7 @@ def test_preconverted_formats(seed, fmt, tol, n_tokens):
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
 def test_convert_kernel_bit_exact(seed, dtype):
     key = jax.random.key(seed)
-    ew = _random_layer(key, 16, 2048, 768)
+    ew = mxfp4.random_experts(key, 16, 2048, 768)
     ws = jnp.zeros_like(mxfp4.to_workspace(ew.down[:8], ew.down_scales[:8], dtype))
     need = jnp.asarray([1, 0, 1, 1, 0, 1, 1, 1], bool)
     slot_expert = jax.random.permutation(jax.random.fold_in(key, 1), 16)[:8].astype(jnp.int32)
@@ -107,7 +95,7 @@ def test_convert_kernel_bit_exact(seed, dtype):
 @pytest.mark.parametrize("dtype", ["float8_e4m3fn", "bfloat16"])
 def test_workspace_through_layers(seed, dtype):
     key = jax.random.key(seed)
-    layers = [_random_layer(jax.random.fold_in(key, i), 64, 2048, 768) for i in range(2)]
+    layers = [mxfp4.random_experts(jax.random.fold_in(key, i), 64, 2048, 768) for i in range(2)]
     ids, w = _device_routing(jax.random.fold_in(key, 5), 4096, 64, 6)
     x = jax.random.normal(jax.random.fold_in(key, 6), (4096, 2048), jnp.bfloat16)
     ws = moe_workspace.create(64, 2048, 768, dtype)
