@@ -239,3 +239,51 @@ def save_kimi_k25(model, path, published_config: bool = False) -> str:
         rewrite_config(str(path), published_kimi_k25_config)
     save_file(kimi_k25_published_tensors(model), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return str(path)
+
+
+def indexer_margin(model, ids: np.ndarray) -> float:
+    """Smallest gap between the k-th and (k+1)-th lightning-indexer score over every DSA layer and query of `model`
+    on `ids` [B, T], relative to that query's largest score (inf when no query has more than k candidates).
+
+    Random token draws now and then put two keys within float32 rounding of each other at the top-k boundary; which
+    one each implementation keeps then depends on summation order, not on correctness. Tests that compare DSA models
+    against transformers draw tokens whose margin clears that noise (see `tie_free_ids`).
+    """
+    import jax
+    from unittest import mock
+
+    from dayzero.kernels import indexer
+    from dayzero.model import model as model_lib
+
+    topk, margins = model.config.index_topk, [np.inf]
+    scores_of = indexer.index_scores
+
+    def margin_of(scores):
+        allowed = np.tril(np.ones(scores.shape[-2:], bool))
+        s = np.where(allowed, np.asarray(scores), -np.inf)[:, topk:]  # queries with more than topk candidates
+        ranked = -np.sort(-s, axis=-1)
+        scale_of_row = np.maximum(np.abs(ranked[..., :1]), 1e-30)
+        margins.append(float(np.min((ranked[..., topk - 1:topk] - ranked[..., topk:topk + 1]) / scale_of_row)))
+
+    def recording(q, k, weights, scale):
+        scores = scores_of(q, k, weights, scale)
+        jax.debug.callback(margin_of, scores)
+        return scores
+
+    with mock.patch.object(indexer, "index_scores", recording):  # a new function, so a fresh trace sees the patch
+        forward = jax.jit(lambda params, tokens: model_lib._forward(model.module, params, tokens, None, False))
+        jax.block_until_ready(forward(model.params, np.asarray(ids, np.int32)))
+    return min(margins)
+
+
+def tie_free_ids(model, ids: np.ndarray, seed: int, min_margin: float = 1e-5, tries: int = 20) -> np.ndarray:
+    """`ids` when `model` has no DSA or its indexer margin on them is at least `min_margin`; otherwise fresh draws
+    (same shape and range, from `seed`) until one is."""
+    if not model.config.use_dsa:
+        return ids
+    rng = np.random.default_rng(seed)
+    for _ in range(tries):
+        if indexer_margin(model, ids) >= min_margin:
+            return ids
+        ids = rng.integers(3, 197, ids.shape)
+    raise AssertionError(f"no tie-free token draw in {tries} tries (token seed {seed})")
