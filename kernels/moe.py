@@ -1,9 +1,10 @@
-"""Routed-expert SwiGLU MLP over top-k assignments: `moe_experts` (dense weights, plain jnp with `jax.lax.ragged_dot`,
-the MoE reference) and `moe_experts_packed` (MXFP4 or converted experts: the Pallas grouped matmuls on CUDA/ROCm,
-dequantize + `moe_experts` elsewhere).
+"""Routed-expert SwiGLU MLP over top-k assignments: `moe_experts` (dense weights, plain XLA: `jax.lax.ragged_dot` or
+gathered one-expert tiles, whichever `moe_grouped` expects to be cheaper for the call; the MoE reference) and
+`moe_experts_packed` (MXFP4 or converted experts: the Pallas grouped matmuls on CUDA/ROCm, dequantize +
+`moe_experts` elsewhere).
 
-Token-expert pairs are sorted by expert so each expert's rows are contiguous, run through one grouped matmul per
-projection, weighted, and summed back per token.
+Token-expert pairs are grouped by expert, run through one grouped matmul per projection, weighted, and summed back
+per token.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import dispatch, moe_mxfp4, moe_workspace
+from . import dispatch, moe_grouped, moe_mxfp4, moe_workspace
 from .moe_mxfp4 import Tiles
 from .moe_workspace import Workspace
 from .mxfp4 import ExpertWeights
@@ -23,11 +24,18 @@ PACKED_GPU_VERIFIED = True
 
 
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                w_down: jax.Array) -> jax.Array:
+                w_down: jax.Array, block_m: int | None | str = "auto") -> jax.Array:
     """x [N, H], topk_ids [N, k] int, topk_weights [N, k] f32, w_gate/w_up [E, H, I], w_down [E, I, H] -> [N, H].
 
-    Accumulates the weighted expert outputs in float32 and returns x.dtype.
+    Accumulates the weighted expert outputs in float32 and returns x.dtype. `block_m`: None runs
+    `jax.lax.ragged_dot`, an int the gathered one-expert tiles of `moe_grouped.tiled_swiglu`, "auto" whichever
+    `moe_grouped.choose_block_m` expects to be cheaper for this call's shape.
     """
+    if block_m == "auto":
+        block_m = moe_grouped.choose_block_m(topk_ids.size, w_gate.shape[0], w_gate.shape[1], w_gate.shape[2],
+                                             jnp.dtype(x.dtype).itemsize)
+    if block_m is not None:
+        return moe_grouped.tiled_swiglu(x, topk_ids, topk_weights, w_gate, w_up, w_down, block_m)
     n_tokens, top_k = topk_ids.shape
     n_experts = w_gate.shape[0]
     flat_ids = topk_ids.reshape(-1)

@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dayzero.kernels import attention, dispatch, indexer, moe, short_conv
+from dayzero.kernels import attention, dispatch, indexer, moe, moe_tiles, short_conv
 from dayzero.kernels import kda as kda_ops
 from dayzero.kernels.kda import reference as kda_ref
+from dayzero.kernels.moe_grouped import GroupingCost, choose_block_m, estimated_seconds
 
 torch = pytest.importorskip("torch")
 hf_kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
@@ -32,7 +33,7 @@ chunk_kda = jax.jit(kda_ref.chunk_kda, static_argnames=_STATIC + ("chunk_size",)
 fused_recurrent_kda = jax.jit(kda_ref.fused_recurrent_kda, static_argnames=_STATIC[:2])
 causal_conv1d = jax.jit(short_conv.causal_conv1d, static_argnames=("activation",))
 topk_mask = jax.jit(indexer.topk_mask, static_argnames=("topk",))
-moe_experts = jax.jit(moe.moe_experts)
+moe_experts = jax.jit(moe.moe_experts, static_argnames="block_m")
 masked_attention = jax.jit(attention.masked_attention)
 
 hf_chunk_kda = _torch_fn(hf_kimi.chunk_kimi_delta_attention)
@@ -469,6 +470,33 @@ def test_moe_experts_matches_dense(seed, N, kind):
     got = moe_experts(*(jnp.asarray(a) for a in (x, ids, weights, wg, wu, wd)))
     assert got.shape == (N, Hd) and got.dtype == jnp.float32
     assert_close(got, _moe_dense(x, ids, weights, wg, wu, wd), 1e-5, f"moe_experts ({kind}, N={N})", seed)
+
+
+@pytest.mark.parametrize("block_m", [None, 1, 4, 16])
+@pytest.mark.parametrize("kind", ["random", "one_expert_takes_all"])
+def test_moe_experts_groupings_agree(seed, kind, block_m):
+    """ragged_dot (None) and gathered tiles of any size give the same layer output, skewed routing included."""
+    rng = np.random.default_rng(seed)
+    N, E, Hd, I = 13, 6, 8, 12
+    x = rng.standard_normal((N, Hd)).astype(np.float32)
+    wg, wu = (rng.standard_normal((E, Hd, I)).astype(np.float32) * 0.3 for _ in range(2))
+    wd = rng.standard_normal((E, I, Hd)).astype(np.float32) * 0.3
+    ids, weights = _routing(rng, kind, N, E)
+    got = moe_experts(*(jnp.asarray(a) for a in (x, ids, weights, wg, wu, wd)), block_m=block_m)
+    assert_close(got, _moe_dense(x, ids, weights, wg, wu, wd), 1e-5, f"moe_experts ({kind}, block_m={block_m})", seed)
+
+
+def test_moe_grouping_choice():
+    """Decode reads only its experts (1-row tiles), mid-size batches keep ragged_dot, prefill takes large tiles, and
+    the gathered copies stay within the cap."""
+    medium, deepseek = (64, 2048, 768), (256, 7168, 2048)
+    assert choose_block_m(6, *medium, 2) == 1
+    assert choose_block_m(16 * 6, *medium, 2) is None
+    for n_pairs, (e, d, i) in ((2048 * 6, medium), (32768 * 6, medium), (8192 * 8, deepseek)):
+        block_m = choose_block_m(n_pairs, e, d, i, 2)
+        assert block_m is not None and block_m >= 64, (n_pairs, block_m)
+        assert moe_tiles.max_tiles(n_pairs, e, block_m) <= GroupingCost().max_tiles_per_expert * e
+        assert estimated_seconds(n_pairs, e, d, i, 2, block_m) < estimated_seconds(n_pairs, e, d, i, 2, None) / 5
 
 
 def test_moe_experts_bf16(seed):
