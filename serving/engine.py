@@ -33,7 +33,7 @@ from dayzero.model.model import Model, load_checkpoint
 from .block_pool import blocks_for_budget
 from .request import Request, RequestImages, RequestOutput, Status
 from .runner import ModelRunner, StepRows, bucket, powers_of_two
-from .sampling import SamplingParams, StopChecker, request_key
+from .sampling import SamplingParams, StopChecker, stream_keys
 from .scheduler import ScheduledRow, Scheduler, SchedulerConfig
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -220,25 +220,31 @@ class Engine:
         n_tok = 1 if decode else bucket(max(r.length for r in rows), self.prefill_len_buckets)
         n_blk = bucket(max(len(r.request.table) for r in rows), self.block_buckets)
         out = self._padding(n_rows, n_tok, n_blk, decode)
+        first_key_step = np.zeros((len(rows),), np.int64)  # each row's generated count: its first key's step
         for i, row in enumerate(rows):
             req, p = row.request, row.request.params
-            n = 1 if decode else row.length  # a decode row feeds its last token; the device feeds the rest
-            out.tokens[i, :n] = req.token_slice(row.start, row.start + n)
-            out.positions[i, :n] = np.arange(row.start, row.start + n)
-            out.valid[i, :n] = True
-            out.block_tables[i] = req.table.as_array(n_blk)
+            if decode:  # a decode row feeds its last token; the device feeds the rest
+                out.tokens[i, 0] = req.token_slice(row.start, row.start + 1)[0]
+                out.positions[i, 0] = row.start
+                out.valid[i, 0] = True
+                out.steps[i] = row.length
+            else:
+                out.tokens[i, :row.length] = req.token_slice(row.start, row.start + row.length)
+                out.positions[i, :row.length] = np.arange(row.start, row.start + row.length)
+                out.valid[i, :row.length] = True
+            blocks = req.table.block_ids
+            out.block_tables[i, :len(blocks)] = blocks
             out.slots[i] = req.slot
             out.temperature[i], out.top_k[i], out.top_p[i], out.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            generated = len(req.output_token_ids)
-            if decode:
-                out.steps[i] = row.length
-                out.keys[i] = [request_key(req.seed, 0, generated + s) for s in range(out.keys.shape[1])]
-            else:
-                out.keys[i] = request_key(req.seed, 0, generated)
+            first_key_step[i] = len(req.output_token_ids)
             if out.embeds is not None and req.images is not None:
                 offsets, features = req.images.chunk(row.start, row.start + row.length)
                 out.embeds[i, offsets] = features
                 out.embeds_mask[i, offsets] = True
+        streams = np.array([row.request.key_state for row in rows], np.uint64)
+        n_keys = out.keys.shape[1] if decode else 1
+        keys = stream_keys(streams, first_key_step[:, None] + np.arange(n_keys))  # [rows, n_keys, 2]
+        out.keys[:len(rows)] = keys if decode else keys[:, 0]
         return out
 
     def _padding(self, n_rows: int, n_tok: int, n_blk: int, decode: bool) -> StepRows:
@@ -278,7 +284,9 @@ class Engine:
         req.output_logprobs.append(logprob)
         if req.first_token_time is None:
             req.first_token_time = now
-        req.token_times.append(now)
+        else:
+            req.token_gaps.append(now - req.last_token_time)
+        req.last_token_time = now
         reason, trim = req.stop_checker.check(req.output_token_ids)
         if reason is None and req.num_tokens >= self.config.max_model_len:
             reason = "length"
@@ -298,14 +306,13 @@ class Engine:
             text = req.stop_checker.text if req.params.stop else self.tokenizer.decode(req.output_token_ids)
             if req.text_trim is not None:
                 text = text[:req.text_trim]
-        times = req.token_times
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_token_ids),
             token_ids=list(req.output_token_ids), text=text, finished=req.status is Status.FINISHED,
             finish_reason=req.finish_reason, error=req.error,
             logprobs=list(req.output_logprobs[:len(req.output_token_ids)]) if req.params.logprobs else None,
             ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
-            itl=list(np.diff(times)) if len(times) > 1 else [], num_cached_tokens=req.num_cached_tokens,
+            itl=list(req.token_gaps), num_cached_tokens=req.num_cached_tokens,
             num_preemptions=req.num_preemptions)
 
     # ------------------------------------------------------------------ batch API

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .block_pool import BlockTable
-from .sampling import SamplingParams, StopChecker
+from .sampling import SamplingParams, StopChecker, key_stream
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,13 @@ class Request:
     num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
+    last_token_time: float | None = None
+    token_gaps: list[float] = field(default_factory=list)  # seconds between consecutive generated tokens
+
+    @functools.cached_property
+    def key_state(self) -> int:
+        """The splitmix64 state this request's sampling keys derive from (`sampling.key_stream`)."""
+        return key_stream(self.seed, 0)
 
     @property
     def tokens(self) -> list[int]:

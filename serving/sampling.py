@@ -23,8 +23,10 @@ __all__ = [
     "KEY_IMPL",
     "SamplingParams",
     "StopChecker",
+    "key_stream",
     "request_key",
     "request_keys",
+    "stream_keys",
     "sample",
 ]
 
@@ -192,6 +194,24 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def key_stream(seed: int | None, request_index: int) -> int:
+    """The 64-bit splitmix64 state a request's keys derive from (see `request_key`): fixed for the request."""
+    if seed is None:
+        return _mix64(_mix64(int(request_index) & _MASK64) ^ _UNSEEDED)
+    return _mix64(int(seed) & _MASK64)
+
+
+def stream_keys(streams: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """Vectorised `request_key`: streams uint64 [B] (`key_stream`), steps int [B, n] -> uint32 [B, n, 2]."""
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2**64, as splitmix64 wants
+        x = np.asarray(streams, np.uint64)[:, None] + (np.asarray(steps).astype(np.uint64) + np.uint64(1)) \
+            * np.uint64(_GOLDEN)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return np.stack([(x >> np.uint64(32)).astype(np.uint32), (x & np.uint64(0xFFFFFFFF)).astype(np.uint32)], -1)
+
+
 def request_key(seed: int | None, request_index: int, step: int) -> np.ndarray:
     """The raw key data uint32[2] (threefry2x32) of one request at one decode step; pure Python, ~1 us.
 
@@ -200,14 +220,10 @@ def request_key(seed: int | None, request_index: int, step: int) -> np.ndarray:
     requests with the same seed get the same stream, as in vLLM). With seed=None, `request_index` is the
     caller's per-request entropy (e.g. a random 63-bit number drawn once per request, or a request counter
     mixed with an engine seed picked at start-up) and must differ between requests.
-    The key is the `step`-th output of a splitmix64 stream whose state derives from the seed, split into
-    (high, low) 32-bit words. Python ints of any sign are taken modulo 2**64.
+    The key is the `step`-th output of a splitmix64 stream whose state derives from the seed (`key_stream`),
+    split into (high, low) 32-bit words. Python ints of any sign are taken modulo 2**64.
     """
-    if seed is None:
-        state = _mix64(_mix64(int(request_index) & _MASK64) ^ _UNSEEDED)
-    else:
-        state = _mix64(int(seed) & _MASK64)
-    h = _mix64((state + (int(step) + 1) * _GOLDEN) & _MASK64)
+    h = _mix64((key_stream(seed, request_index) + (int(step) + 1) * _GOLDEN) & _MASK64)
     return np.array([h >> 32, h & 0xFFFFFFFF], dtype=np.uint32)
 
 

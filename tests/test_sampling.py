@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from dayzero.model.errors import RequestError
-from dayzero.serving.sampling import SamplingParams, StopChecker, request_key, request_keys, sample
+from dayzero.serving.sampling import (SamplingParams, StopChecker, key_stream, request_key, request_keys, sample,
+                                      stream_keys)
 
 sample_jit = jax.jit(sample)
 
@@ -199,6 +200,17 @@ def test_request_key_is_deterministic_and_depends_on_seed_and_step(seed):
     assert len(unseeded) == 64 and tuple(request_key(None, idx, 0)) != tuple(request_key(idx, idx, 0)), seed
     batch = request_keys([s, None], [0, idx], [5, 6])
     np.testing.assert_array_equal(batch, np.stack([request_key(s, 0, 5), request_key(None, idx, 6)]))
+
+
+def test_stream_keys_equal_request_keys(seed):
+    """The engine's vectorised keys (uint64 arithmetic wrapping mod 2**64) are `request_key`'s, seeds of any size."""
+    rng = np.random.default_rng(seed)
+    seeds = [int(rng.integers(0, 2**63)), 2**64 - 1, -5, None, 0]
+    steps = rng.integers(0, 1 << 40, (len(seeds), 3))
+    got = stream_keys(np.array([key_stream(sd, 7) for sd in seeds], np.uint64), steps)
+    want = np.array([[request_key(sd, 7, int(t)) for t in row] for sd, row in zip(seeds, steps)])
+    assert got.shape == (len(seeds), 3, 2) and got.dtype == np.uint32
+    np.testing.assert_array_equal(got, want, err_msg=f"seed={seed}")
 
 
 def test_same_seed_and_step_same_token_different_steps_vary(seed):

@@ -1,0 +1,84 @@
+"""The engine's host work per decode dispatch, with the device taken out: scheduling, building the step inputs
+(tokens, block tables, sampling keys), and recording the sampled tokens (stop checks, outputs).
+
+    python3 benchmarks/engine_host.py [--batches 1,16,64] [--tokens 256] [--results benchmarks/RESULTS.md]
+
+The engine waits for each dispatch before it schedules the next, so this time adds to every decode dispatch's
+device time: at batch 64 with 4 steps per dispatch, each millisecond here is 0.25 ms of ITL. A stand-in runner
+returns fixed tokens at once, so only host work is timed (the tiny preset; model size does not matter here).
+Runs on any machine; the host's CPU is what it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+
+import numpy as np
+
+from dayzero.model import Model
+from dayzero.model.presets import get_preset
+from dayzero.serving import Engine, EngineConfig, SamplingParams
+
+from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
+
+
+class InstantRunner:
+    """Stands in for `ModelRunner.run`: returns token 5 with logprob 0 at once; everything else is the real one's."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def run(self, rows, decode):
+        n_rows = rows.tokens.shape[0]
+        shape = (n_rows, rows.keys.shape[1]) if decode else (n_rows,)
+        return np.full(shape, 5, np.int32), np.zeros(shape, np.float32)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def host_ms_per_dispatch(model: Model, batch: int, new_tokens: int) -> dict:
+    """Decode-only host time: `batch` requests prefilled first, then timed until all have `new_tokens` tokens."""
+    engine = Engine(model, None, EngineConfig(max_num_seqs=batch, max_model_len=2048, enable_prefix_caching=False,
+                                              seed=0))
+    engine.runner = InstantRunner(engine.runner)
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens + 1, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(prompt_token_ids=list(range(3, 100)), sampling_params=params)
+    while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
+        engine.step()
+    start, dispatches = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        dispatches += 1
+    seconds = time.perf_counter() - start
+    return {"ms_per_dispatch": round(seconds / dispatches * 1e3, 3),
+            "ms_per_token_step": round(seconds / new_tokens * 1e3, 3), "dispatches": dispatches}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--results", default="benchmarks/RESULTS.md")
+    args = parser.parse_args(argv)
+    model = Model.random(get_preset("tiny"), dtype="float32")
+    results = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        host_ms_per_dispatch(model, batch, 16)  # warm the Python paths
+        results[f"B{batch}"] = host_ms_per_dispatch(model, batch, args.tokens)
+        print(f"batch {batch}: {results[f'B{batch}']}")
+    line = (f"- {datetime.date.today()} engine_host.py, host CPU {platform.processor() or platform.machine()} "
+            f"(device replaced by an instant stand-in), commit {git_commit()}, {args.tokens} new tokens, "
+            f"{EngineConfig().decode_steps} decode steps per dispatch: {json.dumps(results)}\n")
+    append_line(args.results, line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
