@@ -1,12 +1,12 @@
 """The engine's host work per decode dispatch, with the device taken out: scheduling, building the step inputs
 (tokens, block tables, sampling keys), and recording the sampled tokens (stop checks, outputs).
 
-    python3 benchmarks/engine_host.py [--batches 1,16,64] [--tokens 256] [--results benchmarks/RESULTS.md]
+    python3 benchmarks/engine_host.py [--batches 1,16,64] [--tokens 256] [--repeats 7] [--results ...]
 
 The engine waits for each dispatch before it schedules the next, so this time adds to every decode dispatch's
 device time: at batch 64 with 4 steps per dispatch, each millisecond here is 0.25 ms of ITL. A stand-in runner
 returns fixed tokens at once, so only host work is timed (the tiny preset; model size does not matter here).
-Runs on any machine; the host's CPU is what it measures.
+Runs on any machine; the host's CPU is what it measures. Median of `--repeats` runs per batch size.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -61,21 +62,34 @@ def host_ms_per_dispatch(model: Model, batch: int, new_tokens: int) -> dict:
             "ms_per_token_step": round(seconds / new_tokens * 1e3, 3), "dispatches": dispatches}
 
 
+def host_cpu() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one) and core count."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     model = Model.random(get_preset("tiny"), dtype="float32")
     results = {}
     for batch in (int(b) for b in args.batches.split(",")):
         host_ms_per_dispatch(model, batch, 16)  # warm the Python paths
-        results[f"B{batch}"] = host_ms_per_dispatch(model, batch, args.tokens)
-        print(f"batch {batch}: {results[f'B{batch}']}")
-    line = (f"- {datetime.date.today()} engine_host.py, host CPU {platform.processor() or platform.machine()} "
+        runs = [host_ms_per_dispatch(model, batch, args.tokens) for _ in range(args.repeats)]
+        results[f"B{batch}"] = {key: float(np.median([r[key] for r in runs])) for key in runs[0]}
+        print(f"batch {batch} (median of {args.repeats}): {results[f'B{batch}']}")
+    line = (f"- {datetime.date.today()} engine_host.py, host CPU {host_cpu()} "
             f"(device replaced by an instant stand-in), commit {git_commit()}, {args.tokens} new tokens, "
-            f"{EngineConfig().decode_steps} decode steps per dispatch: {json.dumps(results)}\n")
+            f"{EngineConfig().decode_steps} decode steps per dispatch, median of {args.repeats} runs: {json.dumps(results)}\n")
     append_line(args.results, line)
     return 0
 
