@@ -220,7 +220,6 @@ class Engine:
         n_tok = 1 if decode else bucket(max(r.length for r in rows), self.prefill_len_buckets)
         n_blk = bucket(max(len(r.request.table) for r in rows), self.block_buckets)
         out = self._padding(n_rows, n_tok, n_blk, decode)
-        first_key_step = np.zeros((len(rows),), np.int64)  # each row's generated count: its first key's step
         for i, row in enumerate(rows):
             req, p = row.request, row.request.params
             if decode:  # a decode row feeds its last token; the device feeds the rest
@@ -236,14 +235,13 @@ class Engine:
             out.block_tables[i, :len(blocks)] = blocks
             out.slots[i] = req.slot
             out.temperature[i], out.top_k[i], out.top_p[i], out.min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
-            first_key_step[i] = len(req.output_token_ids)
             if out.embeds is not None and req.images is not None:
                 offsets, features = req.images.chunk(row.start, row.start + row.length)
                 out.embeds[i, offsets] = features
                 out.embeds_mask[i, offsets] = True
-        streams = np.array([row.request.key_state for row in rows], np.uint64)
-        n_keys = out.keys.shape[1] if decode else 1
-        keys = stream_keys(streams, first_key_step[:, None] + np.arange(n_keys))  # [rows, n_keys, 2]
+        n_keys = out.keys.shape[1] if decode else 1  # a row's keys start at its generated count
+        keys = stream_keys([r.request.key_state for r in rows], [len(r.request.output_token_ids) for r in rows],
+                           n_keys)
         out.keys[:len(rows)] = keys if decode else keys[:, 0]
         return out
 
@@ -257,6 +255,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduled dispatch (a prefill step, or up to `decode_steps` decode steps); returns an output
         for every request that got tokens or finished."""
+        return self._step(finished_only=False)
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
+        """`step`; with `finished_only`, outputs are built only for requests that finished (what `generate` uses:
+        building every running request's output each dispatch is host time the device waits for)."""
         plan = self.scheduler.schedule()
         if plan is None:
             return [self._fail_stuck(r) for r in list(self.scheduler.waiting)]
@@ -276,7 +279,8 @@ class Engine:
                 if req.is_prefilling:
                     continue
                 self._append_token(req, int(tokens[i]), float(logprobs[i]), now)
-            updates.append(self._output(req))
+            if not finished_only or req.status is Status.FINISHED:
+                updates.append(self._output(req))
         return updates
 
     def _append_token(self, req: Request, token: int, logprob: float, now: float) -> None:
@@ -346,7 +350,7 @@ class Engine:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(order), desc="generating", unit="req")
         while any(rid not in results for rid in order):
-            for out in self.step():
+            for out in self._step(finished_only=True):
                 if out.finished and out.request_id in order:
                     results[out.request_id] = out
                     if bar is not None:

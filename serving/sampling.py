@@ -201,11 +201,20 @@ def key_stream(seed: int | None, request_index: int) -> int:
     return _mix64(int(seed) & _MASK64)
 
 
-def stream_keys(streams: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """Vectorised `request_key`: streams uint64 [B] (`key_stream`), steps int [B, n] -> uint32 [B, n, 2]."""
-    with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2**64, as splitmix64 wants
-        x = np.asarray(streams, np.uint64)[:, None] + (np.asarray(steps).astype(np.uint64) + np.uint64(1)) \
-            * np.uint64(_GOLDEN)
+def stream_keys(streams: Sequence[int], first_steps: Sequence[int], n: int) -> np.ndarray:
+    """`request_key` for n consecutive steps of each row: row b's keys at steps first_steps[b] .. + n - 1 of
+    stream streams[b] (`key_stream`) -> uint32 [B, n, 2]. Vectorised in uint64 numpy (wrapping modulo 2**64, as
+    splitmix64 wants) for large batches; small ones stay in Python, where numpy's per-call cost would dominate."""
+    if len(streams) * n <= 32:
+        out = np.empty((len(streams), n, 2), np.uint32)
+        for b, (state, first) in enumerate(zip(streams, first_steps)):
+            for s in range(n):
+                h = _mix64((state + (int(first) + s + 1) * _GOLDEN) & _MASK64)
+                out[b, s] = h >> 32, h & 0xFFFFFFFF
+        return out
+    with np.errstate(over="ignore"):
+        steps = np.asarray(first_steps, np.uint64)[:, None] + np.arange(1, n + 1, dtype=np.uint64)
+        x = np.asarray(streams, np.uint64)[:, None] + steps * np.uint64(_GOLDEN)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))

@@ -202,14 +202,15 @@ def test_request_key_is_deterministic_and_depends_on_seed_and_step(seed):
     np.testing.assert_array_equal(batch, np.stack([request_key(s, 0, 5), request_key(None, idx, 6)]))
 
 
-def test_stream_keys_equal_request_keys(seed):
-    """The engine's vectorised keys (uint64 arithmetic wrapping mod 2**64) are `request_key`'s, seeds of any size."""
+@pytest.mark.parametrize("n", [1, 3, 40])  # 40: the vectorised path (over 32 keys), the others the Python one
+def test_stream_keys_equal_request_keys(seed, n):
+    """The engine's batched keys are `request_key`'s, seeds of any size, on both of its paths."""
     rng = np.random.default_rng(seed)
     seeds = [int(rng.integers(0, 2**63)), 2**64 - 1, -5, None, 0]
-    steps = rng.integers(0, 1 << 40, (len(seeds), 3))
-    got = stream_keys(np.array([key_stream(sd, 7) for sd in seeds], np.uint64), steps)
-    want = np.array([[request_key(sd, 7, int(t)) for t in row] for sd, row in zip(seeds, steps)])
-    assert got.shape == (len(seeds), 3, 2) and got.dtype == np.uint32
+    first = rng.integers(0, 1 << 40, len(seeds))
+    got = stream_keys([key_stream(sd, 7) for sd in seeds], first.tolist(), n)
+    want = np.array([[request_key(sd, 7, int(t) + s) for s in range(n)] for sd, t in zip(seeds, first)])
+    assert got.shape == (len(seeds), n, 2) and got.dtype == np.uint32
     np.testing.assert_array_equal(got, want, err_msg=f"seed={seed}")
 
 
