@@ -61,7 +61,7 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({k.name: k for k in (
     Kernel("indexer"),      # kernels/indexer.py -> indexer_pallas (DSA lightning indexer + top-k)
     Kernel("sparse_mla"),   # kernels/attention.py -> sparse_mla (attention over the selected latents)
     Kernel("moe_mxfp4"),    # kernels/moe.py -> moe_mxfp4 (+ moe_workspace): MXFP4 grouped SwiGLU matmuls
-    Kernel("moe_gemv"),     # kernels/moe.py -> moe_gemv: dense experts at decode, one matrix-vector kernel
+    Kernel("moe_dense"),    # kernels/moe.py -> moe_dense: grouped SwiGLU matmuls over dense (bf16/fp32) experts
 )})
 
 

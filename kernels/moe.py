@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import dispatch, moe_gemv, moe_grouped, moe_mxfp4, moe_workspace
+from . import dispatch, moe_dense, moe_grouped, moe_mxfp4, moe_workspace
 from .moe_mxfp4 import Tiles
 from .moe_workspace import Workspace
 from .mxfp4 import ExpertWeights
@@ -27,17 +27,20 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_ga
                 w_down: jax.Array, block_m: int | None | str = "auto", impl: str | None = None) -> jax.Array:
     """x [N, H], topk_ids [N, k] int, topk_weights [N, k] f32, w_gate/w_up [E, H, I], w_down [E, I, H] -> [N, H].
 
-    Accumulates the weighted expert outputs in float32 and returns x.dtype. `block_m`: None runs
-    `jax.lax.ragged_dot`, an int the gathered one-expert tiles of `moe_grouped.tiled_swiglu` (1: one pair per
-    tile, run by `moe_gemv`'s Pallas kernel where dispatch picks it; `impl` overrides that choice), "auto"
-    whichever `moe_grouped.choose_block_m` expects to be cheapest for this call's shape.
+    Accumulates the weighted expert outputs in float32 and returns x.dtype. Where dispatch picks the Pallas
+    grouped matmuls of `moe_dense` (`impl` overrides) and `block_m` is "auto", they run; otherwise plain XLA:
+    `block_m` None runs `jax.lax.ragged_dot`, an int the gathered one-expert tiles of `moe_grouped.tiled_swiglu`,
+    "auto" whichever `moe_grouped.choose_block_m` expects to be cheaper for this call's shape.
     """
-    gemv = dispatch.choose("moe_gemv", ("reference", "pallas"), impl, gpu_verified=moe_gemv.GPU_VERIFIED)
     if block_m == "auto":
+        kind = dispatch.choose("moe_dense", ("reference", "pallas"), impl, gpu_verified=moe_dense.GPU_VERIFIED)
+        if kind == "pallas" and not moe_dense.supported(w_gate.shape[1], w_gate.shape[2]):
+            kind = "reference"  # Triton dots need >= 16-wide blocks (tiny test models run XLA on GPUs)
+        if kind != "reference":
+            return moe_dense.grouped_swiglu(x, topk_ids, topk_weights, w_gate, w_up, w_down,
+                                            interpret=kind == "interpret")
         block_m = moe_grouped.choose_block_m(topk_ids.size, w_gate.shape[0], w_gate.shape[1], w_gate.shape[2],
-                                             jnp.dtype(x.dtype).itemsize, gemv=gemv != "reference")
-    if block_m == 1 and gemv != "reference":
-        return moe_gemv.swiglu_pairs(x, topk_ids, topk_weights, w_gate, w_up, w_down, interpret=gemv == "interpret")
+                                             jnp.dtype(x.dtype).itemsize)
     if block_m is not None:
         return moe_grouped.tiled_swiglu(x, topk_ids, topk_weights, w_gate, w_up, w_down, block_m)
     n_tokens, top_k = topk_ids.shape

@@ -10,11 +10,11 @@ Pallas kernels' schedule), gathers each tile's expert weights and runs one batch
 the tiles' real rows, and the weight traffic is the tiles' experts (written by the gather and read back: about three
 reads' worth), not all E. With 1-row tiles a decode step touches only its tokens' experts.
 
-Where the Pallas kernel of `moe_gemv` runs (CUDA, once verified there), 1-row tiles read each pair's weights
-once instead. `choose_block_m` picks, per call shape (static), the cheapest of ragged_dot and tiles of 1..4096
-rows under a simple roofline (`GroupingCost`: bytes over bandwidth plus FLOPs over matmul throughput), and caps the gathered copies at
+`choose_block_m` picks, per call shape (static), the cheaper of ragged_dot and tiles of 1..4096 rows under a simple
+roofline (`GroupingCost`: bytes over bandwidth plus FLOPs over matmul throughput), and caps the gathered copies at
 two layers' worth of expert weights. The constants are H200-like estimates, not measurements of this code:
-`benchmarks/moe.py` times both paths ("bf16 ragged_dot", "bf16 tiles") to calibrate them.
+`benchmarks/moe.py` times both paths ("bf16 ragged_dot", "bf16 tiles") to calibrate them. Where the Pallas grouped
+matmuls of `moe_dense` run, they replace both paths.
 """
 
 from __future__ import annotations
@@ -40,29 +40,25 @@ class GroupingCost:
 
 
 def estimated_seconds(n_pairs: int, n_experts: int, hidden: int, inter: int, itemsize: int, block_m: int | None,
-                      cost: GroupingCost = GroupingCost(), gemv: bool = False) -> float:
-    """Roofline time of one layer call: ragged_dot (`block_m` None: all experts read, E x the FLOPs), gathered
-    tiles, or with `gemv` and 1-row tiles the Pallas kernel of `moe_gemv` (each pair's weights read once; its
-    float32 products run on the vector units, counted at a tenth of the matmul throughput)."""
+                      cost: GroupingCost = GroupingCost()) -> float:
+    """Roofline time of one layer call: ragged_dot (`block_m` None: all experts read, E x the FLOPs) or tiles."""
     weight_bytes = 3 * hidden * inter * itemsize  # gate, up, down of one expert
     flops_per_row = 2 * 3 * hidden * inter
     if block_m is None:
         return n_experts * weight_bytes / cost.bandwidth + n_experts * n_pairs * flops_per_row / cost.matmul_flops
-    if block_m == 1 and gemv:
-        return n_pairs * weight_bytes / cost.bandwidth + n_pairs * flops_per_row / (cost.matmul_flops / 10)
     n_tiles = moe_tiles.max_tiles(n_pairs, n_experts, block_m)
     return 3 * n_tiles * weight_bytes / cost.bandwidth + n_tiles * block_m * flops_per_row / cost.matmul_flops
 
 
 def choose_block_m(n_pairs: int, n_experts: int, hidden: int, inter: int, itemsize: int,
-                   cost: GroupingCost = GroupingCost(), gemv: bool = False) -> int | None:
+                   cost: GroupingCost = GroupingCost()) -> int | None:
     """The row-tile size of the cheapest grouping for a call of `n_pairs` token-expert pairs, or None for
-    ragged_dot (see the module docstring); `gemv`: 1-row tiles run as `moe_gemv`'s kernel."""
+    ragged_dot (see the module docstring)."""
     best, best_time = None, estimated_seconds(n_pairs, n_experts, hidden, inter, itemsize, None, cost)
     for block_m in BLOCK_SIZES:
-        if block_m > 1 and moe_tiles.max_tiles(n_pairs, n_experts, block_m) > cost.max_tiles_per_expert * n_experts:
+        if moe_tiles.max_tiles(n_pairs, n_experts, block_m) > cost.max_tiles_per_expert * n_experts:
             continue
-        seconds = estimated_seconds(n_pairs, n_experts, hidden, inter, itemsize, block_m, cost, gemv)
+        seconds = estimated_seconds(n_pairs, n_experts, hidden, inter, itemsize, block_m, cost)
         if seconds < best_time:
             best, best_time = block_m, seconds
         if block_m >= n_pairs:

@@ -1,0 +1,135 @@
+"""Routed experts over dense (bf16 / fp32) weights as Pallas (Triton) grouped matmuls, any batch size.
+
+XLA offers `ragged_dot`, whose default lowering reads every expert and multiplies every row by every expert, and
+the gathered tiles of `moe_grouped`, which copy each tile's weights before multiplying. These kernels read each
+used weight tile once, straight from the stacked [E, K, N] experts, and do only the tiles' matmul work:
+
+- pairs are grouped into one-expert tiles of `block_m` rows (`moe_tiles.schedule`, as for the MXFP4 kernels);
+  tiles past the used ones exit at once, so a decode step reads only its tokens' experts, each once;
+- the grid is (row tile, output-column tile, K slice). Each program walks its slice of K in `step_k` steps:
+  x rows [block_m, step_k] times W[expert][step_k, block_n] on the tensor cores, float32 accumulation;
+- decode-sized calls have few tiles, so K is split over up to `k_slices` programs per output tile (enough programs
+  to keep HBM busy); the float32 partial sums [slices, rows, N] are added up by a small XLA reduction;
+- gate and up share one kernel (the same x tile feeds both), then SwiGLU in XLA and the down kernel.
+
+Block sizes are the largest powers of two dividing the dims up to the tile's setting (Triton needs power-of-two
+blocks; on a GPU each must be >= 16 to feed a dot, see `supported`). Rounding follows `moe.moe_experts`: weights
+are used in x's dtype (f32 dots at IEEE precision) and each projection's output is rounded to x.dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import moe_tiles, tiles as tiling
+
+# Whether these kernels have passed tests/gpu/test_moe_dense_gpu.py on a GPU. Until they have, dispatch runs the
+# XLA paths on CUDA/ROCm unless asked for them (impl="pallas" or DAYZERO_KERNELS).
+GPU_VERIFIED = False
+
+
+@dataclass(frozen=True)
+class DenseTiles:
+    """Tile sizes (block_n and step_k are cut to the largest power of two dividing their dim) and launch
+    parameters. `min_programs`: K is split (into at most `k_slices` slices) until a kernel has about this many."""
+
+    block_m: int = 16
+    block_n: int = 128
+    step_k: int = 64
+    k_slices: int = 8
+    min_programs: int = 1024
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def choose_tiles(n_pairs: int, n_experts: int) -> DenseTiles:
+    """16-row tiles while experts see few rows (decode; K split for parallelism), 64-row tiles for prefill."""
+    rows = n_pairs / max(1, min(n_experts, n_pairs))
+    if rows <= 16:
+        return DenseTiles(block_m=16)
+    if rows <= 48:
+        return DenseTiles(block_m=32)
+    return DenseTiles(block_m=64, num_warps=8)
+
+
+def _pow2_divisor(n: int, limit: int) -> int:
+    """Largest power of two <= limit dividing n."""
+    b = 1
+    while b * 2 <= limit and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def supported(hidden: int, inter: int, tiles: DenseTiles = DenseTiles()) -> bool:
+    """Whether both projections' blocks can feed Triton dots on a GPU (every block >= 16; interpret mode takes any
+    shape)."""
+    blocks = [_pow2_divisor(dim, limit) for dim in (hidden, inter) for limit in (tiles.block_n, tiles.step_k)]
+    return min(blocks + [tiles.block_m]) >= 16
+
+
+def _grouped_kernel(tile_expert_ref, x_ref, *refs, n_w, bm, bn, sk, steps):
+    w_refs, o_ref = refs[:n_w], refs[n_w]
+    t, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    expert = tile_expert_ref[t]
+
+    @pl.when(expert >= 0)
+    def _():
+        r0 = pl.multiple_of(t * bm, bm)
+        n0 = pl.multiple_of(j * bn, bn)
+
+        def step(i, accs):
+            k0 = pl.multiple_of((s * steps + i) * sk, sk)
+            xb = x_ref[pl.ds(r0, bm), pl.ds(k0, sk)]
+            return tuple(acc + tiling.mm(xb, w[expert, pl.ds(k0, sk), pl.ds(n0, bn)].astype(xb.dtype))
+                         for w, acc in zip(w_refs, accs))
+
+        accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(n_w)))
+        for i, acc in enumerate(accs):
+            o_ref[s, pl.ds(r0, bm), i, pl.ds(n0, bn)] = acc
+
+
+def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax.Array, ...], tiles: DenseTiles,
+                   interpret: bool = False) -> jax.Array:
+    """x_rows [R, K] (R a multiple of block_m; tile t = rows [t*block_m, (t+1)*block_m) uses expert tile_expert[t],
+    -1: unused), weights: each [E, K, N] -> float32 [R, len(weights), N] (rows of unused tiles undefined)."""
+    n_rows, k_dim = x_rows.shape
+    n_dim = weights[0].shape[2]
+    bm = tiles.block_m
+    bn = _pow2_divisor(n_dim, tiles.block_n)
+    sk = _pow2_divisor(k_dim, tiles.step_k)
+    k_steps = k_dim // sk
+    grid = (n_rows // bm, n_dim // bn)
+    wanted = -(-tiles.min_programs // (grid[0] * grid[1]))
+    slices = max(d for d in range(1, min(tiles.k_slices, wanted, k_steps) + 1) if k_steps % d == 0)
+    kernel = functools.partial(_grouped_kernel, n_w=len(weights), bm=bm, bn=bn, sk=sk, steps=k_steps // slices)
+    partial = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((slices, n_rows, len(weights), n_dim), jnp.float32),
+        grid=grid + (slices,),
+        compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
+        interpret=interpret,
+        name="moe_dense_gate_up" if len(weights) == 2 else "moe_dense_down",
+    )(tile_expert.astype(jnp.int32), x_rows, *weights)
+    return partial[0] if slices == 1 else jnp.sum(partial, axis=0)
+
+
+def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                   w_down: jax.Array, tiles: DenseTiles | None = None, interpret: bool = False) -> jax.Array:
+    """x [N, H], topk_ids [N, k] int, topk_weights [N, k] f32, w_gate/w_up [E, H, I], w_down [E, I, H] -> [N, H] of
+    x.dtype (see the module docstring; `tiles` default: `choose_tiles`)."""
+    n_tokens = x.shape[0]
+    n_experts = w_gate.shape[0]
+    tiles = tiles or choose_tiles(topk_ids.size, n_experts)
+    sched = moe_tiles.schedule(topk_ids, n_experts, tiles.block_m)
+    padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row N: the padding rows' zeros
+    rows = padded[sched.token_of_row]
+    gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret).astype(x.dtype)
+    real = (sched.token_of_row < n_tokens)[:, None]  # rows of unused tiles hold whatever the output buffer held
+    hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
+    out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret)[:, 0].astype(x.dtype)
+    return moe_tiles.combine(out, sched, topk_weights).astype(x.dtype)
