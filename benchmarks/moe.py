@@ -2,7 +2,7 @@
 width 768) and a DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at 1, 16, 64, 256 tokens and an 8K prefill.
 
     python3 benchmarks/moe.py [--results benchmarks/RESULTS.md] [--shapes medium,deepseek] [--tokens 1,16,64,256,8192]
-                              [--sweep]
+                              [--sweep] [--dense-only]
 
 Variants, on the same weights (random MXFP4; the others converted from it) and the same uniform top-k routing:
   bf16      jax.lax.ragged_dot over dense bf16 experts (dayzero.kernels.moe.moe_experts with block_m=None)
@@ -103,8 +103,9 @@ def attempt(label: str, fn):
         return None
 
 
-def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float) -> dict:
-    """One layer call size; `extras` adds staged (when not what the model runs) and resident timings."""
+def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, dense_only: bool = False) -> dict:
+    """One layer call size; `extras` adds staged (when not what the model runs) and resident timings; `dense_only`
+    times the bf16 variants alone."""
     n_experts, top_k, hidden, inter = SHAPES[name]
     ew, ew8, (wg, wu, wd) = layer
     ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
@@ -123,8 +124,11 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float) -> d
         lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, block_m=block_m)))
     seconds["bf16_pallas"] = attempt("bf16 pallas", lambda: plain(
         lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, impl=impl)))
-    seconds["fp8"] = attempt("fp8", lambda: plain(lambda x: moe.moe_experts_packed(x, ids, w, ew8, impl=impl)[0]))
-    seconds["fused"] = attempt("fused", lambda: plain(lambda x: moe.moe_experts_packed(x, ids, w, ew, impl=impl)[0]))
+    if not dense_only:
+        seconds["fp8"] = attempt("fp8", lambda: plain(
+            lambda x: moe.moe_experts_packed(x, ids, w, ew8, impl=impl)[0]))
+        seconds["fused"] = attempt("fused", lambda: plain(
+            lambda x: moe.moe_experts_packed(x, ids, w, ew, impl=impl)[0]))
     ws = moe_workspace.create(moe_workspace.num_slots(ids.size, n_experts), hidden, inter)
     res = {}
 
@@ -138,18 +142,18 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float) -> d
         return t
 
     auto = MXFP4Execution().uses_workspace(n_tokens, top_k, n_experts)
-    if auto or extras:
+    if (auto or extras) and not dense_only:
         seconds["staged"] = attempt("staged", lambda: staged(False))
-    if extras:
+    if extras and not dense_only:
         seconds["resident"] = attempt("resident", lambda: staged(True))
-    if n_tokens <= 16:  # the two fused kernels alone (schedule and activations prepared outside the loop)
+    if n_tokens <= 16 and not dense_only:  # the two fused kernels alone (schedule and activations prepared outside the loop)
         tiles = moe_mxfp4.choose_tiles(ids.size, n_experts)
         plan = moe_mxfp4.plan(x, ids, ew, None, n_experts, tiles)
         seconds["fused_kernels"] = attempt("kernels", lambda: per_call(
             lambda rows, i: rows + (1e-3 * moe_mxfp4.expert_rows(plan._replace(x_rows=rows), ew, jnp.bfloat16, tiles,
                                                                  impl == "interpret")[0, 0]).astype(rows.dtype),
             plan.x_rows, iters)[0])
-    seconds["online"] = seconds.get("staged") if auto else seconds["fused"]
+    seconds["online"] = seconds.get("staged") if auto else seconds.get("fused")
     res["online_mode"] = "staged" if auto else "fused"
     active = int(np.unique(np.asarray(ids)).size)
     mx_bytes = mxfp4_bytes(active, hidden, inter)
@@ -213,7 +217,8 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
               "| fused % of copy bw | kernels us (% of copy bw) | resident us (hit rate) |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for n_tokens in tokens:
-            r = bench_case(name, n_tokens, layer, args.impl, n_tokens in (tokens[0], tokens[-1]), bandwidth)
+            r = bench_case(name, n_tokens, layer, args.impl, n_tokens in (tokens[0], tokens[-1]), bandwidth,
+                           args.dense_only)
             results[f"{name}_T{n_tokens}"] = r
             cell = lambda v: "-" if v is None else v  # noqa: E731
             kernels = (f"{r['fused_kernels_us']} ({cell(r.get('fused_kernels_pct_of_copy_bw'))}%)"
@@ -222,8 +227,8 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
             print(f"| {n_tokens} | {r['active_experts']} | {cell(r['bf16_us'])} | "
                   f"{cell(r['bf16_auto_us'])} ({cell(r['bf16_auto_block_m'])}) | {cell(r.get('bf16_pallas_us'))} "
                   f"({cell(r.get('bf16_pallas_pct_of_copy_bw'))}%) | "
-                  f"{cell(r['fp8_us'])} | "
-                  f"{cell(r['fused_us'])} | {cell(r.get('staged_us'))} | {cell(r['online_us'])} ({r['online_mode']}) "
+                  f"{cell(r.get('fp8_us'))} | "
+                  f"{cell(r.get('fused_us'))} | {cell(r.get('staged_us'))} | {cell(r.get('online_us'))} ({r['online_mode']}) "
                   f"| {cell(r['online_vs_fp8'])} | {cell(r['bf16_vs_online'])} | {cell(r['bf16_roofline_vs_online'])} "
                   f"| {cell(r.get('fused_pct_of_copy_bw'))} | {kernels} | {resident} |")
         if args.sweep:
@@ -239,6 +244,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--impl", default="pallas", help="pallas (GPU), or interpret for a CPU smoke run")
     parser.add_argument("--sweep", action="store_true", help="also sweep the fused kernel's tiles at 1 token")
+    parser.add_argument("--dense-only", action="store_true", help="time the bf16 variants alone (no MXFP4 / FP8)")
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     start = time.perf_counter()

@@ -27,10 +27,13 @@ from results import append_line, git_commit  # benchmarks/results.py: a script's
 
 
 def kernel_choice() -> str:
-    """Which implementation dispatch runs here for the ops that have a Pallas version (KDA so far)."""
-    from dayzero.kernels import dispatch
+    """Which implementation dispatch runs here for each op with a Pallas version."""
+    from dayzero.kernels import attention, dispatch, indexer, moe, moe_dense
 
-    return f"KDA {dispatch.choose('kda', ('reference', 'pallas'))}"
+    verified = {"kda": True, "indexer": indexer.GPU_VERIFIED, "sparse_mla": attention.GPU_VERIFIED,
+                "moe_mxfp4": moe.PACKED_GPU_VERIFIED, "moe_dense": moe_dense.GPU_VERIFIED}
+    return ", ".join(f"{name} {dispatch.choose(name, ('reference', 'pallas'), gpu_verified=ok)}"
+                     for name, ok in verified.items())
 
 
 def timed_generate(engine: Engine, prompts, params):
