@@ -1,5 +1,5 @@
-"""Shared MXFP4 MoE test cases (CPU interpret tests and tests/gpu): random packed experts, routings, and a float64
-numpy oracle of the routed SwiGLU experts."""
+"""Shared MoE test cases (CPU interpret tests and tests/gpu): random packed MXFP4 experts, routings, and float64
+numpy oracles of the routed SwiGLU experts (dense or MXFP4 weights)."""
 
 from __future__ import annotations
 
@@ -58,22 +58,22 @@ def _dense(ew: mxfp4.ExpertWeights):
     return ew.dense(jnp.arange(n), jnp.arange(n), jnp.float32)
 
 
-def dense_weights(ew: mxfp4.ExpertWeights):
-    """float64 numpy [E, out, in] per projection (MXFP4 or offline-converted experts)."""
-    return [np.asarray(a, np.float64).swapaxes(1, 2) for a in _dense(ew)]
-
-
-def oracle(x, ids, weights, ew: mxfp4.ExpertWeights) -> np.ndarray:
-    """Routed SwiGLU experts in float64: sum_k w_k * down(silu(gate x) * up x) of expert ids[:, k]."""
-    wg, wu, wd = dense_weights(ew)
-    x = np.asarray(x, np.float64)
+def dense_oracle(x, ids, weights, w_gate, w_up, w_down) -> np.ndarray:
+    """Routed SwiGLU experts in float64 over dense weights in `moe_experts`' layout (w_gate/w_up [E, H, I], w_down
+    [E, I, H]): sum_k w_k * down(silu(gate x) * up x) of expert ids[:, k]."""
+    x, w_gate, w_up, w_down = (np.asarray(a, np.float64) for a in (x, w_gate, w_up, w_down))
     y = np.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = ids[t, j]
-            g, u = wg[e] @ x[t], wu[e] @ x[t]
-            y[t] += weights[t, j] * (wd[e] @ (g / (1 + np.exp(-g)) * u))
+            g, u = x[t] @ w_gate[e], x[t] @ w_up[e]
+            y[t] += weights[t, j] * ((g / (1 + np.exp(-g)) * u) @ w_down[e])
     return y
+
+
+def oracle(x, ids, weights, ew: mxfp4.ExpertWeights) -> np.ndarray:
+    """`dense_oracle` of MXFP4 or offline-converted experts."""
+    return dense_oracle(x, ids, weights, *_dense(ew))
 
 
 def rel_err(actual, expected) -> float:

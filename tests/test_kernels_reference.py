@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mxfp4_cases import dense_oracle
 from dayzero.kernels import attention, dispatch, indexer, moe, moe_tiles, short_conv
 from dayzero.kernels import kda as kda_ops
 from dayzero.kernels.kda import reference as kda_ref
@@ -432,17 +433,6 @@ def test_topk_mask(seed, topk):
 # ----------------------------------------------------------------------------------------------------------- MoE
 
 
-def _moe_dense(x, ids, weights, wg, wu, wd):
-    x, wg, wu, wd = (np.asarray(a, np.float64) for a in (x, wg, wu, wd))
-    y = np.zeros_like(x)
-    for n in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = ids[n, j]
-            h = _silu(x[n] @ wg[e]) * (x[n] @ wu[e])
-            y[n] += weights[n, j] * (h @ wd[e])
-    return y
-
-
 def _routing(rng, kind, N, E):
     if kind == "random":  # top-2, distinct experts per token
         ids = np.stack([rng.choice(E, 2, replace=False) for _ in range(N)])
@@ -469,7 +459,7 @@ def test_moe_experts_matches_dense(seed, N, kind):
     ids, weights = _routing(rng, kind, N, E)
     got = moe_experts(*(jnp.asarray(a) for a in (x, ids, weights, wg, wu, wd)))
     assert got.shape == (N, Hd) and got.dtype == jnp.float32
-    assert_close(got, _moe_dense(x, ids, weights, wg, wu, wd), 1e-5, f"moe_experts ({kind}, N={N})", seed)
+    assert_close(got, dense_oracle(x, ids, weights, wg, wu, wd), 1e-5, f"moe_experts ({kind}, N={N})", seed)
 
 
 @pytest.mark.parametrize("block_m", [None, 1, 4, 16])
@@ -483,7 +473,7 @@ def test_moe_experts_groupings_agree(seed, kind, block_m):
     wd = rng.standard_normal((E, I, Hd)).astype(np.float32) * 0.3
     ids, weights = _routing(rng, kind, N, E)
     got = moe_experts(*(jnp.asarray(a) for a in (x, ids, weights, wg, wu, wd)), block_m=block_m)
-    assert_close(got, _moe_dense(x, ids, weights, wg, wu, wd), 1e-5, f"moe_experts ({kind}, block_m={block_m})", seed)
+    assert_close(got, dense_oracle(x, ids, weights, wg, wu, wd), 1e-5, f"moe_experts ({kind}, block_m={block_m})", seed)
 
 
 def test_moe_grouping_choice():
@@ -508,7 +498,7 @@ def test_moe_experts_bf16(seed):
     ids, weights = _routing(rng, "random", N, E)
     got = moe_experts(jnp.asarray(x, jnp.bfloat16), *(jnp.asarray(a) for a in (ids, weights, wg, wu, wd)))
     assert got.dtype == jnp.bfloat16
-    assert_close(got, _moe_dense(x, ids, weights, wg, wu, wd), 3e-2, "moe_experts bf16", seed)
+    assert_close(got, dense_oracle(x, ids, weights, wg, wu, wd), 3e-2, "moe_experts bf16", seed)
 
 
 # ----------------------------------------------------------------------------------------------------- attention

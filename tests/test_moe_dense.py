@@ -8,49 +8,36 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mxfp4_cases import dense_oracle, rel_err, routing
 from triton_lowering import count_triton_kernels
 from dayzero.kernels import dispatch, moe, moe_dense
 
 
-def _oracle(x, ids, weights, wg, wu, wd):
-    """float64 SwiGLU experts, weighted and summed per token."""
-    x, wg, wu, wd = (np.asarray(a, np.float64) for a in (x, wg, wu, wd))
-    out = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        for e, w in zip(ids[t], weights[t]):
-            g, u = x[t] @ wg[e], x[t] @ wu[e]
-            out[t] += w * ((g / (1 + np.exp(-g)) * u) @ wd[e])
-    return out
-
-
-def _case(rng, n_tokens, n_experts, hidden, inter, top_k, skewed=False):
+def _case(rng, n_tokens, n_experts, hidden, inter, top_k, kind="random"):
     x = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
     wg, wu = (rng.standard_normal((n_experts, hidden, inter)).astype(np.float32) * 0.3 for _ in range(2))
     wd = rng.standard_normal((n_experts, inter, hidden)).astype(np.float32) * 0.3
-    ids = np.stack([rng.choice(n_experts, top_k, replace=False) for _ in range(n_tokens)]).astype(np.int32)
-    if skewed:  # expert 1 takes every token: several tiles of one expert, most experts idle
-        ids[:, 0] = 1
-        ids[:, 1:] = np.where(ids[:, 1:] == 1, 0, ids[:, 1:])
-    weights = rng.uniform(0.1, 1.0, (n_tokens, top_k)).astype(np.float32)
+    ids, weights = routing(rng, kind, n_tokens, n_experts, top_k)
+    if n_tokens > 1 and kind == "random":
+        ids[1] = ids[0]  # two tokens on the same experts
     return x, ids, weights, wg, wu, wd
 
 
 _grouped = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles", "interpret"))
 
 
-@pytest.mark.parametrize("shape,skewed,tiles", [
-    ((1, 6, 40, 24, 2), False, moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=3, min_programs=64)),
-    ((9, 8, 64, 96, 3), False, moe_dense.DenseTiles(block_m=4, block_n=16, step_k=16, k_slices=2)),
-    ((37, 5, 48, 80, 2), True, moe_dense.DenseTiles(block_m=8, block_n=16, step_k=16, k_slices=1)),
+@pytest.mark.parametrize("shape,kind,tiles", [
+    ((1, 6, 40, 24, 2), "random", moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=3, min_programs=64)),
+    ((9, 8, 64, 96, 3), "random", moe_dense.DenseTiles(block_m=4, block_n=16, step_k=16, k_slices=2)),
+    ((37, 5, 48, 80, 2), "one_expert_takes_all", moe_dense.DenseTiles(block_m=8, block_n=16, step_k=16, k_slices=1)),
 ])
-def test_matches_oracle(seed, shape, skewed, tiles):
+def test_matches_oracle(seed, shape, kind, tiles):
     """Odd dims (blocks cut to their power-of-two divisors), K split or not, pairs sharing experts, one expert
-    spread over several tiles."""
+    spread over several tiles while others sit idle."""
     rng = np.random.default_rng(seed)
-    args = _case(rng, *shape, skewed=skewed)
+    args = _case(rng, *shape, kind=kind)
     got = _grouped(*(jnp.asarray(a) for a in args), tiles=tiles, interpret=True)
-    want = _oracle(*args)
-    err = float(np.max(np.abs(np.asarray(got) - want)) / np.max(np.abs(want)))
+    err = rel_err(got, dense_oracle(*args))
     assert got.dtype == jnp.float32 and err < 1e-5, f"{shape}: {err:.2e} (seed={seed})"
 
 
@@ -65,10 +52,9 @@ def test_bf16_through_moe_experts(seed):
         got = run(bf[0], jnp.asarray(ids), jnp.asarray(weights), *bf[1:], impl="interpret")
         xla = run(bf[0], jnp.asarray(ids), jnp.asarray(weights), *bf[1:], impl="reference")
         assert got.dtype == jnp.bfloat16
-        want = _oracle(np.asarray(bf[0], np.float32), ids, weights, *(np.asarray(w, np.float32) for w in bf[1:]))
-        scale = np.max(np.abs(want))
-        assert np.max(np.abs(np.asarray(got, np.float32) - want)) / scale < 2e-2, f"T={n_tokens} seed={seed}"
-        assert np.max(np.abs(np.asarray(got, np.float32) - np.asarray(xla, np.float32))) / scale < 2e-2, seed
+        want = dense_oracle(bf[0].astype(jnp.float32), ids, weights, *(w.astype(jnp.float32) for w in bf[1:]))
+        assert rel_err(got, want) < 2e-2 and rel_err(xla, want) < 2e-2, f"T={n_tokens} (seed={seed})"
+        assert rel_err(got, xla) < 2e-2, f"T={n_tokens} (seed={seed})"
 
 
 @pytest.mark.parametrize("n_tokens", [1, 512])
