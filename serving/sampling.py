@@ -187,8 +187,9 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _UNSEEDED = 0x6A09E667F3BCC909  # domain tag: keys of unseeded requests never follow a seeded stream by design
 
 
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser (a bijection on 64-bit ints)."""
+def _mix64(x):
+    """splitmix64's finaliser (a bijection on 64-bit ints): a Python int, or a uint64 numpy array (element-wise,
+    wrapping modulo 2**64; call it under np.errstate(over="ignore"))."""
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
@@ -214,11 +215,8 @@ def stream_keys(streams: Sequence[int], first_steps: Sequence[int], n: int) -> n
         return out
     with np.errstate(over="ignore"):
         steps = np.asarray(first_steps, np.uint64)[:, None] + np.arange(1, n + 1, dtype=np.uint64)
-        x = np.asarray(streams, np.uint64)[:, None] + steps * np.uint64(_GOLDEN)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    return np.stack([(x >> np.uint64(32)).astype(np.uint32), (x & np.uint64(0xFFFFFFFF)).astype(np.uint32)], -1)
+        x = _mix64(np.asarray(streams, np.uint64)[:, None] + steps * np.uint64(_GOLDEN))
+    return np.stack([(x >> 32).astype(np.uint32), (x & 0xFFFFFFFF).astype(np.uint32)], -1)
 
 
 def request_key(seed: int | None, request_index: int, step: int) -> np.ndarray:
