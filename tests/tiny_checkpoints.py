@@ -278,10 +278,10 @@ def indexer_margin(model, ids: np.ndarray) -> float:
 
 def tie_free_ids(model, ids: np.ndarray, seed: int, min_margin: float = 1e-5, tries: int = 20) -> np.ndarray:
     """`ids` when `model` has no DSA or its indexer margin on them is at least `min_margin`; otherwise fresh draws
-    (same shape and range, from `seed`) until one is."""
+    (same shape and range, from a stream derived from `seed`, not the one `ids` came from) until one is."""
     if not model.config.use_dsa:
         return ids
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng([seed, 1])
     for _ in range(tries):
         if indexer_margin(model, ids) >= min_margin:
             return ids
