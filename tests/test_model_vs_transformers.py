@@ -8,8 +8,8 @@ import shutil
 import numpy as np
 import pytest
 
-from tiny_checkpoints import (BUILDERS, build_hf_model, hf_logits, relative_error, rewrite_config, save_hf_model,
-                             tie_free_ids)
+from tiny_checkpoints import (BUILDERS, MIN_INDEXER_MARGIN, build_hf_model, hf_logits, indexer_margin,
+                             relative_error, rewrite_config, save_hf_model, tie_free_ids)
 from dayzero.model import load_checkpoint
 
 
@@ -20,12 +20,24 @@ def assert_agrees(ours, ref, seed, rtol=1e-4, min_argmax=0.995):
     assert agree >= min_argmax, f"argmax agreement {agree:.4f} < {min_argmax} (token seed {seed})"
 
 
+def assert_agrees_with_transformers(model, path, ids, seed, dtype="float32"):
+    """`assert_agrees` on model(ids) and transformers' logits. A DSA model that disagrees only because two of its
+    indexer's scores sat within float32 rounding at the top-k boundary (so the two implementations may keep different
+    keys) is checked again on tokens clear of such near-ties (`tie_free_ids`)."""
+    try:
+        assert_agrees(model(ids), hf_logits(path, ids, dtype), seed)
+    except AssertionError:
+        if not model.config.use_dsa or indexer_margin(model, ids) >= MIN_INDEXER_MARGIN:
+            raise
+        ids = tie_free_ids(model, ids, seed)
+        assert_agrees(model(ids), hf_logits(path, ids, dtype), seed)
+
+
 @pytest.mark.parametrize("kind", sorted(BUILDERS))
 def test_fp32_logits_match_transformers(checkpoints, token_ids, kind):
     ids, seed = token_ids
     model = load_checkpoint(checkpoints[kind], dtype="float32", progress=False)
-    ids = tie_free_ids(model, ids, seed)
-    assert_agrees(model(ids), hf_logits(checkpoints[kind], ids), seed)
+    assert_agrees_with_transformers(model, checkpoints[kind], ids, seed)
 
 
 def test_dsa_selection_matters(checkpoints, token_ids):
@@ -33,10 +45,9 @@ def test_dsa_selection_matters(checkpoints, token_ids):
     ids, seed = token_ids
     path = checkpoints["deepseek_v32"]
     model = load_checkpoint(path, dtype="float32", progress=False)
-    ids = tie_free_ids(model, ids, seed)
     dense = model.__class__(model.config.replace(index_topk=10_000), model.params, model.dtype)
     assert relative_error(dense(ids), model(ids)) > 1e-3, "selection did not change anything: test is vacuous"
-    assert_agrees(model(ids), hf_logits(path, ids), seed)
+    assert_agrees_with_transformers(model, path, ids, seed)
 
 
 @pytest.mark.parametrize("kind", ["kimi_linear", "deepseek_v32"])
@@ -45,8 +56,7 @@ def test_bf16_weights_computed_in_fp32(tmp_path, token_ids, kind):
     path = save_hf_model(build_hf_model(kind, seed=1), tmp_path / kind, dtype="bfloat16")
     model = load_checkpoint(path, dtype="float32", progress=False)
     assert model.params["embed_tokens"].dtype == np.float32
-    ids = tie_free_ids(model, ids, seed)
-    assert_agrees(model(ids), hf_logits(path, ids, "float32"), seed)
+    assert_agrees_with_transformers(model, path, ids, seed)
 
 
 def test_bf16_compute_close_to_fp32(checkpoints, token_ids):
@@ -90,8 +100,7 @@ def test_sharded_checkpoint(tmp_path, token_ids):
     assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 2
     model = load_checkpoint(path, dtype="float32", progress=False)
-    ids = tie_free_ids(model, ids, seed)
-    assert_agrees(model(ids), hf_logits(path, ids), seed)
+    assert_agrees_with_transformers(model, path, ids, seed)
 
 
 def test_tied_word_embeddings(tmp_path, token_ids):
@@ -99,8 +108,7 @@ def test_tied_word_embeddings(tmp_path, token_ids):
     path = save_hf_model(build_hf_model("deepseek_v32", seed=3, tie_word_embeddings=True), tmp_path / "tied")
     model = load_checkpoint(path, dtype="float32", progress=False)
     assert "lm_head" not in model.params
-    ids = tie_free_ids(model, ids, seed)
-    assert_agrees(model(ids), hf_logits(path, ids), seed)
+    assert_agrees_with_transformers(model, path, ids, seed)
 
 
 def test_fp8_block_scaled_checkpoint_matches_dequantized_twin(checkpoints, tmp_path, token_ids):

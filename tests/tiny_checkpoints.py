@@ -247,7 +247,7 @@ def indexer_margin(model, ids: np.ndarray) -> float:
 
     Random token draws now and then put two keys within float32 rounding of each other at the top-k boundary; which
     one each implementation keeps then depends on summation order, not on correctness. Tests that compare DSA models
-    against transformers draw tokens whose margin clears that noise (see `tie_free_ids`).
+    against transformers and disagree check this margin, and retry on tokens that clear the noise (`tie_free_ids`).
     """
     import jax
     from unittest import mock
@@ -276,7 +276,11 @@ def indexer_margin(model, ids: np.ndarray) -> float:
     return min(margins)
 
 
-def tie_free_ids(model, ids: np.ndarray, seed: int, min_margin: float = 1e-5, tries: int = 20) -> np.ndarray:
+MIN_INDEXER_MARGIN = 1e-5  # relative gap at the top-k boundary that float32 summation order cannot close
+
+
+def tie_free_ids(model, ids: np.ndarray, seed: int, min_margin: float = MIN_INDEXER_MARGIN,
+                 tries: int = 20) -> np.ndarray:
     """`ids` when `model` has no DSA or its indexer margin on them is at least `min_margin`; otherwise fresh draws
     (same shape and range, from a stream derived from `seed`, not the one `ids` came from) until one is."""
     if not model.config.use_dsa:
