@@ -63,6 +63,25 @@ def _online_softmax_step(carry, queries, lat, rope, ok, scale):
     return m_new, l, tuple(acc * alpha[:, None] + tiles.mm(p, v) for acc, v in zip(accs, lat))
 
 
+def _attend_split(step, split, chunks_per_split, qpos, block_k, dense, heads, rank_pieces):
+    """`step` over this program's split of the key chunks (dense: only chunks holding keys at or before `qpos`),
+    from an empty online-softmax state -> (m [heads], l [heads], one acc [heads, size] per rank piece) float32."""
+    first = split * chunks_per_split
+    last = first + chunks_per_split
+    if dense:
+        last = jnp.maximum(first, jnp.minimum(last, (qpos + block_k) // block_k))
+    init = (jnp.full((heads,), -jnp.inf, jnp.float32), jnp.zeros((heads,), jnp.float32),
+            tuple(jnp.zeros((heads, size), jnp.float32) for _, size in rank_pieces))
+    return jax.lax.fori_loop(first, last, step, init)
+
+
+def _store_normalized(o_ref, accs, l, rank_pieces):
+    """o_ref[:, piece] = acc / l per rank piece (zeros for heads that saw no key), in o_ref's dtype."""
+    inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    for (start, size), acc in zip(rank_pieces, accs):
+        o_ref[:, pl.ds(start, size)] = (acc * inv[:, None]).astype(o_ref.dtype)
+
+
 def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces, rope_pieces, layer_row0,
             block_size, partial):
     if dense:
@@ -90,13 +109,7 @@ def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces,
         rope = [lat_ref[rows, pl.ds(rank + start, size)] for start, size in rope_pieces]
         return _online_softmax_step(carry, q_lat + q_rope, lat, rope, ok, scale)
 
-    first = split * chunks_per_split
-    last = first + chunks_per_split
-    if dense:  # only chunks holding keys at or before the query position
-        last = jnp.minimum(last, (qpos + block_k) // block_k)
-    init = (jnp.full((heads,), -jnp.inf, jnp.float32), jnp.zeros((heads,), jnp.float32),
-            tuple(jnp.zeros((heads, size), jnp.float32) for _, size in rank_pieces))
-    m, l, accs = jax.lax.fori_loop(first, jnp.maximum(first, last) if dense else last, step, init)
+    m, l, accs = _attend_split(step, split, chunks_per_split, qpos, block_k, dense, heads, rank_pieces)
     if partial:
         acc_ref, m_ref, l_ref = outs
         for (start, size), acc in zip(rank_pieces, accs):
@@ -105,9 +118,7 @@ def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces,
         l_ref[...] = l
     else:
         (o_ref,) = outs
-        inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
-        for (start, size), acc in zip(rank_pieces, accs):
-            o_ref[:, pl.ds(start, size)] = (acc * inv[:, None]).astype(o_ref.dtype)
+        _store_normalized(o_ref, accs, l, rank_pieces)
 
 
 def _fused_decode_kernel(ql_ref, qr_ref, pos_ref, rows_ref, lat_ref, o_ref, lse_ref, *, block_k,
@@ -127,17 +138,9 @@ def _fused_decode_kernel(ql_ref, qr_ref, pos_ref, rows_ref, lat_ref, o_ref, lse_
         rope = [lat_ref[safe, pl.ds(rank + start, size)] for start, size in rope_pieces]
         return _online_softmax_step(carry, q_lat + q_rope, lat, rope, ok, scale)
 
-    first = split * chunks_per_split
-    last = first + chunks_per_split
-    if dense:  # only chunks holding keys at or before the query position
-        last = jnp.maximum(first, jnp.minimum(last, (pos_ref[r] + block_k) // block_k))
-    init = (jnp.full((heads,), -jnp.inf, jnp.float32), jnp.zeros((heads,), jnp.float32),
-            tuple(jnp.zeros((heads, size), jnp.float32) for _, size in rank_pieces))
-    m, l, accs = jax.lax.fori_loop(first, last, step, init)
+    m, l, accs = _attend_split(step, split, chunks_per_split, pos_ref[r], block_k, dense, heads, rank_pieces)
+    _store_normalized(o_ref, accs, l, rank_pieces)
     seen = l > 0
-    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
-    for (start, size), acc in zip(rank_pieces, accs):
-        o_ref[:, pl.ds(start, size)] = (acc * inv[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
