@@ -195,6 +195,40 @@ def pallas_allowed(kernel: str, platform: str, gpu_verified: bool = True, policy
     return False
 
 
+# XLA options dayzero's jitted model functions compile with, by canonical platform (`compiler_options`).
+# GPUs: XLA's dot-strength-reduction pass off. It rewrites a dot with a vector operand and fewer than 1e7
+# multiply-adds (every projection of a batch-1 decode step: [D] @ [D, N]) into a multiply that writes [D, N] and a
+# reduce over it: three passes over the weight instead of one. On an H200 (jax 0.11.2) each 2048 x 2048 bf16
+# projection of the medium hybrid took ~7.7 us that way (~1.1 TB/s), and the rewritten projections ~40% of a batch-1
+# decode step (benchmarks/NOTES_serving.md). Without it they go to XLA's GEMM emitters like the batched case.
+_NO_DOT_STRENGTH_REDUCTION = MappingProxyType({"xla_disable_hlo_passes": "dot-strength-reduction"})
+_COMPILER_OPTIONS: Mapping[str, Mapping[str, object]] = MappingProxyType(
+    {"cuda": _NO_DOT_STRENGTH_REDUCTION, "rocm": _NO_DOT_STRENGTH_REDUCTION})
+
+
+def compiler_options(platform: str | None = None) -> dict[str, object]:
+    """XLA compile options for dayzero's model functions on `platform` (default: `current_platform()`); empty
+    where none apply (XLA rejects another backend's options, so they are per platform)."""
+    return dict(_COMPILER_OPTIONS.get(canonical_platform(platform or current_platform()), {}))
+
+
+class PlatformJit:
+    """`jax.jit(fun, **jit_kwargs)` compiled with the `compiler_options` of the platform in use at each call (one
+    jit per platform, made at its first call): call it where the model's placement is active."""
+
+    def __init__(self, fun, **jit_kwargs):
+        self._fun, self._jit_kwargs = fun, jit_kwargs
+        self._jits: dict[str, object] = {}
+
+    def __call__(self, *args):
+        platform = canonical_platform(current_platform())
+        jitted = self._jits.get(platform)
+        if jitted is None:
+            jitted = self._jits[platform] = jax.jit(self._fun, compiler_options=compiler_options(platform) or None,
+                                                    **self._jit_kwargs)
+        return jitted(*args)
+
+
 def choose(kernel: str, available: tuple[str, ...] = ("reference", "pallas"), impl: str | None = None,
            platform: str | None = None, gpu_verified: bool = True) -> str:
     """Returns the implementation of `kernel` (a name in `KERNELS`) to run among `available` (always including

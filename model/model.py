@@ -16,7 +16,7 @@ import numpy as np
 from flax import traverse_util
 
 from dayzero import platforms
-from dayzero.kernels import mxfp4
+from dayzero.kernels import dispatch, mxfp4
 
 from . import sharding
 from .checkpoint import ParamPath, load_params
@@ -98,8 +98,8 @@ def _encode(module: KimiVision, params, patches, layout):
 
 
 # Module-level jits: models over equal modules (same config and dtype) share compiled code.
-_FORWARD = jax.jit(_forward, static_argnums=(0, 4))
-_ENCODE = jax.jit(_encode, static_argnums=(0,))
+_FORWARD = dispatch.PlatformJit(_forward, static_argnums=(0, 4))
+_ENCODE = dispatch.PlatformJit(_encode, static_argnums=(0,))
 
 
 @dataclass

@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dayzero import platforms
+from dayzero.kernels import dispatch
 from dayzero.model import sharding
 from dayzero.model.cache import cache_shapes
 from dayzero.model.config import LAYER_KDA
@@ -121,8 +122,8 @@ def _restore(cache, snaps, slot, snap):
 
 
 # Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
-_STEP = jax.jit(_step, static_argnums=(0, 4), donate_argnums=(2,))
-_DECODE = jax.jit(_decode, static_argnums=(0,), donate_argnums=(2,))
+_STEP = dispatch.PlatformJit(_step, static_argnums=(0, 4), donate_argnums=(2,))
+_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0,), donate_argnums=(2,))
 _RESET = jax.jit(_reset, donate_argnums=(0,))
 _SAVE = jax.jit(_save, donate_argnums=(1,))
 _RESTORE = jax.jit(_restore, donate_argnums=(0,))

@@ -76,6 +76,27 @@ def test_unknown_platform_runs_the_reference_and_cuda_the_verified_pallas(no_env
         dispatch.choose("nope", BOTH, platform="cuda")
 
 
+def test_compiler_options_are_per_platform_and_known_to_xla(no_env):
+    assert dispatch.compiler_options("cpu") == {} and dispatch.compiler_options("musa") == {}
+    gpu = dispatch.compiler_options("cuda")
+    assert gpu == {"xla_disable_hlo_passes": "dot-strength-reduction"} == dispatch.compiler_options("rocm")
+    x = jnp.arange(6.0).reshape(1, 6)
+    # the option names exist in XLA's DebugOptions (which every backend parses; a misspelt one is refused)
+    assert float(jax.jit(lambda a: a @ a.T, compiler_options=gpu)(x)[0, 0]) == 55.0
+    with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):
+        jax.jit(lambda a: a @ a.T, compiler_options={"xla_disable_hlo_passes_misspelt": "x"})(x)
+
+
+def test_platform_jit_compiles_once_per_platform_in_use(no_env, monkeypatch):
+    asked = []
+    monkeypatch.setattr(dispatch, "compiler_options", lambda platform=None: asked.append(platform) or {})
+    double = dispatch.PlatformJit(lambda x, n: x * n, static_argnums=(1,))
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert float(double(jnp.float32(2), 3)) == 6.0
+        assert float(double(jnp.float32(4), 3)) == 12.0
+    assert asked == ["cpu"]
+
+
 def test_rocm_runs_pallas_only_where_the_lowering_is_declared(no_env, monkeypatch):
     for kernel in dispatch.KERNELS:  # none declares ROCm support yet
         assert dispatch.choose(kernel, BOTH, platform="rocm") == "reference", kernel
