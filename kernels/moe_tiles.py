@@ -4,6 +4,8 @@ Pairs are sorted by expert and each expert's rows are padded to a multiple of `b
 rows never mixes experts and needs no row masks. The number of tiles is bounded statically by
 ceil((P + min(E, P) * (block_m - 1)) / block_m) for P = tokens * top_k pairs; tiles past the used ones are marked
 -1 and the kernels skip them, so empty experts cost nothing and a decode step touches only the chosen experts.
+A single token's pairs (a batch-1 decode step) name distinct experts: each gets its own tile, in top-k order, with
+no sort or scatter (the static bound is then exactly k tiles).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class Schedule(NamedTuple):
@@ -33,6 +36,8 @@ def max_tiles(n_pairs: int, n_experts: int, block_m: int) -> int:
 def schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:
     """topk_ids [T, k] int -> Schedule (see the class)."""
     n_tokens, top_k = topk_ids.shape
+    if n_tokens == 1:
+        return _single_token_schedule(topk_ids, n_experts, block_m)
     n_pairs = n_tokens * top_k
     flat = topk_ids.reshape(-1).astype(jnp.int32)
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
@@ -51,6 +56,18 @@ def schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:
     tile_expert = jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)  # one fused compare-sum
     tile_expert = jnp.where(t < tile_end[-1], tile_expert, -1)
     return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, tile_expert, sizes)
+
+
+def _single_token_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:
+    """One token's k pairs (distinct experts, as top-k picks them) -> tile j holds pair j in its first row; only
+    tile_expert depends on the routing."""
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    first_rows = np.arange(top_k, dtype=np.int32) * block_m
+    token_of_row = np.ones(top_k * block_m, np.int32)  # 1 = one past the only token: the padding rows
+    token_of_row[first_rows] = 0
+    return Schedule(jnp.asarray(first_rows.reshape(1, top_k)), jnp.asarray(token_of_row), flat,
+                    jnp.bincount(flat, length=n_experts).astype(jnp.int32))
 
 
 def combine(rows: jax.Array, sched: Schedule, topk_weights: jax.Array) -> jax.Array:

@@ -42,10 +42,11 @@ def test_matches_oracle(seed, shape, kind, tiles):
 
 
 def test_bf16_through_moe_experts(seed):
-    """bf16 activations and weights through moe_experts(impl="interpret") at a decode and a prefill size, against
+    """bf16 activations and weights through moe_experts(impl="interpret") at decode sizes (one token: its own
+    schedule) and a prefill size, against
     the oracle and the XLA path."""
     rng = np.random.default_rng(seed)
-    for n_tokens in (2, 40):
+    for n_tokens in (1, 2, 40):
         x, ids, weights, wg, wu, wd = _case(rng, n_tokens, 8, 64, 32, 2)
         bf = [jnp.asarray(a, jnp.bfloat16) for a in (x, wg, wu, wd)]
         run = jax.jit(lambda *a, impl: moe.moe_experts(*a, impl=impl), static_argnames="impl")

@@ -124,9 +124,12 @@ def test_convert_kernel_writes_only_needed_slots(seed, dtype):
     np.testing.assert_array_equal(np.asarray(new, np.float32), np.asarray(want, np.float32))
 
 
-def test_tile_schedule(seed):
+@pytest.mark.parametrize("n_tokens", [21, 1])
+def test_tile_schedule(seed, n_tokens):
+    """The general schedule (sorted by expert) and a single token's (one tile per pair, no sort) keep the same
+    invariants."""
     rng = np.random.default_rng(seed)
-    ids, _ = routing(rng, "empty_experts", 21, 8, top_k=3)
+    ids, _ = routing(rng, "empty_experts", n_tokens, 8, top_k=3)
     bm = 4
     s = jax.jit(moe_tiles.schedule, static_argnums=(1, 2))(jnp.asarray(ids), 8, bm)
     rows = np.asarray(s.row_of_pair).reshape(-1)
@@ -137,10 +140,11 @@ def test_tile_schedule(seed):
     used = tile_expert[tile_expert >= 0]
     assert set(used.tolist()) == set(np.unique(ids).tolist())  # empty experts get no tile
     sizes = np.bincount(ids.reshape(-1), minlength=8)
+    np.testing.assert_array_equal(np.asarray(s.group_sizes), sizes)
     assert used.size == int(np.sum(-(-sizes // bm))) and np.all(tile_expert[used.size:] == -1)
     token_of_row = np.asarray(s.token_of_row)
-    np.testing.assert_array_equal(token_of_row[rows], np.repeat(np.arange(21), 3))
-    assert np.sum(token_of_row == 21) == token_of_row.size - rows.size  # the rest read the zero row
+    np.testing.assert_array_equal(token_of_row[rows], np.repeat(np.arange(n_tokens), 3))
+    assert np.sum(token_of_row == n_tokens) == token_of_row.size - rows.size  # the rest read the zero row
 
 
 SHAPES = {"medium": (64, 2048, 768, 6), "deepseek": (256, 7168, 2048, 8)}
