@@ -50,6 +50,36 @@ def run_batches(engine: Engine, prompts: dict[int, list[list[int]]], params: Sam
     return figures, tokens
 
 
+def divergences(models: dict[str, Model], prompts: dict, generated: dict) -> list[dict]:
+    """Where a request's greedy tokens differ, the full-forward logits of both models at the first differing token
+    (prompt + the tokens both generated before it): each model's gap between its own pick and the other's, and the
+    largest absolute difference between the two models' logits there. A gap smaller than that difference is a
+    near-tie that the two summation orders break differently. All such sequences run as one batch (zero-padded at
+    the end to one length: the forward is causal), so each model compiles once."""
+    found, sequences = [], []
+    for batch, outs in generated["one_gpu"].items():
+        for index, (one, sharded) in enumerate(zip(outs, generated["mesh"][batch])):
+            at = next((i for i, (x, y) in enumerate(zip(one, sharded)) if x != y), None)
+            if at is not None:
+                found.append({"batch": batch, "request": index, "token": at, "picks": (one[at], sharded[at])})
+                sequences.append(prompts[batch][index] + one[:at])
+    if not found:
+        return []
+    ids = np.zeros((len(sequences), max(map(len, sequences))), np.int32)
+    for row, sequence in enumerate(sequences):
+        ids[row, :len(sequence)] = sequence
+    last = np.asarray([len(s) - 1 for s in sequences])
+    logits = {label: np.asarray(model(ids), np.float32)[np.arange(len(sequences)), last]
+              for label, model in models.items()}
+    for row, entry in enumerate(found):
+        pick_one, pick_mesh = entry.pop("picks")
+        one, sharded = logits["one_gpu"][row], logits["mesh"][row]
+        entry.update({"one_gpu_gap": float(one[pick_one] - one[pick_mesh]),
+                      "mesh_gap": float(sharded[pick_mesh] - sharded[pick_one]),
+                      "max_abs_logit_diff": float(np.abs(sharded - one).max()), "logit_std": float(one.std())})
+    return found
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
@@ -59,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="medium_hybrid", help="a smaller preset (tiny) for a CPU smoke run")
     parser.add_argument("--dtype", default="bfloat16", help="params and compute dtype (float32 for an exactness run)")
     args = parser.parse_args(argv)
+    if args.dtype == "float32":  # exactness run: no TF32 in the XLA matmuls, so both sides round the same way
+        jax.config.update("jax_default_matmul_precision", "highest")
     sizes = sharding.parse_mesh(args.mesh)
     mesh = sharding.make_mesh(**sizes)
     batches = [int(b) for b in args.batches.split(",")]
@@ -68,18 +100,17 @@ def main(argv=None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     results, generated = {}, {}
-    logits = {}
+    logits, models = {}, {}
     probe = np.asarray(prompts[batches[0]][:4])  # full-forward logits of a few prompts, compared below
     for label, build in (("one_gpu", lambda: Model.random(config, dtype=args.dtype, seed=0)),
                          ("mesh", lambda: Model.random(config, dtype=args.dtype, seed=0, mesh=mesh))):
         start = time.perf_counter()
-        model = build()
+        model = models[label] = build()
         jax.block_until_ready(model.params)
         print(f"{label}: {args.preset} built in {time.perf_counter() - start:.1f} s")
         logits[label] = np.asarray(model(probe), np.float32)
         results[label], generated[label] = run_batches(engine_for(model, max(batches)), prompts, params)
         print(label, json.dumps(results[label]))
-        del model
     diff = logits["mesh"] - logits["one_gpu"]
     results["full_forward_logits_rel_err"] = float(np.linalg.norm(diff) / np.linalg.norm(logits["one_gpu"]))
     results["full_forward_argmax_agree"] = float((logits["mesh"].argmax(-1) == logits["one_gpu"].argmax(-1)).mean())
@@ -89,6 +120,7 @@ def main(argv=None) -> int:
                   for b in batches}
     results["greedy_equal_requests"] = {b: f"{same[b]}/{b}" for b in batches}
     results["earliest_differing_token"] = first_diff
+    results["divergences"] = divergences(models, prompts, generated)
     device = jax.devices()[0]
     print("\n| batch | 1 GPU ITL ms | mesh ITL ms | 1 GPU tok/s | mesh tok/s | greedy equal |\n|---|---|---|---|---|---|")
     for b in batches:

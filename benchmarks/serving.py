@@ -43,19 +43,24 @@ def timed_generate(engine: Engine, prompts, params):
     return outs, time.perf_counter() - start
 
 
-def run_peer(script: str) -> dict:
-    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=900)
+def run_peer(script: str, timeout_s: float) -> dict:
+    """The peer script's RESULTS line as a dict ({"error": ...} when it fails or runs out of time)."""
+    try:
+        proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
     print(proc.stdout[-3000:], proc.stderr[-2000:] if proc.returncode else "", sep="\n")
     for line in proc.stdout.splitlines():
         if line.startswith("RESULTS "):
             return json.loads(line[len("RESULTS "):])
-    return {}
+    return {"error": f"exit status {proc.returncode}, no RESULTS line"}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     parser.add_argument("--peer", help="path of the peer anchor script to run in the same process tree")
+    parser.add_argument("--peer-timeout", type=float, default=900, help="seconds the peer script may run")
     parser.add_argument("--long-prompt", type=int, default=32768)
     args = parser.parse_args(argv)
     device = jax.devices()[0]
@@ -88,7 +93,7 @@ def main(argv=None) -> int:
               f"decode-only {batch / itl:.1f} tokens/s")
     res["bandwidth_floor_b1_ms"] = round(floor_ms, 3)
     res["compilations"] = engine.num_compilations
-    peer = run_peer(args.peer) if args.peer else {}
+    peer = run_peer(args.peer, args.peer_timeout) if args.peer else {}
     print("\n| figure | dayzero | peer (transformers+fla) |\n|---|---|---|")
     rows = [("TTFT 2K (ms)", res["ttft_P2048_ms"], peer.get("hf_B1_P2048_ttft_ms")),
             ("ITL batch 1 (ms)", res["itl_B1_ms"], peer.get("hf_B1_P2048_itl_ms")),
