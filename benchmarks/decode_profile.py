@@ -1,0 +1,185 @@
+"""Where a decode dispatch's GPU time goes, by model op: the engine's jitted decode (4 steps per dispatch) profiled
+with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized HLO names in its metadata.
+
+    python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--engine serving] [--top 25]
+
+`--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
+`small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
+one wait) and waited on each time, then a 5-dispatch trace. Kernels are grouped by op (layer numbers folded:
+`layers_*`), reported per generated token (ms and kernel count). Prints the tables and appends one dated line
+(totals and the top ops) to the results file. Needs a GPU (on the CPU the trace holds no device kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+from dayzero.model import Model
+from dayzero.model.presets import get_preset
+from dayzero.serving import Engine, EngineConfig
+from dayzero.serving.runner import StepRows
+
+from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
+
+STEPS = 4
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"')
+_DEDUPLICATED = re.compile(r'deduplicated_name="([\w.\-]+)"')
+_PREFIXES = ("jit(_decode)/while/body/eval_jaxpr/", "jit(_decode)/while/body/closed_call/", "jit(_decode)/")
+
+
+def op_label(op_name: str) -> str:
+    """HLO metadata op_name -> a label shared by every layer: prefixes dropped, layer numbers folded."""
+    for prefix in _PREFIXES:
+        if op_name.startswith(prefix):
+            op_name = op_name[len(prefix):]
+            break
+    op_name = re.sub(r"layers_\d+", "layers_*", op_name).replace("Decoder.step/", "")
+    return op_name.replace("layers_*.step/layers_*._mlp/", "mlp: ").replace("layers_*.step/self_attn.step/", "attn: ")
+
+
+def kernel_ops(hlo_text: str) -> dict[str, str]:
+    """Kernel name -> op label, from optimized HLO text: a fusion or custom call `%input_reduce_fusion.98` runs as
+    kernel `input_reduce_fusion_98` (dots become underscores). Instructions that XLA compiled to one shared kernel
+    carry the same `deduplicated_name`; the kernel is named after the first of them in schedule order and gets all
+    their labels, joined by " | "."""
+    labels = collections.defaultdict(set)
+    first_of_group = {}
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        name, label = match.group(1), op_label(match.group(2))
+        shared = _DEDUPLICATED.search(line)
+        kernel = first_of_group.setdefault(shared.group(1), name) if shared else name
+        labels[kernel.replace(".", "_")].add(label)
+    return {name: " | ".join(sorted(found)[:3]) + (" | ..." if len(found) > 3 else "")
+            for name, found in labels.items()}
+
+
+def attribute(events: list[dict], ops: dict[str, str], n_tokens: int) -> tuple[list[tuple[str, float, float]], float, float]:
+    """GPU kernel events -> ([(op label, ms per token, kernels per token)] by time, total ms, kernels per token).
+    Kernels the HLO does not name (Pallas kernels run under their own names, library GEMMs) keep their name."""
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    time_us, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids:
+            label = ops.get(e["name"], e["name"])
+            time_us[label] += e["dur"]
+            count[label] += 1
+    rows = [(label, us / n_tokens / 1e3, count[label] / n_tokens) for label, us in time_us.most_common()]
+    return rows, sum(time_us.values()) / n_tokens / 1e3, sum(count.values()) / n_tokens
+
+
+def engine_for(model: Model, kind: str, batch: int) -> Engine:
+    if kind == "serving":
+        return Engine(model, None, EngineConfig(
+            max_num_seqs=64, max_model_len=32768 + 256, max_prefill_tokens=4096, max_prefill_rows=16,
+            prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0))
+    return Engine(model, None, EngineConfig(max_num_seqs=batch, max_model_len=256, max_prefill_tokens=256,
+                                            prefill_len_buckets=(256,), block_buckets=(4,),
+                                            enable_prefix_caching=False))
+
+
+def decode_rows(batch: int, context: int) -> StepRows:
+    """A 4-step decode dispatch of `batch` rows at position `context`, each row on its own 4 blocks and slot."""
+    rows = StepRows.padding(batch, 1, 4, decode_steps=STEPS)
+    rows.tokens[:] = 1
+    rows.positions[:] = context
+    rows.valid[:] = True
+    rows.steps[:] = STEPS
+    rows.block_tables[:] = 1 + np.arange(4, dtype=np.int32)[None] + 4 * np.arange(batch, dtype=np.int32)[:, None]
+    rows.slots[:] = np.arange(1, batch + 1, dtype=np.int32)
+    return rows
+
+
+def dump_hlo_to(folder: str) -> None:
+    """Has XLA write the decode functions' optimized HLO into `folder` (XLA reads XLA_FLAGS when the backend
+    starts: call before anything uses a device)."""
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={folder} --xla_dump_hlo_as_text"
+                               " --xla_dump_hlo_module_re=.*_decode.*").strip()
+
+
+def latest_hlo(folder: str) -> str:
+    files = sorted(glob.glob(os.path.join(folder, "*_decode*after_optimizations.txt")), key=os.path.getmtime)
+    return open(files[-1]).read() if files else ""
+
+
+def profile(engine: Engine, rows: StepRows, hlo_folder: str, repeats: int = 50) -> dict:
+    engine.runner.run(rows, True)  # compiles (and dumps the HLO)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = engine.runner.dispatch(rows, True)
+    jax.block_until_ready(out)
+    pipelined = (time.perf_counter() - start) / repeats
+    start = time.perf_counter()
+    for _ in range(repeats):
+        engine.runner.run(rows, True)
+    waited = (time.perf_counter() - start) / repeats
+    traced = 5
+    with tempfile.TemporaryDirectory(prefix="dayzero_trace_") as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(traced):
+            engine.runner.run(rows, True)
+        jax.profiler.stop_trace()
+        files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+        events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+    ops, total_ms, kernels = attribute(events, kernel_ops(latest_hlo(hlo_folder)), traced * STEPS)
+    return {"pipelined_ms_per_token": pipelined / STEPS * 1e3, "waited_ms_per_token": waited / STEPS * 1e3,
+            "gpu_ms_per_token": total_ms, "kernels_per_token": kernels, "ops": ops}
+
+
+def run(args, hlo_folder: str) -> dict:
+    """Profiles each batch size of `args`; prints its table and returns the per-token summary by batch size."""
+    model = Model.random(get_preset(args.preset), dtype="bfloat16", seed=0)
+    summary = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        engine = engine_for(model, args.engine, batch)
+        result = profile(engine, decode_rows(batch, args.context), hlo_folder)
+        print(f"\nbatch {batch}: {result['pipelined_ms_per_token']:.3f} ms per token pipelined, "
+              f"{result['waited_ms_per_token']:.3f} ms waited on; GPU kernels {result['gpu_ms_per_token']:.3f} ms, "
+              f"{result['kernels_per_token']:.0f} kernels per token")
+        print("| op | ms / token | kernels / token |\n|---|---|---|")
+        for label, ms, n in result["ops"][:args.top]:
+            print(f"| {label} | {ms:.4f} | {n:g} |")
+        summary[batch] = {k: round(v, 3) for k, v in result.items() if k != "ops"}
+        summary[batch]["top_ops_ms"] = {label: round(ms, 4) for label, ms, _ in result["ops"][:8]}
+        del engine
+    return summary
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="benchmarks/RESULTS.md")
+    parser.add_argument("--preset", default="medium_hybrid")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--engine", choices=("serving", "small"), default="serving")
+    parser.add_argument("--context", type=int, default=200, help="position of the decoded tokens (< 256)")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder:
+        dump_hlo_to(hlo_folder)
+        summary = run(args, hlo_folder)
+    device = jax.devices()[0]
+    append_line(args.results, f"- {datetime.date.today()} decode_profile.py, {device.device_kind}, commit "
+                              f"{git_commit()}, jax {jax.__version__}, {args.preset} (random bf16), engine options "
+                              f"'{args.engine}', {STEPS} steps per dispatch at position {args.context}, per token: "
+                              f"{json.dumps(summary)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

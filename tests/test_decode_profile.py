@@ -1,0 +1,39 @@
+"""benchmarks/decode_profile.py's attribution of GPU kernels to model ops (synthetic HLO and trace events)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+
+import decode_profile  # noqa: E402
+
+HLO = """
+  %input_reduce_fusion.98 = bf16[2048]{0} fusion(%a), kind=kCustom, calls=%r.98, metadata={op_name="jit(_decode)/while/body/eval_jaxpr/Decoder.step/layers_0.step/self_attn.step/self_attn._inputs/v_proj/dot_general" deduplicated_name="input_reduce_fusion.96" scheduling_name="x"}
+  %input_reduce_fusion.96 = bf16[2048]{0} fusion(%b), kind=kCustom, calls=%r.96, metadata={op_name="jit(_decode)/while/body/eval_jaxpr/Decoder.step/layers_4.step/self_attn.step/self_attn._inputs/q_proj/dot_general" deduplicated_name="input_reduce_fusion.96" scheduling_name="y"}
+  ROOT %fusion.7 = bf16[1,2048]{1,0} fusion(%c), kind=kLoop, calls=%f.7, metadata={op_name="jit(_decode)/while/body/eval_jaxpr/Decoder.step/layers_1.step/layers_1._mlp/mlp/shared_experts/up_proj/dot_general"}
+  %constant.3 = s32[] constant(0)
+"""
+
+
+def test_kernels_are_named_after_the_first_of_their_shared_group():
+    ops = decode_profile.kernel_ops(HLO)
+    assert ops["input_reduce_fusion_98"] == ("attn: self_attn._inputs/q_proj/dot_general | "
+                                             "attn: self_attn._inputs/v_proj/dot_general")
+    assert "input_reduce_fusion_96" not in ops  # it runs as _98's kernel
+    assert ops["fusion_7"] == "mlp: mlp/shared_experts/up_proj/dot_general"
+
+
+def test_attribution_counts_gpu_kernels_per_token():
+    ops = decode_profile.kernel_ops(HLO)
+    events = [{"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 3, "name": "input_reduce_fusion_98", "dur": 6.0},
+              {"ph": "X", "pid": 3, "name": "input_reduce_fusion_98", "dur": 6.0},
+              {"ph": "X", "pid": 3, "name": "moe_dense_gate_up", "dur": 4.0},
+              {"ph": "X", "pid": 1, "name": "input_reduce_fusion_98", "dur": 500.0}]  # host event: not counted
+    rows, total_ms, kernels = decode_profile.attribute(events, ops, n_tokens=2)
+    assert rows[0] == (ops["input_reduce_fusion_98"], 0.006, 1.0)
+    assert rows[1] == ("moe_dense_gate_up", 0.002, 0.5)  # Pallas kernels keep their own name
+    assert abs(total_ms - 0.008) < 1e-12 and kernels == 1.5
