@@ -29,14 +29,14 @@ from results import append_line, git_commit  # benchmarks/results.py: a script's
 
 
 class InstantRunner:
-    """Stands in for `ModelRunner.run`: returns token 5 with logprob 0 at once and counts decode dispatches;
-    everything else is the real runner's."""
+    """Stands in for `ModelRunner.dispatch`: returns token 5 with logprob 0 at once (numpy arrays) and counts
+    decode dispatches; everything else is the real runner's."""
 
     def __init__(self, real):
         self.real = real
         self.decode_dispatches = 0
 
-    def run(self, rows, decode):
+    def dispatch(self, rows, decode, previous=None):
         n_rows = rows.tokens.shape[0]
         self.decode_dispatches += decode
         shape = (n_rows, rows.keys.shape[1]) if decode else (n_rows,)

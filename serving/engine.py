@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Sequence
 
+import jax
 import numpy as np
 
 from dayzero.model.cache import bytes_per_block, bytes_per_slot
@@ -34,7 +35,7 @@ from .block_pool import blocks_for_budget
 from .request import Request, RequestImages, RequestOutput, Status
 from .runner import ModelRunner, StepRows, bucket, powers_of_two
 from .sampling import SamplingParams, StopChecker, stream_keys
-from .scheduler import ScheduledRow, Scheduler, SchedulerConfig
+from .scheduler import ScheduledRow, Scheduler, SchedulerConfig, StepPlan
 from .tokenizer import Tokenizer, load_tokenizer
 
 
@@ -57,6 +58,7 @@ class EngineConfig:
     prefill_len_buckets: tuple[int, ...] | None = None  # tokens per prefill row (default: powers of two from 32)
     block_buckets: tuple[int, ...] | None = None        # blocks per row gathered (default: powers of four)
     decode_steps: int = 4  # decode steps per dispatch (sampled on the device; stop checks after each dispatch)
+    overlap_decode: bool = True  # launch the next decode dispatch before reading this one's tokens
     max_image_patches: int = 65536  # patches of one request's images in all (vision models)
 
     def __post_init__(self):
@@ -105,6 +107,7 @@ class Engine:
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer is not None and tokenizer.eos_token_ids \
             else mcfg.eos_token_ids
         self._requests: dict[str, Request] = {}
+        self._ahead = None  # (StepPlan, (tokens, logprobs) on the device): a decode dispatch launched, not read
         self._ids = itertools.count()
         self._entropy = np.random.default_rng(config.seed if config.seed is not None else secrets.randbits(63))
         self.cache_bytes = num_blocks * bytes_per_block(mcfg, model.dtype, config.block_size) + \
@@ -215,7 +218,11 @@ class Engine:
         return self.scheduler.has_work()
 
     # ------------------------------------------------------------------ stepping
-    def _rows(self, rows: list[ScheduledRow], decode: bool) -> StepRows:
+    def _rows(self, rows: list[ScheduledRow], decode: bool,
+              previous: list[tuple[int, int]] | None = None) -> StepRows:
+        """The step inputs of `rows`. `previous` (decode): per row, (its row, its steps) in the decode dispatch
+        launched just before, whose tokens are not read back: the row's input token is taken on the device from
+        that dispatch's last step, and its sampling keys continue after those steps."""
         n_rows = bucket(len(rows), self.decode_buckets if decode else self.prefill_row_buckets)
         n_tok = 1 if decode else bucket(max(r.length for r in rows), self.prefill_len_buckets)
         n_blk = bucket(max(len(r.request.table) for r in rows), self.block_buckets)
@@ -223,7 +230,10 @@ class Engine:
         for i, row in enumerate(rows):
             req, p = row.request, row.request.params
             if decode:  # a decode row feeds its last token; the device feeds the rest
-                out.tokens[i, 0] = req.token_slice(row.start, row.start + 1)[0]
+                if previous is None:
+                    out.tokens[i, 0] = req.token_slice(row.start, row.start + 1)[0]
+                else:
+                    out.feed[i] = previous[i][0] * self.config.decode_steps + previous[i][1] - 1
                 out.positions[i, 0] = row.start
                 out.valid[i, 0] = True
                 out.steps[i] = row.length
@@ -240,8 +250,8 @@ class Engine:
                 out.embeds[i, offsets] = features
                 out.embeds_mask[i, offsets] = True
         n_keys = out.keys.shape[1] if decode else 1  # a row's keys start at its generated count
-        keys = stream_keys([r.request.key_state for r in rows], [len(r.request.output_token_ids) for r in rows],
-                           n_keys)
+        done = [len(r.request.output_token_ids) + (previous[i][1] if previous else 0) for i, r in enumerate(rows)]
+        keys = stream_keys([r.request.key_state for r in rows], done, n_keys)
         out.keys[:len(rows)] = keys if decode else keys[:, 0]
         return out
 
@@ -259,15 +269,29 @@ class Engine:
 
     def _step(self, finished_only: bool) -> list[RequestOutput]:
         """`step`; with `finished_only`, outputs are built only for requests that finished (what `generate` uses:
-        building every running request's output each dispatch is host time the device waits for)."""
-        plan = self.scheduler.schedule()
-        if plan is None:
-            return [self._fail_stuck(r) for r in list(self.scheduler.waiting)]
-        tokens, logprobs = self.runner.run(self._rows(plan.rows, plan.decode), plan.decode)
+        building every running request's output each dispatch is host time the device waits for).
+
+        With `overlap_decode`, the decode dispatch after this one is launched before this one's tokens are read
+        (`Scheduler.plan_ahead`), so the device does not wait for the host in between; its rows of requests that
+        stop here are dropped when it is read. Dispatches run in order on the device, so blocks and slots that
+        those requests free are rewritten by whoever gets them only after it."""
+        if self._ahead is not None:
+            plan, (tokens, logprobs) = self._ahead
+            self._ahead = None
+        else:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return [self._fail_stuck(r) for r in list(self.scheduler.waiting)]
+            tokens, logprobs = self.runner.dispatch(self._rows(plan.rows, plan.decode), plan.decode)
+        if plan.decode and self.config.overlap_decode:
+            self._ahead = self._dispatch_ahead(plan, tokens)
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         now = time.perf_counter()
         updates = []
         for i, row in enumerate(plan.rows):
             req = row.request
+            if req.status is Status.FINISHED:  # a row launched ahead whose request stopped (or was aborted) since
+                continue
             if plan.decode:
                 for s in range(row.length):  # tokens past a stop were computed ahead and are dropped
                     self.scheduler.after_decode(req)
@@ -282,6 +306,16 @@ class Engine:
             if not finished_only or req.status is Status.FINISHED:
                 updates.append(self._output(req))
         return updates
+
+    def _dispatch_ahead(self, plan: StepPlan, tokens: jax.Array):
+        """Launches the decode dispatch after `plan` (whose tokens [B, n] are still on the device), or returns None
+        when it has to wait for them (see `Scheduler.plan_ahead`) or has fewer row buckets."""
+        rows = self.scheduler.plan_ahead(plan.rows)
+        if not rows or bucket(len(rows), self.decode_buckets) != tokens.shape[0]:
+            return None
+        where = {id(row.request): (i, row.length) for i, row in enumerate(plan.rows)}
+        step_rows = self._rows(rows, True, previous=[where[id(row.request)] for row in rows])
+        return StepPlan(True, rows), self.runner.dispatch(step_rows, True, previous=tokens)
 
     def _append_token(self, req: Request, token: int, logprob: float, now: float) -> None:
         req.output_token_ids.append(token)

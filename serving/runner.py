@@ -61,13 +61,14 @@ class StepRows:
     embeds: np.ndarray | None = None
     embeds_mask: np.ndarray | None = None
     steps: np.ndarray | None = None  # decode: tokens each row may generate in this dispatch [B] (keys [B, n, 2])
+    feed: np.ndarray | None = None  # decode [B]: flat index of row b's input token in `previous`, or -1
 
     @classmethod
     def padding(cls, n_rows: int, n_tokens: int, n_blocks: int, embed_dim: int = 0,
                 embed_dtype=np.float32, decode_steps: int = 0) -> "StepRows":
         """Rows of padding only (invalid tokens, scratch block and slot, greedy); callers fill real rows in.
         `embed_dim` > 0 adds zeroed embeds [B, T, embed_dim] (and an all-False embeds_mask); `decode_steps` > 0
-        makes a multi-step decode dispatch (keys [B, decode_steps, 2], steps [B] all 0)."""
+        makes a multi-step decode dispatch (keys [B, decode_steps, 2], steps [B] all 0, feed [B] all -1)."""
         embeds = np.zeros((n_rows, n_tokens, embed_dim), embed_dtype) if embed_dim else None
         return cls(tokens=np.zeros((n_rows, n_tokens), np.int32), positions=np.zeros((n_rows, n_tokens), np.int32),
                    valid=np.zeros((n_rows, n_tokens), bool), block_tables=np.zeros((n_rows, n_blocks), np.int32),
@@ -76,7 +77,8 @@ class StepRows:
                    min_p=np.zeros((n_rows,), np.float32),
                    keys=np.zeros((n_rows, decode_steps, 2) if decode_steps else (n_rows, 2), np.uint32),
                    embeds=embeds, embeds_mask=np.zeros((n_rows, n_tokens), bool) if embed_dim else None,
-                   steps=np.zeros((n_rows,), np.int32) if decode_steps else None)
+                   steps=np.zeros((n_rows,), np.int32) if decode_steps else None,
+                   feed=np.full((n_rows,), -1, np.int32) if decode_steps else None)
 
 
 def _step(module, params, cache, rows: dict, decode: bool):
@@ -88,10 +90,11 @@ def _step(module, params, cache, rows: dict, decode: bool):
     return tokens, logprobs, cache
 
 
-def _decode(module, params, cache, rows: dict):
+def _decode(module, params, cache, rows: dict, previous):
     """n = keys.shape[1] decode steps in one dispatch: each step samples a token that is the next step's input.
-    Row b runs rows["steps"][b] of them; its later steps are padding (no cache or state change). Returns
-    (tokens [B, n], logprobs [B, n], cache)."""
+    Row b runs rows["steps"][b] of them; its later steps are padding (no cache or state change). Row b's first
+    input is previous.reshape(-1)[feed[b]] where feed[b] >= 0 (previous: an earlier decode dispatch's tokens
+    [B, n] int32, still on the device), else tokens[b, 0]. Returns (tokens [B, n], logprobs [B, n], cache)."""
 
     def one(carry, xs):
         cache, tokens, positions = carry
@@ -104,8 +107,10 @@ def _decode(module, params, cache, rows: dict):
         return (cache, new[:, None].astype(tokens.dtype), positions + 1), (new, logprobs)
 
     n = rows["keys"].shape[1]
+    fed = previous.reshape(-1)[jnp.maximum(rows["feed"], 0)].astype(rows["tokens"].dtype)
+    first = jnp.where((rows["feed"] >= 0)[:, None], fed[:, None], rows["tokens"])
     xs = (jnp.arange(n, dtype=jnp.int32), jnp.swapaxes(rows["keys"], 0, 1))
-    (cache, _, _), (tokens, logprobs) = jax.lax.scan(one, (cache, rows["tokens"], rows["positions"]), xs)
+    (cache, _, _), (tokens, logprobs) = jax.lax.scan(one, (cache, first, rows["positions"]), xs)
     return tokens.T, logprobs.T, cache
 
 
@@ -158,6 +163,7 @@ class ModelRunner:
                                         model.mesh)
         self._inputs = None if model.mesh is None else NamedSharding(model.mesh, PartitionSpec())
         self._shapes: set[tuple] = set()
+        self._no_previous: dict[tuple[int, int], jax.Array] = {}  # zeros standing in for `previous`, by shape
 
     @property
     def num_compilations(self) -> int:
@@ -170,14 +176,25 @@ class ModelRunner:
         tokens, logprobs = self.dispatch(rows, decode)
         return np.asarray(tokens), np.asarray(logprobs)
 
-    def dispatch(self, rows: StepRows, decode: bool):
-        """Launches one dispatch and returns device arrays without waiting (JAX dispatch is asynchronous)."""
+    def dispatch(self, rows: StepRows, decode: bool, previous: jax.Array | None = None):
+        """Launches one dispatch and returns device arrays without waiting (JAX dispatch is asynchronous).
+        `previous`: the tokens [B, n] of an earlier decode dispatch of the same shape, which `rows.feed` indexes."""
         steps = rows.keys.shape[1] if decode else 0
         self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1], steps))
         with platforms.activate(self.model.placement):  # the model's device in use: dispatch picks its kernels
             arrays = jax.device_put(dict(vars(rows)), self._inputs)  # one transfer for all inputs (None stays None)
             if decode:
-                tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays)
+                shape = rows.keys.shape[:2]
+                if previous is None:
+                    if shape not in self._no_previous:
+                        self._no_previous[shape] = jax.device_put(np.zeros(shape, np.int32), self._inputs)
+                    previous = self._no_previous[shape]
+                elif previous.shape != shape:
+                    raise ValueError(f"previous tokens {previous.shape} do not match this dispatch's {shape}")
+                elif self._inputs is not None:
+                    previous = jax.device_put(previous, self._inputs)
+                tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays,
+                                                       previous)
             else:
                 tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays,
                                                      False)

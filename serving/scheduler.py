@@ -168,6 +168,33 @@ class Scheduler:
                 return extra
         return max(steps, 1)
 
+    def plan_ahead(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
+        """The rows of the decode dispatch after `rows` (a decode dispatch whose tokens are not read back yet),
+        assuming each request takes all its steps there without stopping. Requests that surely finish there (token
+        budget, model length) are left out. [] when the next dispatch has to wait for those tokens: requests
+        waiting or prefilling (their prefill goes first), or blocks that only a preemption would free."""
+        if self.waiting or any(r.is_prefilling for r in self.running):
+            return []
+        ahead = []
+        for row in rows:
+            request = row.request
+            if request.status is not Status.RUNNING:
+                continue
+            num_tokens = request.num_tokens + row.length
+            generated = len(request.output_token_ids) + row.length
+            if generated >= request.params.max_tokens or num_tokens >= self.config.max_model_len:
+                continue
+            steps = min(self.config.decode_steps, self.config.max_model_len - num_tokens + 1,
+                        request.params.max_tokens - generated)
+            if not self._ensure_blocks(request, num_tokens):
+                return []
+            for extra in range(1, steps):
+                if not self._ensure_blocks(request, num_tokens + extra):
+                    steps = extra
+                    break
+            ahead.append(ScheduledRow(request, num_tokens - 1, steps))
+        return ahead
+
     def _newest_other(self, request: Request) -> Request | None:
         others = [r for r in self.running if r is not request]
         return others[-1] if others else None

@@ -156,6 +156,55 @@ def test_multi_step_decode_matches_single_steps(models):
     assert stopped.token_ids == outs[1][1].token_ids[:outs[1][1].token_ids.index(stop) + 1]
 
 
+def test_overlapped_decode_matches_waiting_for_each_dispatch(models):
+    """Decode dispatches launched before the previous one's tokens are read (`overlap_decode`) give the same
+    tokens and logprobs as waiting for each: seeded sampling, a stop token in the middle of a dispatch, token
+    budgets and the model length reached; a request aborted while a dispatch ahead holds it; nothing leaks."""
+    model = models["kimi_linear"]
+    prompts = [[9, 8, 7, 6, 5], [3, 4], [11] * 20, list(range(3, 60))]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=11, seed=5, ignore_eos=True, logprobs=True),
+              SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True, logprobs=True),
+              SamplingParams(temperature=0.7, top_k=5, max_tokens=6, seed=6, ignore_eos=True, logprobs=True),
+              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=True)]
+    outs, ahead = {}, {}
+    for overlap in (False, True):
+        engine = Engine(model, None, config(max_model_len=70, decode_steps=3, overlap_decode=overlap))
+        launched = []
+        original = engine._dispatch_ahead
+        engine._dispatch_ahead = lambda plan, tokens: launched.append(original(plan, tokens)) or launched[-1]
+        outs[overlap] = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        ahead[overlap] = sum(x is not None for x in launched)
+        sched = engine.scheduler
+        assert sched.pool.num_free + sched.cache.num_cached_blocks == sched.pool.num_usable
+        assert sched.slots.num_free == sched.slots.num_usable
+    assert ahead[False] == 0 and ahead[True] >= 3, ahead
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    np.testing.assert_allclose(np.concatenate([o.logprobs for o in outs[True]]),
+                               np.concatenate([o.logprobs for o in outs[False]]), rtol=1e-6, atol=1e-6)
+    assert len(outs[True][3].token_ids) == 70 - 57  # the model length, reached inside a dispatch ahead
+
+    stop = outs[False][1].token_ids[7]  # a stop token a few dispatches in: the dispatch ahead is thrown away
+    engine = Engine(model, None, config(decode_steps=3))
+    stopped, other = engine.generate(prompt_token_ids=[prompts[1], prompts[3]], sampling_params=[
+        SamplingParams(temperature=0.0, max_tokens=17, stop_token_ids=[stop], ignore_eos=True), params[3]])
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == outs[False][1].token_ids[:outs[False][1].token_ids.index(stop) + 1]
+    longer = outs[False][3].token_ids  # cut by max_model_len 70 there, not here
+    assert len(other.token_ids) == 30 and other.token_ids[:len(longer)] == longer
+
+    engine = Engine(model, None, config(decode_steps=2))
+    first = engine.add_request(prompt_token_ids=prompts[1], sampling_params=params[1])
+    second = engine.add_request(prompt_token_ids=prompts[0], sampling_params=params[0])
+    while engine._ahead is None:
+        engine.step()
+    engine.abort(first)  # held by the dispatch ahead: its tokens there are dropped
+    rest = [o for _ in range(40) for o in engine.step()]
+    finals = {o.request_id: o for o in rest if o.finished}
+    assert first not in finals and finals[second].token_ids == outs[False][0].token_ids
+    sched = engine.scheduler
+    assert not sched.running and sched.slots.num_free == sched.slots.num_usable
+
+
 def test_stress_no_leaks_no_recompilation(models):
     """200+ requests with random lengths, shared prefixes and cancellations."""
     model = models["kimi_linear"]
