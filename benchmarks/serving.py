@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     parser.add_argument("--long-prompt", type=int, default=32768)
     parser.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps,
                         help="decode steps per dispatch (the engine option)")
+    parser.add_argument("--no-overlap-decode", action="store_true",
+                        help="read each decode dispatch's tokens before launching the next (the engine option)")
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     config = get_preset("medium_hybrid")
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     engine = Engine(model, None, EngineConfig(
         max_num_seqs=64, max_model_len=args.long_prompt + 256, max_prefill_tokens=4096, max_prefill_rows=16,
         prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0,
-        decode_steps=args.decode_steps))
+        decode_steps=args.decode_steps, overlap_decode=not args.no_overlap_decode))
     rng = np.random.default_rng(0)
     res = {}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -107,7 +109,8 @@ def main(argv=None) -> int:
     for name, ours, theirs in rows:
         print(f"| {name} | {ours} | {theirs if theirs is not None else '-'} |")
     line = (f"- {datetime.date.today()} serving.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}"
-            f" (kernels: {kernel_choice()}; {args.decode_steps} decode steps per dispatch): dayzero {json.dumps(res)}; "
+            f" (kernels: {kernel_choice()}; {args.decode_steps} decode steps per dispatch, overlapped: "
+            f"{not args.no_overlap_decode}): dayzero {json.dumps(res)}; "
             f"peer transformers+fla same run {json.dumps(peer) if peer else 'not run'}\n")
     append_line(args.results, line)
     return 0
