@@ -414,13 +414,19 @@ class Engine:
 
     def warmup(self) -> int:
         """Compiles every bucketed prefill and decode shape now (rows of padding only: nothing is written but the
-        scratch block and slot), so serving never compiles. Returns the number of shapes."""
+        scratch block and slot), decode shapes in their all-greedy and sampling variants, so serving never
+        compiles. Returns the number of functions compiled."""
         shapes = [(False, r, t, b) for r in self.prefill_row_buckets for t in self.prefill_len_buckets
                   for b in self.block_buckets]
         shapes += [(True, r, 1, b) for r in self.decode_buckets for b in self.block_buckets]
+        compiled = 0
         for decode, n_rows, n_tok, n_blk in shapes:
-            self.runner.run(self._padding(n_rows, n_tok, n_blk, decode), decode)
-        return len(shapes)
+            for sampled in (False, True) if decode else (False,):  # decode: an all-greedy and a sampling variant
+                rows = self._padding(n_rows, n_tok, n_blk, decode)
+                rows.temperature[0] = 1.0 if sampled else 0.0
+                self.runner.run(rows, decode)
+                compiled += 1
+        return compiled
 
     # ------------------------------------------------------------------ introspection
     @property

@@ -90,11 +90,12 @@ def _step(module, params, cache, rows: dict, decode: bool):
     return tokens, logprobs, cache
 
 
-def _decode(module, params, cache, rows: dict, previous):
+def _decode(module, params, cache, rows: dict, previous, all_greedy: bool):
     """n = keys.shape[1] decode steps in one dispatch: each step samples a token that is the next step's input.
     Row b runs rows["steps"][b] of them; its later steps are padding (no cache or state change). Row b's first
     input is previous.reshape(-1)[feed[b]] where feed[b] >= 0 (previous: an earlier decode dispatch's tokens
-    [B, n] int32, still on the device), else tokens[b, 0]. Returns (tokens [B, n], logprobs [B, n], cache)."""
+    [B, n] int32, still on the device), else tokens[b, 0]. `all_greedy` (static): every row is greedy, so no
+    sampling path is compiled in. Returns (tokens [B, n], logprobs [B, n], cache)."""
 
     def one(carry, xs):
         cache, tokens, positions = carry
@@ -103,7 +104,7 @@ def _decode(module, params, cache, rows: dict, previous):
         logits, cache = module.apply({"params": params}, tokens, positions, valid, cache, rows["block_tables"],
                                      rows["slots"], True, None, None, method="step")
         new, logprobs = sampling.sample(logits, rows["temperature"], rows["top_k"], rows["top_p"], rows["min_p"],
-                                        keys)
+                                        keys, all_greedy)
         return (cache, new[:, None].astype(tokens.dtype), positions + 1), (new, logprobs)
 
     n = rows["keys"].shape[1]
@@ -128,7 +129,7 @@ def _restore(cache, snaps, slot, snap):
 
 # Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
 _STEP = dispatch.PlatformJit(_step, static_argnums=(0, 4), donate_argnums=(2,))
-_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0,), donate_argnums=(2,))
+_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 5), donate_argnums=(2,))
 _RESET = jax.jit(_reset, donate_argnums=(0,))
 _SAVE = jax.jit(_save, donate_argnums=(1,))
 _RESTORE = jax.jit(_restore, donate_argnums=(0,))
@@ -180,7 +181,9 @@ class ModelRunner:
         """Launches one dispatch and returns device arrays without waiting (JAX dispatch is asynchronous).
         `previous`: the tokens [B, n] of an earlier decode dispatch of the same shape, which `rows.feed` indexes."""
         steps = rows.keys.shape[1] if decode else 0
-        self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1], steps))
+        greedy = decode and bool(np.all(rows.temperature < sampling.GREEDY_EPS))  # decode compiles both variants
+        self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1], steps,
+                          greedy))
         with platforms.activate(self.model.placement):  # the model's device in use: dispatch picks its kernels
             arrays = jax.device_put(dict(vars(rows)), self._inputs)  # one transfer for all inputs (None stays None)
             if decode:
@@ -194,7 +197,7 @@ class ModelRunner:
                 elif self._inputs is not None:
                     previous = jax.device_put(previous, self._inputs)
                 tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays,
-                                                       previous)
+                                                       previous, greedy)
             else:
                 tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays,
                                                      False)

@@ -122,7 +122,7 @@ class SamplingParams:
 
 
 # ------------------------------------------------------------------------------------------------------ sampler
-def sample(logits, temperature, top_k, top_p, min_p, keys):
+def sample(logits, temperature, top_k, top_p, min_p, keys, all_greedy: bool | None = None):
     """Samples one token per row; jittable, every setting a per-row array.
 
     logits f32[B, V] (other float dtypes are cast to f32); temperature f32[B] (< GREEDY_EPS = greedy argmax);
@@ -132,7 +132,10 @@ def sample(logits, temperature, top_k, top_p, min_p, keys):
     smallest set of top tokens whose mass >= top_p), then min-p (drop p < min_p * p_max); the top token is always
     kept. One full sort per row (`lax.top_k` with k = V, ties lower id first like argmax), then
     `jax.random.categorical` with the row's own key, so a row's token depends only on its logits, settings and
-    key, never on other rows. When every row is greedy the sort is skipped.
+    key, never on other rows. `all_greedy` (static) says whether every row is greedy: True runs argmax only, False
+    the sampling path for every row (greedy rows take the argmax); None decides on the device, skipping the sort
+    when every row is greedy. That is a conditional, which a GPU runs by waiting for its predicate on the host:
+    fine once per prefill step, not inside decode steps (the engine passes True or False there).
 
     Returns (token_ids i32[B], logprobs f32[B]). The logprob is that of the chosen token under the *unmodified*
     model distribution, log_softmax(logits) (before temperature and filters), as vLLM reports by default.
@@ -142,11 +145,13 @@ def sample(logits, temperature, top_k, top_p, min_p, keys):
     greedy = temperature < GREEDY_EPS
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def sampled(_):
-        ids = _sample_filtered(logits, temperature, top_k, top_p, min_p, keys)
-        return jnp.where(greedy, greedy_ids, ids)
+    def sampled(_=None):
+        return jnp.where(greedy, greedy_ids, _sample_filtered(logits, temperature, top_k, top_p, min_p, keys))
 
-    ids = jax.lax.cond(jnp.all(greedy), lambda _: greedy_ids, sampled, None)
+    if all_greedy is None:
+        ids = jax.lax.cond(jnp.all(greedy), lambda _: greedy_ids, sampled, None)
+    else:
+        ids = greedy_ids if all_greedy else sampled()
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), ids[:, None], axis=-1)[:, 0]
     return ids, logprobs
 

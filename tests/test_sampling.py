@@ -8,6 +8,7 @@ Set DAYZERO_TEST_SEED=<int> to replay a failing draw.
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import numpy as np
@@ -106,6 +107,27 @@ def test_greedy_rows_are_argmax_and_logprobs_are_raw_log_softmax(seed):
     np.testing.assert_array_equal(ids, logits.argmax(-1), err_msg=f"seed={seed}")
     expected = log_softmax(logits)[np.arange(16), ids]
     np.testing.assert_allclose(lps, expected, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+
+
+def test_all_greedy_variant_has_no_sampling_path_and_no_device_branch(seed):
+    """`all_greedy=True` (the host knows every row is greedy) gives the same ids and logprobs as the other
+    variants; True and False do not branch on the device (a conditional would make a GPU wait for its predicate
+    on the host every decode step), None does."""
+    rng = np.random.default_rng(seed)
+    logits = random_logits(rng, (4, V))
+    args = (logits, np.zeros(4, np.float32), np.full(4, -1, np.int32), np.full(4, 0.9, np.float32),
+            np.zeros(4, np.float32), rng.integers(0, 2**32, (4, 2), dtype=np.uint32))
+    greedy = jax.jit(sample, static_argnames="all_greedy")
+    fast = greedy(*args, all_greedy=True)
+    np.testing.assert_array_equal(np.asarray(fast[0]), logits.argmax(-1))
+    for other in (False, None):
+        general = greedy(*args, all_greedy=other)
+        np.testing.assert_array_equal(np.asarray(fast[0]), np.asarray(general[0]))
+        np.testing.assert_allclose(np.asarray(fast[1]), np.asarray(general[1]), rtol=1e-6)
+    for all_greedy in (True, False, None):
+        jaxpr = str(jax.make_jaxpr(functools.partial(sample, all_greedy=all_greedy))(*args))
+        assert ("cond[" in jaxpr) == (all_greedy is None), all_greedy
+        assert ("top_k[" in jaxpr) == (all_greedy is not True), all_greedy  # the sampling path sorts with top_k
 
 
 def test_top_k_one_is_argmax_at_any_temperature(seed):
