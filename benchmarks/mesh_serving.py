@@ -50,6 +50,11 @@ def run_batches(engine: Engine, prompts: dict[int, list[list[int]]], params: Sam
     return figures, tokens
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two generations differ (None: equal over their common length)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def divergences(models: dict[str, Model], prompts: dict, generated: dict) -> list[dict]:
     """Where a request's greedy tokens differ, the full-forward logits of both models at the first differing token
     (prompt + the tokens both generated before it): each model's gap between its own pick and the other's, and the
@@ -59,7 +64,7 @@ def divergences(models: dict[str, Model], prompts: dict, generated: dict) -> lis
     found, sequences = [], []
     for batch, outs in generated["one_gpu"].items():
         for index, (one, sharded) in enumerate(zip(outs, generated["mesh"][batch])):
-            at = next((i for i, (x, y) in enumerate(zip(one, sharded)) if x != y), None)
+            at = first_difference(one, sharded)
             if at is not None:
                 found.append({"batch": batch, "request": index, "token": at, "picks": (one[at], sharded[at])})
                 sequences.append(prompts[batch][index] + one[:at])
@@ -115,7 +120,7 @@ def main(argv=None) -> int:
     results["full_forward_logits_rel_err"] = float(np.linalg.norm(diff) / np.linalg.norm(logits["one_gpu"]))
     results["full_forward_argmax_agree"] = float((logits["mesh"].argmax(-1) == logits["one_gpu"].argmax(-1)).mean())
     same = {b: sum(a == m for a, m in zip(generated["one_gpu"][b], generated["mesh"][b])) for b in batches}
-    first_diff = {b: min((next((i for i, (x, y) in enumerate(zip(a, m)) if x != y), len(a))
+    first_diff = {b: min((len(a) if (at := first_difference(a, m)) is None else at
                           for a, m in zip(generated["one_gpu"][b], generated["mesh"][b])), default=None)
                   for b in batches}
     results["greedy_equal_requests"] = {b: f"{same[b]}/{b}" for b in batches}

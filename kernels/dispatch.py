@@ -218,10 +218,10 @@ class PlatformJit:
 
     def __init__(self, fun, **jit_kwargs):
         self._fun, self._jit_kwargs = fun, jit_kwargs
-        self._jits: dict[str, object] = {}
+        self._jits: dict[str, object] = {}  # by current_platform() as it reads (canonicalised once, at creation)
 
     def __call__(self, *args):
-        platform = canonical_platform(current_platform())
+        platform = current_platform()
         jitted = self._jits.get(platform)
         if jitted is None:
             jitted = self._jits[platform] = jax.jit(self._fun, compiler_options=compiler_options(platform) or None,

@@ -227,13 +227,14 @@ class Engine:
         n_tok = 1 if decode else bucket(max(r.length for r in rows), self.prefill_len_buckets)
         n_blk = bucket(max(len(r.request.table) for r in rows), self.block_buckets)
         out = self._padding(n_rows, n_tok, n_blk, decode)
+        n_keys = out.keys.shape[1] if decode else 1  # a row's keys start at its generated count
         for i, row in enumerate(rows):
             req, p = row.request, row.request.params
             if decode:  # a decode row feeds its last token; the device feeds the rest
                 if previous is None:
                     out.tokens[i, 0] = req.token_slice(row.start, row.start + 1)[0]
                 else:
-                    out.feed[i] = previous[i][0] * self.config.decode_steps + previous[i][1] - 1
+                    out.feed[i] = previous[i][0] * n_keys + previous[i][1] - 1  # its row's last step
                 out.positions[i, 0] = row.start
                 out.valid[i, 0] = True
                 out.steps[i] = row.length
@@ -249,7 +250,6 @@ class Engine:
                 offsets, features = req.images.chunk(row.start, row.start + row.length)
                 out.embeds[i, offsets] = features
                 out.embeds_mask[i, offsets] = True
-        n_keys = out.keys.shape[1] if decode else 1  # a row's keys start at its generated count
         done = [len(r.request.output_token_ids) + (previous[i][1] if previous else 0) for i, r in enumerate(rows)]
         keys = stream_keys([r.request.key_state for r in rows], done, n_keys)
         out.keys[:len(rows)] = keys if decode else keys[:, 0]

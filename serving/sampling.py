@@ -145,11 +145,11 @@ def sample(logits, temperature, top_k, top_p, min_p, keys, all_greedy: bool | No
     greedy = temperature < GREEDY_EPS
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def sampled(_=None):
+    def sampled():
         return jnp.where(greedy, greedy_ids, _sample_filtered(logits, temperature, top_k, top_p, min_p, keys))
 
     if all_greedy is None:
-        ids = jax.lax.cond(jnp.all(greedy), lambda _: greedy_ids, sampled, None)
+        ids = jax.lax.cond(jnp.all(greedy), lambda: greedy_ids, sampled)
     else:
         ids = greedy_ids if all_greedy else sampled()
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), ids[:, None], axis=-1)[:, 0]

@@ -158,13 +158,15 @@ class Scheduler:
             return self.schedule()
         return None
 
-    def _lookahead(self, request: Request) -> int:
-        """Decode steps (>= 1) `request` may take in one dispatch: up to `decode_steps`, no further than its token
-        budget and the model length, and only onto blocks it holds or can get without preempting anyone."""
-        steps = min(self.config.decode_steps, self.config.max_model_len - request.num_tokens + 1,
-                    max(request.params.max_tokens - len(request.output_token_ids), 1))
+    def _lookahead(self, request: Request, pending: int = 0) -> int:
+        """Decode steps (>= 1) `request` may take in one dispatch, after `pending` tokens of a dispatch not read
+        back yet: up to `decode_steps`, no further than its token budget and the model length, and only onto blocks
+        it holds or can get without preempting anyone."""
+        num_tokens = request.num_tokens + pending
+        steps = min(self.config.decode_steps, self.config.max_model_len - num_tokens + 1,
+                    max(request.params.max_tokens - len(request.output_token_ids) - pending, 1))
         for extra in range(1, max(steps, 1)):
-            if not self._ensure_blocks(request, request.num_tokens + extra):
+            if not self._ensure_blocks(request, num_tokens + extra):
                 return extra
         return max(steps, 1)
 
@@ -184,15 +186,9 @@ class Scheduler:
             generated = len(request.output_token_ids) + row.length
             if generated >= request.params.max_tokens or num_tokens >= self.config.max_model_len:
                 continue
-            steps = min(self.config.decode_steps, self.config.max_model_len - num_tokens + 1,
-                        request.params.max_tokens - generated)
             if not self._ensure_blocks(request, num_tokens):
                 return []
-            for extra in range(1, steps):
-                if not self._ensure_blocks(request, num_tokens + extra):
-                    steps = extra
-                    break
-            ahead.append(ScheduledRow(request, num_tokens - 1, steps))
+            ahead.append(ScheduledRow(request, num_tokens - 1, self._lookahead(request, row.length)))
         return ahead
 
     def _newest_other(self, request: Request) -> Request | None:
