@@ -191,6 +191,14 @@ def measure_dayzero(tunings: dict, decode: bool = True) -> dict:
                 intra = jax.jit(lambda *a, t=tunings[name]: pallas.chunk_intra(
                     *a, scale=D ** -0.5, l2norm=False, tuning=t))  # kernel 1 alone
                 res[f"intra_T{T}_{name}_ms"] = round(timed(intra, q, k, v, g, beta, lengths) * 1e3, 4)
+                if tunings[name].intra_variant == "split":  # kernels 1a and 1b apart
+                    akk = jax.jit(lambda q, k, g, beta, n, t=tunings[name]: pallas.chunk_akk(
+                        q, k, g, beta, n, scale=D ** -0.5, l2norm=False, tuning=t))
+                    wy = jax.jit(lambda x, v, beta, a, n, t=tunings[name]: pallas.chunk_wy(x, v, beta, a, n, tuning=t))
+                    a_kk, _, _, _, x_rhs, _ = akk(q, k, g, beta, lengths)
+                    res[f"akk_T{T}_{name}_ms"] = round(timed(akk, q, k, g, beta, lengths) * 1e3, 4)
+                    res[f"wy_T{T}_{name}_ms"] = round(timed(wy, x_rhs, v, beta, a_kk, lengths) * 1e3, 4)
+                    del a_kk, x_rhs
                 o, s = fn(q, k, v, g, beta, h0)
                 res[f"chunk_T{T}_{name}_rel_err_vs_reference"] = [round(rel(o, o_r), 5), round(rel(s, s_r), 5)]
             ms = timed(fn, q, k, v, g, beta, h0) * 1e3
@@ -202,10 +210,8 @@ def measure_dayzero(tunings: dict, decode: bool = True) -> dict:
     if not decode:
         return res
 
-    decode_tunings = {"bv32w4": pallas.KdaTuning(decode_block_v=32, decode_warps=4),
-                      "bv64w4": pallas.KdaTuning(decode_block_v=64, decode_warps=4),
-                      "bv128w4": pallas.KdaTuning(decode_block_v=128, decode_warps=4),
-}
+    decode_tunings = {f"bv{bv}w{w}": pallas.KdaTuning(decode_block_v=bv, decode_warps=w)
+                      for bv, w in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4))}
     for B in sorted(DECODE_B, reverse=True):
         q, k, v, g, beta, h0 = inputs(B, 1, jax.random.key(B))
         slots = jnp.arange(B, dtype=jnp.int32)
@@ -259,7 +265,9 @@ def main(argv=None) -> int:
     print(f"| prefill tuning | compile (s) | kernel 1 T{T} (ms) | chunk_kda T{T} (ms) | rel err (o, state) |\n"
           "|---|---|---|---|---|")
     for name in tunings:
-        print(f"| {name} | {ours[f'compile_{name}_s']} | {ours[f'intra_T{T}_{name}_ms']} | "
+        apart = (f" (1a {ours[f'akk_T{T}_{name}_ms']}, 1b {ours[f'wy_T{T}_{name}_ms']})"
+                 if f"akk_T{T}_{name}_ms" in ours else "")
+        print(f"| {name} | {ours[f'compile_{name}_s']} | {ours[f'intra_T{T}_{name}_ms']}{apart} | "
               f"{ours[f'chunk_T{T}_{name}_ms']} | {ours[f'chunk_T{T}_{name}_rel_err_vs_reference']} |")
     print("\n| what | dayzero | fla | ratio (fla / dayzero) |\n|---|---|---|---|")
     for T in PREFILL_T:

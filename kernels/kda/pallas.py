@@ -450,39 +450,60 @@ def chunk_intra(q, k, v, g, beta, lengths, *, scale, l2norm, interpret=False, tu
     )(lengths, q, k, v, g, beta)
 
 
-def _chunk_intra_split(q, k, v, g, beta, lengths, *, scale, l2norm, interpret, tuning):
-    """`chunk_intra`'s outputs from two kernels: 1a (A_kk, A_qk, decayed q and k, G_C, x) and 1b (w, u)."""
-    batch, t_pad, heads, kp = k.shape
-    vp = v.shape[-1]
-    n_chunks = t_pad // CHUNK
-    io_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
-    precision = _precision(io_dtype)
+def _split_settings(io_dtype, tuning):
+    """(precision, dot dtype, channels per slice, warps) of the split kernels for inputs of `io_dtype`."""
     dot_dtype = jnp.bfloat16 if tuning.intra_bf16_dots and io_dtype != jnp.float32 else jnp.float32
     block_k, warps = tuning.intra_block_k, tuning.intra_warps
     if io_dtype == jnp.float32:
         block_k, warps = min(block_k, F32_INTRA_BLOCK_K), min(warps, F32_INTRA_WARPS)
+    return _precision(io_dtype), dot_dtype, block_k, warps
+
+
+def _chunk_specs(batch, t_pad, heads, io_dtype):
     sq = pl.squeezed
     index = lambda b, c, h: (b, c, h, 0)
     chunk_spec = lambda d: pl.BlockSpec((sq, CHUNK, sq, d), index)
     beta_spec = pl.BlockSpec((sq, CHUNK, sq), lambda b, c, h: (b, c, h))
     len_spec = pl.BlockSpec((1,), lambda b, c, h: (b,))
     shape = lambda d, dtype=io_dtype: jax.ShapeDtypeStruct((batch, t_pad, heads, d), dtype)
-    a_kk, a_qk, qg, kd, x, g_last = pl.pallas_call(
+    return chunk_spec, beta_spec, len_spec, shape
+
+
+def chunk_akk(q, k, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=DEFAULT_TUNING):
+    """Split prefill kernel 1a on padded inputs: A_kk [B, T, H, 64] f32 (beta-scaled, strictly lower), A_qk
+    [B, T, H, 64], q exp(G) (scaled), k exp(G_C - G), x = beta k exp(G) [B, T, H, K] in the input dtype, and G_C
+    [B, T / 64, H, K] f32."""
+    batch, t_pad, heads, kp = k.shape
+    n_chunks = t_pad // CHUNK
+    io_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
+    precision, dot_dtype, block_k, warps = _split_settings(io_dtype, tuning)
+    chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
+    return pl.pallas_call(
         functools.partial(_akk_kernel, scale=scale, l2norm=l2norm, precision=precision,
                           block_k=min(block_k, kp), dot_dtype=dot_dtype),
         grid=(batch, n_chunks, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(kp), chunk_spec(kp), beta_spec],
         out_specs=[chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(kp), chunk_spec(kp), chunk_spec(kp),
-                   pl.BlockSpec((sq, sq, sq, kp), index)],
+                   pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, kp), lambda b, c, h: (b, c, h, 0))],
         out_shape=[shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
                    jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)],
         compiler_params=_params(warps, tuning.intra_stages),
         interpret=interpret,
         name="kda_chunk_akk",
     )(lengths, q, k, g, beta)
-    w, u = pl.pallas_call(
+
+
+def chunk_wy(x, v, beta, a_kk, lengths, *, interpret=False, tuning=DEFAULT_TUNING):
+    """Split prefill kernel 1b: the WY factors w = T x [B, T, H, K] and u = T (beta v) [B, T, H, V], T = (I + A_kk)^-1
+    per chunk, from kernel 1a's x and A_kk."""
+    batch, t_pad, heads, kp = x.shape
+    vp = v.shape[-1]
+    io_dtype = x.dtype
+    precision, dot_dtype, _, _ = _split_settings(io_dtype, tuning)
+    chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
+    return pl.pallas_call(
         functools.partial(_wy_kernel, precision=precision, dot_dtype=dot_dtype),
-        grid=(batch, n_chunks, heads),
+        grid=(batch, t_pad // CHUNK, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(vp), beta_spec, chunk_spec(CHUNK)],
         out_specs=[chunk_spec(kp), chunk_spec(vp)],
         out_shape=[shape(kp), shape(vp)],
@@ -490,6 +511,13 @@ def _chunk_intra_split(q, k, v, g, beta, lengths, *, scale, l2norm, interpret, t
         interpret=interpret,
         name="kda_chunk_wy",
     )(lengths, x, v, beta, a_kk)
+
+
+def _chunk_intra_split(q, k, v, g, beta, lengths, *, scale, l2norm, interpret, tuning):
+    """`chunk_intra`'s outputs from two kernels: 1a (A_kk, A_qk, decayed q and k, G_C, x) and 1b (w, u)."""
+    a_kk, a_qk, qg, kd, x, g_last = chunk_akk(q, k, g, beta, lengths, scale=scale, l2norm=l2norm,
+                                              interpret=interpret, tuning=tuning)
+    w, u = chunk_wy(x, v, beta, a_kk, lengths, interpret=interpret, tuning=tuning)
     return w, u, qg, kd, a_qk, g_last
 
 
