@@ -126,7 +126,8 @@ def parse_tunings(spec: str) -> dict:
             key, _, value = item.partition("=")
             if key not in fields or not value:
                 raise SystemExit(f"--intra-variants: bad override {item!r} (KdaTuning fields: {', '.join(fields)})")
-            kwargs[key] = value if fields[key] in (str, "str") else int(value)
+            kind = fields[key]
+            kwargs[key] = value if kind in (str, "str") else bool(int(value)) if kind in (bool, "bool") else int(value)
         tunings[entry] = pallas.KdaTuning(**kwargs)
     return tunings
 
@@ -210,14 +211,14 @@ def measure_dayzero(tunings: dict, decode: bool = True) -> dict:
     if not decode:
         return res
 
-    decode_tunings = {f"bv{bv}w{w}": pallas.KdaTuning(decode_block_v=bv, decode_warps=w)
-                      for bv, w in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 2), (64, 4), (128, 4))}
+    decode_tunings = {f"bv{bv}w{w}{'vf' if vf else ''}": pallas.KdaTuning(decode_block_v=bv, decode_warps=w,
+                                                                          decode_v_fastest=vf)
+                      for bv, w, vf in ((64, 4, False), (32, 4, True), (64, 4, True), (64, 8, True))}
     for B in sorted(DECODE_B, reverse=True):
         q, k, v, g, beta, h0 = inputs(B, 1, jax.random.key(B))
         slots = jnp.arange(B, dtype=jnp.int32)
-        names = list(decode_tunings) if B == max(DECODE_B) else [best_decode]
         best = None
-        for name in names:
+        for name in decode_tunings:  # every launch shape at every batch: the best at B64 is not the best at B1
             @functools.partial(jax.jit, donate_argnums=(5,))
             def decode_loop(q, k, v, g, beta, pool, slots, t=decode_tunings[name]):
                 for _ in range(DECODE_STEPS):  # one kernel per step: each step's pool feeds the next
@@ -236,8 +237,9 @@ def measure_dayzero(tunings: dict, decode: bool = True) -> dict:
             us = statistics.median(times) * 1e6
             res[f"decode_B{B}_{name}_us"] = round(us, 2)
             if best is None or us < best:
-                best, best_decode = us, name
+                best, best_name = us, name
         res[f"decode_B{B}_us"] = round(best, 2)
+        res[f"decode_B{B}_best"] = best_name
         res[f"decode_B{B}_state_TBps"] = round(B * H * D * D * 4 * 2 / (best * 1e-6) / 1e12, 3)
     return res
 
@@ -277,7 +279,8 @@ def main(argv=None) -> int:
     for B in DECODE_B if not args.no_decode else ():
         a = ours[f"decode_B{B}_us"]
         b = peer.get(f"decode_B{B}_graph_us")
-        print(f"| decode step B{B} (us, device) | {a} ({ours[f'decode_B{B}_state_TBps']} TB/s) | "
+        print(f"| decode step B{B} (us, device, {ours[f'decode_B{B}_best']}) | {a} "
+              f"({ours[f'decode_B{B}_state_TBps']} TB/s) | "
               f"{b or '-'} (host loop {peer.get(f'decode_B{B}_host_us', '-')}) | {round(b / a, 2) if b else '-'} |")
     line = (f"- {datetime.date.today()} kda.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__},"
             f" Pallas (Triton) kernels: dayzero {json.dumps(ours)}; fla-core 0.6.0 same run "

@@ -6,10 +6,14 @@ import subprocess
 
 
 def git_commit() -> str:
-    """Short hash of HEAD ("unknown" outside a git checkout)."""
+    """Short hash of HEAD, with "+modified" when tracked files differ from it ("unknown" outside a git checkout).
+
+    A copied working tree can carry older git metadata than its files (the device tool's copies do): "+modified"
+    then says that the hash alone does not name what was measured."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        run = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout
+        head = run("rev-parse", "--short", "HEAD").strip()
+        return head + ("+modified" if run("status", "--porcelain", "--untracked-files=no").strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

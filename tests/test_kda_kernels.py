@@ -114,16 +114,21 @@ def test_chunk_equals_recurrent_kernel(seed):
     assert_close(s_c, s_r, F32, "chunk vs recurrent kernel state", seed)
 
 
-@pytest.mark.parametrize("K,V", [(16, 32), (12, 20)])  # in-place kernel; gather/scatter fallback
-def test_slots_update_pool_in_place(seed, K, V):
+@pytest.mark.parametrize("K,V,v_fastest", [(16, 32, True), (16, 32, False), (12, 20, True)])  # in place; fallback
+def test_slots_update_pool_in_place(seed, K, V, v_fastest):
     rng = np.random.default_rng(seed)
     q, k, v, g, beta, _ = kda_inputs(seed, 3, 2, 2, K, V, g_max=2.0, l2norm=True)
     pool = jnp.asarray(rng.standard_normal((2, 6, 2, K, V)), jnp.float32)
     slots = jnp.asarray(rng.permutation(np.arange(1, 6))[:3], jnp.int32)
     args = [jnp.asarray(x) for x in (q, k, v, g, beta)]
     o_ref, pool_ref = kda_ref.fused_recurrent_kda_slots(*args, pool, slots, layer=1, use_qk_l2norm_in_kernel=True)
-    o, new_pool = kda_ops.fused_recurrent_kda_slots(*args, pool, slots, layer=1, use_qk_l2norm_in_kernel=True,
-                                                   impl="interpret")
+    if not v_fastest:  # the other launch order (rows side by side), two V blocks per head
+        tuning = kda_pallas.KdaTuning(decode_v_fastest=False, decode_block_v=16)
+        o, new_pool = kda_pallas.fused_recurrent_kda_slots(*args, pool, slots, layer=1, use_qk_l2norm_in_kernel=True,
+                                                          interpret=True, tuning=tuning)
+    else:
+        o, new_pool = kda_ops.fused_recurrent_kda_slots(*args, pool, slots, layer=1, use_qk_l2norm_in_kernel=True,
+                                                       impl="interpret")
     assert_close(o, o_ref, F32, "slots output", seed)
     assert_close(new_pool, pool_ref, F32, "slots pool", seed)
     untouched = np.setdiff1d(np.arange(6), np.asarray(slots))
@@ -153,8 +158,8 @@ def _shapes(B, T, H, K, V, dtype=jnp.bfloat16):
 
 @pytest.mark.parametrize("shape", [(1, 8192, 32, 128, 128), (2, 77, 3, 24, 20)])
 def test_kernels_lower_to_triton(shape):
-    """Every KDA kernel goes through Pallas' Triton lowering for CUDA (no GPU needed to lower); both variants of
-    prefill kernel 1 at their default channel slice."""
+    """Every KDA kernel goes through Pallas' Triton lowering for CUDA (no GPU needed to lower): each variant of
+    prefill kernel 1 at several channel slices, and both launch orders of the decode kernels."""
     B, T, H, K, V = shape
     args = _shapes(B, T, H, K, V)
     state = jax.ShapeDtypeStruct((B, H, K, V), jnp.float32)
@@ -163,16 +168,20 @@ def test_kernels_lower_to_triton(shape):
         return kda_pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                     use_qk_l2norm_in_kernel=True, output_chunk_states=True, tuning=tuning)
 
-    def recurrent(q, k, v, g, beta, h0):
-        return kda_pallas.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    def recurrent(q, k, v, g, beta, h0, tuning):
+        return kda_pallas.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                              tuning=tuning)
 
     for tuning, kernels in ((kda_pallas.KdaTuning(intra_variant="fused"), 2),
                             (kda_pallas.KdaTuning(intra_variant="split"), 3),
-                            (kda_pallas.KdaTuning(intra_variant="split", intra_block_k=64, intra_bf16_dots=True), 3)):
+                            (kda_pallas.KdaTuning(intra_variant="split", intra_block_k=64, intra_bf16_dots=True), 3),
+                            (kda_pallas.KdaTuning(intra_variant="split", intra_block_k=32, intra_warps=4), 3)):
         assert count_triton_kernels(lambda *a: chunk(*a, tuning), *args, state) == kernels, tuning
-    assert count_triton_kernels(recurrent, *_shapes(B, 1, H, K, V), state) == 1
-    if kda_pallas.slots_supported((K, V)):
-        pool = jax.ShapeDtypeStruct((3, B + 1, H, K, V), jnp.float32)
-        slots = jax.ShapeDtypeStruct((B,), jnp.int32)
-        slot_fn = lambda *a: kda_pallas.fused_recurrent_kda_slots(*a, layer=2)
-        assert count_triton_kernels(slot_fn, *_shapes(B, 1, H, K, V), pool, slots) == 1
+    for v_fastest in (False, True):
+        tuning = kda_pallas.KdaTuning(decode_v_fastest=v_fastest)
+        assert count_triton_kernels(lambda *a: recurrent(*a, tuning=tuning), *_shapes(B, 1, H, K, V), state) == 1
+        if kda_pallas.slots_supported((K, V)):
+            pool = jax.ShapeDtypeStruct((3, B + 1, H, K, V), jnp.float32)
+            slots = jax.ShapeDtypeStruct((B,), jnp.int32)
+            slot_fn = lambda *a: kda_pallas.fused_recurrent_kda_slots(*a, layer=2, tuning=tuning)
+            assert count_triton_kernels(slot_fn, *_shapes(B, 1, H, K, V), pool, slots) == 1

@@ -11,19 +11,19 @@ Prefill (`chunk_kda`), chunks of C = 64 tokens:
      Safe decay: off-diagonal sub-chunk pairs are scaled about the sub-chunk boundary (both exponents <= 0), the
      diagonal ones take exp(G_t - G_s) element by element for s <= t only: no positive cumulative log-decay is
      ever exponentiated, so strong decays underflow to 0 instead of overflowing.
-     `KdaTuning(intra_variant="split")` replaces it by two kernels without serial loops: `_akk_kernel` (A_kk and A_qk
-     of a chunk as six masked [64, 64] products, one per "pair level", see `_level_exponent`, plus the decayed q, k)
-     and `_wy_kernel` (the block solve and w, u), A_kk passing through HBM in f32.
+     By default (`KdaTuning.intra_variant="split"`) two kernels without serial loops replace it: `_akk_kernel`
+     (A_kk and A_qk of a chunk as six masked [64, 64] products, one per "pair level", see `_level_exponent`, plus
+     the decayed q, k) and `_wy_kernel` (the block solve and w, u), A_kk passing through HBM in f32.
   2. `_state_kernel`, one program per (row, head, V block), sequential over chunks: v' = u - w S,
      o = (q exp(G)) S + A_qk v', S <- exp(G_C) S + (k exp(G_C - G))^T v'. Optionally writes S after every chunk.
 Decode (`fused_recurrent_kda`, `fused_recurrent_kda_slots`): one program per (row, head, V block) holding its
-[K, BV] slice of the state in registers across the step's tokens; the slot variant reads and writes the state
-pool in place by slot index.
+[K, BV] slice of the state in registers across the step's tokens, the V blocks of a head launched side by side;
+the slot variant reads and writes the state pool in place by slot index.
 
 Rows may have different lengths (`lengths` [B]): tokens at or past a row's length leave its state unchanged and
 produce zeros. Head dims that are not powers of two >= 16 are zero-padded (padded channels change nothing).
-Measured on the H200 (benchmarks/RESULTS.md, NOTES_kda.md): the state pass and the decode step are near fla's;
-kernel 1 is latency-bound and still several times slower than fla's whole prefill.
+Measured on the H200 (benchmarks/RESULTS.md, NOTES_kda.md): chunk_kda 1.26 ms at B1 T8192 H32 D128 (kernel 1a
+0.84 ms of it, 1b 0.20, the state pass ~0.24), about fla's; the decode step 3.2 TB/s of state traffic at B64.
 """
 
 from __future__ import annotations
@@ -389,26 +389,45 @@ def _params(num_warps, num_stages=None):
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def _bhv_grid(batch, heads, n_v, v_fastest):
+    """Launch grid over (row, head, V block) and the map from a program's indices to (b, h, j). Pallas launches grid
+    axis 0 as CUDA's fastest axis: with `v_fastest` the V blocks of one head run side by side (neighbouring
+    programs read neighbouring bytes of its state and share its q/k/g reads), else the rows do."""
+    if v_fastest:
+        return (n_v, heads, batch), lambda j, h, b: (b, h, j)
+    return (batch, heads, n_v), lambda b, h, j: (b, h, j)
+
+
+def _bhv_spec(block, index, order):
+    """A BlockSpec whose index map is written in (b, h, j), for a grid from `_bhv_grid`."""
+    return pl.BlockSpec(block, lambda *ids: index(*order(*ids)))
+
+
 @dataclasses.dataclass(frozen=True)
 class KdaTuning:
     """Launch parameters of the KDA kernels (the H200 measurements behind the defaults: benchmarks/RESULTS.md)."""
 
     state_block_v: int = 32  # V columns per program of the sequential prefill pass
-    intra_warps: int = 8
+    intra_warps: int = 4
     intra_stages: int = 1
     state_warps: int = 4
     state_stages: int = 3
-    decode_block_v: int = 64  # V columns per program of the recurrent step
-    decode_warps: int = 4
+    # The recurrent step: V columns and warps per program, launch order (`_bhv_grid`: V blocks of a head side by side,
+    # or rows side by side). Defaults: the fastest measured on the H200 at B64 (83-85 us against 90-95 us for the
+    # former 64 columns x 4 warps with rows side by side, benchmarks/NOTES_kda.md).
+    decode_block_v: int = 64
+    decode_warps: int = 8
+    decode_v_fastest: bool = True
     # Prefill kernel 1: "fused" (one kernel per chunk, 16-step column loops for the diagonal blocks) or "split"
     # (kernel 1a: A blocks by pair levels, no serial loop, over `intra_block_k` channels at a time, with intra_warps /
     # intra_stages; kernel 1b: block solve and WY factors with wy_warps). `intra_bf16_dots`: the split variant's A
     # and WY products on bf16 operands for 16-bit inputs (fla's choice for WY) instead of tf32.
-    # Defaults: the fastest measured on the H200 for bf16 (chunk_kda T8192 1.31 ms split vs 3.56 ms fused); float32
-    # inputs run the split kernels with at most F32_INTRA_BLOCK_K channels and F32_INTRA_WARPS warps, the setting
-    # that passed tests/gpu/test_kda_gpu.py.
+    # Defaults: the fastest measured on the H200 for bf16 (chunk_kda T8192 1.27 ms with 32 channels x 4 warps in three
+    # runs of 2026-12-01, against 1.31 ms for 64 x 8 warps and 3.56 ms fused); float32 inputs run the split kernels
+    # with at most F32_INTRA_BLOCK_K channels and F32_INTRA_WARPS warps, the setting that passed
+    # tests/gpu/test_kda_gpu.py.
     intra_variant: str = "split"
-    intra_block_k: int = 64
+    intra_block_k: int = 32
     wy_warps: int = 4
     intra_bf16_dots: bool = True
 
@@ -478,6 +497,8 @@ def chunk_akk(q, k, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=
     io_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
     precision, dot_dtype, block_k, warps = _split_settings(io_dtype, tuning)
     chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
+    out_shape = [shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
+                 jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)]
     return pl.pallas_call(
         functools.partial(_akk_kernel, scale=scale, l2norm=l2norm, precision=precision,
                           block_k=min(block_k, kp), dot_dtype=dot_dtype),
@@ -485,8 +506,7 @@ def chunk_akk(q, k, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(kp), chunk_spec(kp), beta_spec],
         out_specs=[chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(kp), chunk_spec(kp), chunk_spec(kp),
                    pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, kp), lambda b, c, h: (b, c, h, 0))],
-        out_shape=[shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
-                   jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)],
+        out_shape=out_shape,
         compiler_params=_params(warps, tuning.intra_stages),
         interpret=interpret,
         name="kda_chunk_akk",
@@ -591,8 +611,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 # Decode: the recurrent step.
 
 
-def _recurrent_body(t, state, q_ref, k_ref, v_ref, g_ref, b_ref, o_ref, *, scale, l2norm, length):
-    """One token of the delta rule on a [K, BV] state slice; writes o[t] (zeros past `length`)."""
+def _load_token(t, q_ref, k_ref, v_ref, g_ref, b_ref, *, l2norm, length):
+    """Token t's inputs in f32: q, k (l2-normalised if asked) [K], v [BV], g [K] and beta, the last two zeroed past
+    `length`; and whether t is live."""
     q = q_ref[t, :].astype(jnp.float32)
     k = k_ref[t, :].astype(jnp.float32)
     if l2norm:
@@ -601,32 +622,58 @@ def _recurrent_body(t, state, q_ref, k_ref, v_ref, g_ref, b_ref, o_ref, *, scale
     live = t < length
     g = jnp.where(live, g_ref[t, :].astype(jnp.float32), 0.0)
     beta = jnp.where(live, b_ref[t].astype(jnp.float32), 0.0)
+    return q, k, v_ref[t, :].astype(jnp.float32), g, beta, live
+
+
+def _delta_step(state, token, scale):
+    """One token of the delta rule on a [K, BV] state slice: (new state, output [BV], zeros if the token is dead)."""
+    q, k, v, g, beta, live = token
     state = state * jnp.exp(g)[:, None]
-    delta = beta * (v_ref[t, :].astype(jnp.float32) - jnp.sum(k[:, None] * state, axis=0))
+    delta = beta * (v - jnp.sum(k[:, None] * state, axis=0))
     state = state + k[:, None] * delta[None, :]
     o = jnp.sum((q * scale)[:, None] * state, axis=0)
-    o_ref[t, :] = jnp.where(live, o, 0.0).astype(o_ref.dtype)
-    return state
+    return state, jnp.where(live, o, 0.0)
+
+
+def _recurrent_steps(load_state, steps, token_refs, o_ref, *, scale, l2norm, length):
+    """Runs `steps` tokens on the state that `load_state()` reads, writing o [steps, BV]; returns the new state.
+
+    A single token's inputs are read before the state, so that their reads overlap the state read (in the slots
+    kernel the state's address waits on the slot index read first)."""
+    def load(t):
+        return _load_token(t, *token_refs, l2norm=l2norm, length=length)
+
+    if steps == 1:
+        token = load(0)
+        state, o = _delta_step(load_state(), token, scale)
+        o_ref[0, :] = o.astype(o_ref.dtype)
+        return state
+
+    def body(t, state):
+        state, o = _delta_step(state, load(t), scale)
+        o_ref[t, :] = o.astype(o_ref.dtype)
+        return state
+
+    return jax.lax.fori_loop(0, steps, body, load_state())
 
 
 def _recurrent_kernel(*refs, steps, scale, l2norm, has_initial):
     len_ref, q_ref, k_ref, v_ref, g_ref, b_ref = refs[:6]
     h0_ref = refs[6] if has_initial else None
     o_ref, hT_ref = refs[-2:]
-    if has_initial:
-        state = h0_ref[...].astype(jnp.float32)
-    else:
-        state = jnp.zeros(hT_ref.shape, jnp.float32)
-    body = functools.partial(_recurrent_body, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, g_ref=g_ref, b_ref=b_ref,
-                             o_ref=o_ref, scale=scale, l2norm=l2norm, length=len_ref[0])
-    hT_ref[...] = jax.lax.fori_loop(0, steps, body, state)
+
+    def load_state():
+        return h0_ref[...].astype(jnp.float32) if has_initial else jnp.zeros(hT_ref.shape, jnp.float32)
+
+    hT_ref[...] = _recurrent_steps(load_state, steps, (q_ref, k_ref, v_ref, g_ref, b_ref), o_ref, scale=scale,
+                                   l2norm=l2norm, length=len_ref[0])
 
 
-def _token_specs(steps, kp, vp, block_v):
+def _token_specs(steps, kp, vp, block_v, order):
     sq = pl.squeezed
-    tok = lambda d: pl.BlockSpec((sq, steps, sq, d), lambda b, h, j: (b, 0, h, 0))
-    return [tok(kp), tok(kp), pl.BlockSpec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j)), tok(kp),
-            pl.BlockSpec((sq, steps, sq), lambda b, h, j: (b, 0, h))]
+    tok = lambda d: _bhv_spec((sq, steps, sq, d), lambda b, h, j: (b, 0, h, 0), order)
+    return [tok(kp), tok(kp), _bhv_spec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j), order), tok(kp),
+            _bhv_spec((sq, steps, sq), lambda b, h, j: (b, 0, h), order)]
 
 
 def _recurrent_inputs(q, k, v, g, beta, lengths, scale):
@@ -650,9 +697,10 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     q, k, v, g, beta, lengths, scale, kp, vp = _recurrent_inputs(q, k, v, g, beta, lengths, scale)
     block_v = min(tuning.decode_block_v, vp)
     sq = pl.squeezed
-    state_spec = pl.BlockSpec((sq, sq, kp, block_v), lambda b, h, j: (b, h, 0, j))
+    grid, order = _bhv_grid(batch, heads, vp // block_v, tuning.decode_v_fastest)
+    state_spec = _bhv_spec((sq, sq, kp, block_v), lambda b, h, j: (b, h, 0, j), order)
     inputs = [lengths, q, k, v, g, beta]
-    in_specs = [pl.BlockSpec((1,), lambda b, h, j: (b,))] + _token_specs(steps, kp, vp, block_v)
+    in_specs = [_bhv_spec((1,), lambda b, h, j: (b,), order)] + _token_specs(steps, kp, vp, block_v, order)
     if initial_state is not None:
         h0 = initial_state.astype(jnp.float32)
         inputs.append(jnp.pad(h0, ((0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim))))
@@ -660,9 +708,9 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
     o, final = pl.pallas_call(
         functools.partial(_recurrent_kernel, steps=steps, scale=scale, l2norm=use_qk_l2norm_in_kernel,
                           has_initial=initial_state is not None),
-        grid=(batch, heads, vp // block_v),
+        grid=grid,
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j)), state_spec],
+        out_specs=[_bhv_spec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j), order), state_spec],
         out_shape=[jax.ShapeDtypeStruct((batch, steps, heads, vp), q.dtype),
                    jax.ShapeDtypeStruct((batch, heads, kp, vp), jnp.float32)],
         compiler_params=_params(tuning.decode_warps),
@@ -674,14 +722,13 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
 
 
 def _slots_kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_ref, o_ref, pool_out_ref, *,
-                       steps, scale, l2norm, layer, block_v):
+                       steps, scale, l2norm, layer, block_v, v_fastest):
     head = pl.program_id(1)
-    cols = pl.ds(pl.program_id(2) * block_v, block_v)
+    cols = pl.ds(pl.program_id(0 if v_fastest else 2) * block_v, block_v)
     slot = slot_ref[0]
-    state = pool_ref[layer, slot, head, :, cols]
-    body = functools.partial(_recurrent_body, q_ref=q_ref, k_ref=k_ref, v_ref=v_ref, g_ref=g_ref, b_ref=b_ref,
-                             o_ref=o_ref, scale=scale, l2norm=l2norm, length=len_ref[0])
-    pool_out_ref[layer, slot, head, :, cols] = jax.lax.fori_loop(0, steps, body, state)
+    state = _recurrent_steps(lambda: pool_ref[layer, slot, head, :, cols], steps, (q_ref, k_ref, v_ref, g_ref, b_ref),
+                             o_ref, scale=scale, l2norm=l2norm, length=len_ref[0])
+    pool_out_ref[layer, slot, head, :, cols] = state
 
 
 def slots_supported(pool_shape) -> bool:
@@ -706,13 +753,14 @@ def fused_recurrent_kda_slots(q, k, v, g, beta, state_pool, slots, layer=0, scal
     q, k, v, g, beta, lengths, scale, kp, vp = _recurrent_inputs(q, k, v, g, beta, lengths, scale)
     block_v = min(tuning.decode_block_v, vp)
     sq = pl.squeezed
-    row = pl.BlockSpec((1,), lambda b, h, j: (b,))
+    grid, order = _bhv_grid(batch, heads, vp // block_v, tuning.decode_v_fastest)
+    row = _bhv_spec((1,), lambda b, h, j: (b,), order)
     o, pool = pl.pallas_call(
         functools.partial(_slots_kernel, steps=steps, scale=scale, l2norm=use_qk_l2norm_in_kernel,
-                          layer=layer, block_v=block_v),
-        grid=(batch, heads, vp // block_v),
-        in_specs=[row, row] + _token_specs(steps, kp, vp, block_v) + [pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=[pl.BlockSpec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j)),
+                          layer=layer, block_v=block_v, v_fastest=tuning.decode_v_fastest),
+        grid=grid,
+        in_specs=[row, row] + _token_specs(steps, kp, vp, block_v, order) + [pl.BlockSpec(memory_space=pl.ANY)],
+        out_specs=[_bhv_spec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j), order),
                    pl.BlockSpec(memory_space=pl.ANY)],
         out_shape=[jax.ShapeDtypeStruct((batch, steps, heads, vp), q.dtype),
                    jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],

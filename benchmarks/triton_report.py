@@ -1,0 +1,130 @@
+"""Registers, spills and shared memory of dayzero's Pallas kernels as Triton builds them for the H200, on a machine
+without a GPU: a resource report that costs no device time.
+
+    python benchmarks/triton_report.py [--op kda] [--warps 2,4,8] [--sass DIR]
+
+Each kernel of the chosen op is lowered for CUDA through `jax.export` (as tests/triton_lowering.py does), its Triton
+IR captured, compiled by the `triton` package for sm_90 with the kernel's own num_warps / num_stages (or each of
+--warps), and `ptxas -v`'s report printed. Needs `pip install triton==3.6.0` (the GPU image's version; its wheel
+carries ptxas and cuobjdump). jaxlib builds kernels with its own Triton, so these figures approximate the GPU's;
+what they show reliably is pressure: a kernel at 255 registers or with spill bytes runs few programs per
+multiprocessor and waits on local memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+_TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def capture_kernels(fn, *args) -> list[dict]:
+    """[{name, ir, num_warps, num_stages}] for every Pallas kernel `jax.jit(fn)(*args)` lowers to Triton for CUDA."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    modules = []
+    original = registration.lowering.lower_jaxpr_to_triton_module
+
+    def record(*a, **kw):
+        result = original(*a, **kw)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = record
+    try:
+        checks = [jax.export.DisabledSafetyCheck.custom_call(_TRITON_CALL)]
+        text = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = original
+    configs = []
+    for part in text.split(_TRITON_CALL)[1:]:  # backend_config attributes print sorted: ..., ir = "...", name, ...
+        rest = part[part.index('ir = "') + 6:]
+        rest = rest[re.search(r'(?<!\\)"', rest).end():]
+        attrs = rest[:rest.index("}")]
+        configs.append({key: int(re.search(key + r" = (\d+)", attrs).group(1)) for key in ("num_warps", "num_stages")}
+                       | {"name": re.search(r'name = "([^"]+)"', attrs).group(1)})
+    if len(configs) != len(modules):
+        raise RuntimeError(f"{len(modules)} Triton modules but {len(configs)} custom calls")
+    return [dict(config, ir=ir) for config, ir in zip(configs, modules)]
+
+
+def compile_report(ir: str, num_warps: int, num_stages: int, sass_path: str | None = None) -> dict:
+    """Build one kernel's Triton IR for sm_90; ptxas' registers / spill bytes / stack and Triton's shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "kernel.ttir")
+        with open(source, "w") as f:
+            f.write(ir)
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": num_warps, "num_stages": num_stages})
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+        if sass_path:
+            cubin = os.path.join(tmp, "kernel.cubin")
+            with open(cubin, "wb") as f:
+                f.write(kernel.asm["cubin"])
+            with open(sass_path, "w") as f:
+                f.write(subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
+                                       text=True, check=True).stdout)
+    number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, log)) else 0
+    return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
+            "spill_loads": number(r"(\d+) bytes spill loads"), "stack": number(r"(\d+) bytes stack frame"),
+            "shared": kernel.metadata.shared}
+
+
+def kda_cases() -> dict:
+    """The KDA kernels at the issue's benchmark shapes (B1 T8192 H32 D128 bf16 prefill; B64 decode)."""
+    from dayzero.kernels.kda import pallas
+
+    S = jax.ShapeDtypeStruct
+    B, T, H, D = 1, 8192, 32, 128
+    q, g, beta = S((B, T, H, D), jnp.bfloat16), S((B, T, H, D), jnp.float32), S((B, T, H), jnp.bfloat16)
+    state = S((B, H, D, D), jnp.float32)
+    chunk = lambda q, k, v, g, beta, h0: pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    dq, dg, dbeta = S((64, 1, H, D), jnp.bfloat16), S((64, 1, H, D), jnp.float32), S((64, 1, H), jnp.bfloat16)
+    pool, slots = S((1, 64, H, D, D), jnp.float32), S((64,), jnp.int32)
+    return {"chunk_kda B1 T8192": (chunk, (q, q, q, g, beta, state)),
+            "decode slots B64": (pallas.fused_recurrent_kda_slots, (dq, dq, dq, dg, dbeta, pool, slots))}
+
+
+CASES = {"kda": kda_cases}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--op", default="kda", choices=sorted(CASES))
+    parser.add_argument("--warps", help="comma-separated num_warps to build each kernel with (default: its own)")
+    parser.add_argument("--sass", help="folder to write each kernel's SASS into")
+    args = parser.parse_args(argv)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise SystemExit("needs the triton package: pip install triton==3.6.0")
+    print("| case | kernel | warps | stages | registers | spill bytes (st/ld) | stack | shared |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for case, (fn, shapes) in CASES[args.op]().items():
+        for kernel in capture_kernels(fn, *shapes):
+            for warps in ([int(w) for w in args.warps.split(",")] if args.warps else [kernel["num_warps"]]):
+                sass = os.path.join(args.sass, f"{kernel['name']}_w{warps}.sass") if args.sass else None
+                r = compile_report(kernel["ir"], warps, kernel["num_stages"], sass)
+                print(f"| {case} | {kernel['name']} | {warps} | {kernel['num_stages']} | {r['registers']} | "
+                      f"{r['spill_stores']}/{r['spill_loads']} | {r['stack']} | {r['shared']} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
