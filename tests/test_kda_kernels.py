@@ -175,7 +175,7 @@ def test_kernels_lower_to_triton(shape):
     for tuning, kernels in ((kda_pallas.KdaTuning(intra_variant="fused"), 2),
                             (kda_pallas.KdaTuning(intra_variant="split"), 3),
                             (kda_pallas.KdaTuning(intra_variant="split", intra_block_k=64, intra_bf16_dots=True), 3),
-                            (kda_pallas.KdaTuning(intra_variant="split", intra_block_k=32, intra_warps=4), 3)):
+                            (TUNINGS["split"], 3)):
         assert count_triton_kernels(lambda *a: chunk(*a, tuning), *args, state) == kernels, tuning
     for v_fastest in (False, True):
         tuning = kda_pallas.KdaTuning(decode_v_fastest=v_fastest)
