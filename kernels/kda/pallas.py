@@ -248,8 +248,20 @@ def _level_exponent(g, h):
     return jnp.where(odd == 1, inclusive, total - inclusive).reshape(rows, width)
 
 
+def _cumulative_level_exponent(cum, cum_ref, cols, h):
+    """`_level_exponent` from the chunk-cumulative log-decays instead of segmented sums: cum [C, W] (G, inclusive
+    from the chunk start) and the ref holding it, whose rows at each pair's reference (the last row of the even
+    h-block) are gathered (a row-indexed load, no reshape). Odd-block rows get G_t - G_ref, even-block rows
+    G_ref - G_s: both <= 0 since G never increases, so no positive exponent."""
+    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    ref_rows = (row & ~(2 * h - 1)) + (h - 1)
+    at_ref = cum_ref[ref_rows, cols]
+    odd = ((row & h) != 0)[:, None]
+    return jnp.minimum(jnp.where(odd, cum - at_ref, at_ref - cum), 0.0)
+
+
 def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, kd_ref, x_ref, gl_ref, *, scale,
-                l2norm, precision, block_k, dot_dtype):
+                l2norm, precision, block_k, dot_dtype, cumulative=False):
     """One chunk, all 64 rows at once, over slices of `block_k` channels (a loop Triton keeps as a loop).
 
     For each level h the chunk's keys and queries are scaled by exp(level exponent) (one exp per element and level)
@@ -257,7 +269,8 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
     pair s < t, the diagonal of A_qk is q_t . k_t. Writes A_kk (beta-scaled, strictly lower, f32), A_qk, q exp(G),
     k exp(G_C - G), G_C and x = beta k exp(G) (the right-hand side of w, rounded to the input dtype as fla does);
     kernel 1b reads A_kk back by 16 x 16 blocks. Products on `dot_dtype` operands (f32: tf32 on the GPU for 16-bit
-    inputs, exact for f32 inputs; or bf16).
+    inputs, exact for f32 inputs; or bf16). With `cumulative`, g_ref holds the chunk-cumulative log-decays G (zero
+    increments past the row's length) and the level exponents come from `_cumulative_level_exponent`.
     """
     chunk = pl.program_id(1)
     key_dim = q_ref.shape[-1]
@@ -292,17 +305,23 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
         a_kk, a_qk, diag = carry
         q = load(q_ref, kb) * q_mul
         k = load(k_ref, kb) * k_mul
-        g = jnp.where(live, load(g_ref, kb), 0.0)
+        if cumulative:
+            cum = load(g_ref, kb)  # G within the chunk
+            g_last = g_ref[CHUNK - 1, cols(kb)]
+            exponent = lambda h: _cumulative_level_exponent(cum, g_ref, cols(kb), h)
+        else:
+            g = jnp.where(live, load(g_ref, kb), 0.0)
+            cum = jnp.cumsum(g, axis=0)  # G within the chunk
+            g_last = jnp.sum(g, axis=0)
+            exponent = lambda h: _level_exponent(g, h)
         differ = r ^ c
         for h in _LEVELS:
-            f = jnp.exp(_level_exponent(g, h))
+            f = jnp.exp(exponent(h))
             kf, qf = (k * f).astype(dot_dtype), (q * f).astype(dot_dtype)
             pairs = (differ >= h) & (differ < 2 * h)
             a_kk = a_kk + jnp.where(pairs, _mm_nt(kf, kf, precision), 0.0)
             a_qk = a_qk + jnp.where(pairs, _mm_nt(qf, kf, precision), 0.0)
         diag = diag + jnp.sum(q * k, axis=1, keepdims=True)
-        cum = jnp.cumsum(g, axis=0)  # G within the chunk
-        g_last = jnp.sum(g, axis=0)
         decay = jnp.exp(cum)
         qg_ref[:, cols(kb)] = (q * decay).astype(io_dtype)
         x_ref[:, cols(kb)] = (beta * k * decay).astype(io_dtype)
@@ -430,6 +449,10 @@ class KdaTuning:
     intra_block_k: int = 32
     wy_warps: int = 4
     intra_bf16_dots: bool = True
+    # Kernel 1a's level exponents from a precomputed chunk-cumulative G (an XLA cumsum before the kernel) and rows of
+    # it gathered at each level's reference, instead of per-level reshapes and segmented cumsums (which spill:
+    # NOTES_kda.md). Not yet measured on a GPU, so off by default.
+    intra_cumulative: bool = False
 
 
 DEFAULT_TUNING = KdaTuning()
@@ -499,9 +522,13 @@ def chunk_akk(q, k, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=
     chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
     out_shape = [shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
                  jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)]
+    if tuning.intra_cumulative:  # kernel 1a reads G, the chunk-cumulative log-decays (zero increments past lengths)
+        live = jnp.arange(t_pad)[None, :, None, None] < lengths[:, None, None, None]
+        g = jnp.where(live, g.astype(jnp.float32), 0.0).reshape(batch, n_chunks, CHUNK, heads, kp)
+        g = jnp.cumsum(g, axis=2).reshape(batch, t_pad, heads, kp)
     return pl.pallas_call(
         functools.partial(_akk_kernel, scale=scale, l2norm=l2norm, precision=precision,
-                          block_k=min(block_k, kp), dot_dtype=dot_dtype),
+                          block_k=min(block_k, kp), dot_dtype=dot_dtype, cumulative=tuning.intra_cumulative),
         grid=(batch, n_chunks, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(kp), chunk_spec(kp), beta_spec],
         out_specs=[chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(kp), chunk_spec(kp), chunk_spec(kp),
