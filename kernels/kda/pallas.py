@@ -270,7 +270,8 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
     k exp(G_C - G), G_C and x = beta k exp(G) (the right-hand side of w, rounded to the input dtype as fla does);
     kernel 1b reads A_kk back by 16 x 16 blocks. Products on `dot_dtype` operands (f32: tf32 on the GPU for 16-bit
     inputs, exact for f32 inputs; or bf16). With `cumulative`, g_ref holds the chunk-cumulative log-decays G (zero
-    increments past the row's length) and the level exponents come from `_cumulative_level_exponent`.
+    increments past the row's length) and the level exponents come from `_cumulative_level_exponent`, whose level h
+    may be traced, so the six levels run as a loop (one level's temporaries live at a time).
     """
     chunk = pl.program_id(1)
     key_dim = q_ref.shape[-1]
@@ -315,12 +316,20 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
             g_last = jnp.sum(g, axis=0)
             exponent = lambda h: _level_exponent(g, h)
         differ = r ^ c
-        for h in _LEVELS:
+
+        def level(h, a_kk, a_qk):
             f = jnp.exp(exponent(h))
             kf, qf = (k * f).astype(dot_dtype), (q * f).astype(dot_dtype)
             pairs = (differ >= h) & (differ < 2 * h)
-            a_kk = a_kk + jnp.where(pairs, _mm_nt(kf, kf, precision), 0.0)
-            a_qk = a_qk + jnp.where(pairs, _mm_nt(qf, kf, precision), 0.0)
+            return (a_kk + jnp.where(pairs, _mm_nt(kf, kf, precision), 0.0),
+                    a_qk + jnp.where(pairs, _mm_nt(qf, kf, precision), 0.0))
+
+        if cumulative:  # h may be traced: the levels run as a loop, one at a time
+            a_kk, a_qk = jax.lax.fori_loop(0, len(_LEVELS), lambda i, acc: level(_LEVELS[0] >> i, *acc),
+                                           (a_kk, a_qk))
+        else:
+            for h in _LEVELS:
+                a_kk, a_qk = level(h, a_kk, a_qk)
         diag = diag + jnp.sum(q * k, axis=1, keepdims=True)
         decay = jnp.exp(cum)
         qg_ref[:, cols(kb)] = (q * decay).astype(io_dtype)
@@ -450,8 +459,9 @@ class KdaTuning:
     wy_warps: int = 4
     intra_bf16_dots: bool = True
     # Kernel 1a's level exponents from a precomputed chunk-cumulative G (an XLA cumsum before the kernel) and rows of
-    # it gathered at each level's reference, instead of per-level reshapes and segmented cumsums (which spill:
-    # NOTES_kda.md). Not yet measured on a GPU, so off by default.
+    # it gathered at each level's reference, the six levels then a loop rather than unrolled: no per-level reshape
+    # or segmented cumsum, and no spills (185 registers at 32 channels x 8 warps, built offline; the segmented form
+    # sits at 255 with spills: NOTES_kda.md). Not yet measured on a GPU, so off by default.
     intra_cumulative: bool = False
 
 
