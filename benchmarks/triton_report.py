@@ -94,14 +94,15 @@ def kda_cases() -> dict:
     B, T, H, D = 1, 8192, 32, 128
     q, g, beta = S((B, T, H, D), jnp.bfloat16), S((B, T, H, D), jnp.float32), S((B, T, H), jnp.bfloat16)
     state = S((B, H, D, D), jnp.float32)
-    chunk = lambda q, k, v, g, beta, h0: pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    def chunk(tuning=pallas.DEFAULT_TUNING):
+        return lambda q, k, v, g, beta, h0: pallas.chunk_kda(q, k, v, g, beta, initial_state=h0,
+                                                             output_final_state=True, tuning=tuning)
+
     dq, dg, dbeta = S((64, 1, H, D), jnp.bfloat16), S((64, 1, H, D), jnp.float32), S((64, 1, H), jnp.bfloat16)
     pool, slots = S((1, 64, H, D, D), jnp.float32), S((64,), jnp.int32)
-    cumulative = pallas.KdaTuning(intra_cumulative=True)
-    chunk_cumulative = lambda q, k, v, g, beta, h0: pallas.chunk_kda(q, k, v, g, beta, initial_state=h0,
-                                                                     output_final_state=True, tuning=cumulative)
-    return {"chunk_kda B1 T8192": (chunk, (q, q, q, g, beta, state)),
-            "chunk_kda B1 T8192 intra_cumulative": (chunk_cumulative, (q, q, q, g, beta, state)),
+    return {"chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
+            "chunk_kda B1 T8192 intra_cumulative": (chunk(pallas.KdaTuning(intra_cumulative=True)),
+                                                    (q, q, q, g, beta, state)),
             "decode slots B64": (pallas.fused_recurrent_kda_slots, (dq, dq, dq, dg, dbeta, pool, slots))}
 
 
