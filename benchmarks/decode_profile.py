@@ -16,7 +16,6 @@ import argparse
 import collections
 import datetime
 import glob
-import gzip
 import json
 import os
 import re
@@ -32,10 +31,12 @@ from dayzero.model.presets import get_preset
 from dayzero.serving import Engine, EngineConfig
 from dayzero.serving.runner import StepRows
 
+from gpu_trace import gpu_kernels, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 
 STEPS = 4
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = .*?metadata=\{op_name="([^"]*)"')
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = \(?(\w+\[[\d,]*\])?.*?metadata=\{op_name="([^"]*)"')
+_NUMBERED = re.compile(r"(_\d+)+$")  # a kernel name's instance numbers: `gemm_fusion_dot_255` -> `gemm_fusion_dot`
 _DEDUPLICATED = re.compile(r'deduplicated_name="([\w.\-]+)"')
 _PREFIXES = ("jit(_decode)/while/body/eval_jaxpr/", "jit(_decode)/while/body/closed_call/", "jit(_decode)/")
 
@@ -51,17 +52,19 @@ def op_label(op_name: str) -> str:
 
 
 def kernel_ops(hlo_text: str) -> dict[str, str]:
-    """Kernel name -> op label, from optimized HLO text: a fusion or custom call `%input_reduce_fusion.98` runs as
-    kernel `input_reduce_fusion_98` (dots become underscores). Instructions that XLA compiled to one shared kernel
-    carry the same `deduplicated_name`; the kernel is named after the first of them in schedule order and gets all
-    their labels, joined by " | "."""
+    """Kernel name -> op label and output type, from optimized HLO text: a fusion or custom call
+    `%input_reduce_fusion.98` runs as kernel `input_reduce_fusion_98` (dots become underscores). Instructions that
+    XLA compiled to one shared kernel carry the same `deduplicated_name`; the kernel is named after the first of them
+    in schedule order and gets all their labels, joined by " | "."""
     labels = collections.defaultdict(set)
     first_of_group = {}
     for line in hlo_text.splitlines():
         match = _INSTRUCTION.match(line)
         if not match:
             continue
-        name, label = match.group(1), op_label(match.group(2))
+        name, label = match.group(1), op_label(match.group(3))
+        if match.group(2):  # the (first) output's type: which of the op's shapes this kernel is
+            label = f"{label} -> {match.group(2)}"
         shared = _DEDUPLICATED.search(line)
         kernel = first_of_group.setdefault(shared.group(1), name) if shared else name
         labels[kernel.replace(".", "_")].add(label)
@@ -71,15 +74,14 @@ def kernel_ops(hlo_text: str) -> dict[str, str]:
 
 def attribute(events: list[dict], ops: dict[str, str], n_tokens: int) -> tuple[list[tuple[str, float, float]], float, float]:
     """GPU kernel events -> ([(op label, ms per token, kernels per token)] by time, total ms, kernels per token).
+    A label is the op and, in brackets, the kind of kernel XLA made of it (`gemm_fusion_dot`, `loop_fusion`, ...).
     Kernels the HLO does not name (Pallas kernels run under their own names, library GEMMs) keep their name."""
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "GPU" in str(e.get("args", {}).get("name", ""))}
     time_us, count = collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("ph") == "X" and "dur" in e and e.get("pid") in gpu_pids:
-            label = ops.get(e["name"], e["name"])
-            time_us[label] += e["dur"]
-            count[label] += 1
+    for e in gpu_kernels(events):
+        label = ops.get(e["name"])
+        label = e["name"] if label is None else f"{label} [{_NUMBERED.sub('', e['name'])}]"
+        time_us[label] += e["dur"]
+        count[label] += 1
     rows = [(label, us / n_tokens / 1e3, count[label] / n_tokens) for label, us in time_us.most_common()]
     return rows, sum(time_us.values()) / n_tokens / 1e3, sum(count.values()) / n_tokens
 
@@ -94,10 +96,11 @@ def engine_for(model: Model, kind: str, batch: int) -> Engine:
                                             enable_prefix_caching=False))
 
 
-def decode_rows(batch: int, context: int) -> StepRows:
-    """A 4-step decode dispatch of `batch` rows at position `context`, each row on its own 4 blocks and slot."""
+def decode_rows(batch: int, context: int, vocab_size: int) -> StepRows:
+    """A 4-step decode dispatch of `batch` rows at position `context`, each row on its own 4 blocks and slot, with
+    random input tokens (one token in every row would route every row to the same experts)."""
     rows = StepRows.padding(batch, 1, 4, decode_steps=STEPS)
-    rows.tokens[:] = 1
+    rows.tokens[:] = np.random.default_rng(batch).integers(3, vocab_size, rows.tokens.shape)
     rows.positions[:] = context
     rows.valid[:] = True
     rows.steps[:] = STEPS
@@ -130,16 +133,26 @@ def profile(engine: Engine, rows: StepRows, hlo_folder: str, repeats: int = 50) 
         engine.runner.run(rows, True)
     waited = (time.perf_counter() - start) / repeats
     traced = 5
-    with tempfile.TemporaryDirectory(prefix="dayzero_trace_") as trace_dir:
-        jax.profiler.start_trace(trace_dir)
-        for _ in range(traced):
-            engine.runner.run(rows, True)
-        jax.profiler.stop_trace()
-        files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-        events = json.load(gzip.open(files[0]))["traceEvents"] if files else []
+    events = traced_events(lambda: [engine.runner.run(rows, True) for _ in range(traced)])
     ops, total_ms, kernels = attribute(events, kernel_ops(latest_hlo(hlo_folder)), traced * STEPS)
     return {"pipelined_ms_per_token": pipelined / STEPS * 1e3, "waited_ms_per_token": waited / STEPS * 1e3,
             "gpu_ms_per_token": total_ms, "kernels_per_token": kernels, "ops": ops}
+
+
+def use_xla_options(pairs: list[str]) -> dict[str, object]:
+    """Adds `NAME=VALUE` XLA options (true/false/ints parsed) to the options dayzero's model functions compile with
+    on GPUs, for this process; returns them."""
+    from dayzero.kernels import dispatch
+
+    def value(text: str):
+        lowered = text.lower()
+        return lowered == "true" if lowered in ("true", "false") else int(text) if text.lstrip("-").isdigit() else text
+
+    extra = {name: value(text) for name, _, text in (pair.partition("=") for pair in pairs)}
+    if extra:
+        dispatch._COMPILER_OPTIONS = {platform: {**options, **extra}
+                                      for platform, options in dispatch._COMPILER_OPTIONS.items()}
+    return extra
 
 
 def run(args, hlo_folder: str) -> dict:
@@ -148,7 +161,7 @@ def run(args, hlo_folder: str) -> dict:
     summary = {}
     for batch in (int(b) for b in args.batches.split(",")):
         engine = engine_for(model, args.engine, batch)
-        result = profile(engine, decode_rows(batch, args.context), hlo_folder)
+        result = profile(engine, decode_rows(batch, args.context, model.config.vocab_size), hlo_folder)
         print(f"\nbatch {batch}: {result['pipelined_ms_per_token']:.3f} ms per token pipelined, "
               f"{result['waited_ms_per_token']:.3f} ms waited on; GPU kernels {result['gpu_ms_per_token']:.3f} ms, "
               f"{result['kernels_per_token']:.0f} kernels per token")
@@ -169,14 +182,18 @@ def main(argv=None) -> int:
     parser.add_argument("--engine", choices=("serving", "small"), default="serving")
     parser.add_argument("--context", type=int, default=200, help="position of the decoded tokens (< 256)")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an XLA option added to dayzero's GPU compile options (repeatable), to try one")
     args = parser.parse_args(argv)
+    extra = use_xla_options(args.xla_option)
     with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder:
         dump_hlo_to(hlo_folder)
         summary = run(args, hlo_folder)
     device = jax.devices()[0]
     append_line(args.results, f"- {datetime.date.today()} decode_profile.py, {device.device_kind}, commit "
                               f"{git_commit()}, jax {jax.__version__}, {args.preset} (random bf16), engine options "
-                              f"'{args.engine}', {STEPS} steps per dispatch at position {args.context}, per token: "
+                              f"'{args.engine}', XLA options added {extra or 'none'}, {STEPS} steps per dispatch "
+                              f"at position {args.context}, per token: "
                               f"{json.dumps(summary)}\n")
     return 0
 

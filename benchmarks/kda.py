@@ -9,8 +9,10 @@ Prefill: chunk_kda at B1 H32 D128 bf16, T 8192 and 32768 (inputs as ../shared/an
 intra_variant name, then optional `field=value` overrides of KdaTuning fields) is compiled (compile seconds
 reported), checked against the reference, and timed twice: prefill kernel 1 alone (`chunk_intra`) and the whole
 chunk_kda; T32768 runs the fastest. Decode: one token per row at B1 and B64, device time per step from 50 steps
-unrolled inside one jitted function (the state pool updated in place), and the effective state bandwidth (state
-read + written, f32). Prints a table and, when a GPU ran it, appends a dated line to RESULTS.md.
+unrolled inside one jitted function (the state pool updated in place), the effective state bandwidth (state
+read + written, f32), and the same 50 kernels as the profiler times them (median kernel, and the span per kernel
+with launch gaps; the best median gives `decode_B*_kernel_*`). Prints a table and, when a GPU ran it, appends a
+dated line to RESULTS.md.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import time
 
+from gpu_trace import gpu_kernels, kernel_time_split, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 
 H, D = 32, 128
@@ -211,13 +214,15 @@ def measure_dayzero(tunings: dict, decode: bool = True) -> dict:
     if not decode:
         return res
 
-    decode_tunings = {f"bv{bv}w{w}{'vf' if vf else ''}": pallas.KdaTuning(decode_block_v=bv, decode_warps=w,
-                                                                          decode_v_fastest=vf)
-                      for bv, w, vf in ((64, 4, False), (32, 4, True), (64, 4, True), (64, 8, True))}
+    # name: V columns, warps, "vf" when V blocks launch side by side, "after" for the output reduced after the update
+    decode_tunings = {f"bv{bv}w{w}{'vf' if vf else ''}{'' if before else 'after'}": pallas.KdaTuning(
+        decode_block_v=bv, decode_warps=w, decode_v_fastest=vf, decode_output_before_update=before)
+        for bv, w, vf, before in ((64, 4, True, False), (64, 8, True, False), (32, 4, True, True), (64, 4, True, True),
+                                  (64, 8, True, True), (128, 4, True, True))}
     for B in sorted(DECODE_B, reverse=True):
         q, k, v, g, beta, h0 = inputs(B, 1, jax.random.key(B))
         slots = jnp.arange(B, dtype=jnp.int32)
-        best = None
+        best, best_kernel = None, None
         for name in decode_tunings:  # every launch shape at every batch: the best at B64 is not the best at B1
             @functools.partial(jax.jit, donate_argnums=(5,))
             def decode_loop(q, k, v, g, beta, pool, slots, t=decode_tunings[name]):
@@ -238,8 +243,21 @@ def measure_dayzero(tunings: dict, decode: bool = True) -> dict:
             res[f"decode_B{B}_{name}_us"] = round(us, 2)
             if best is None or us < best:
                 best, best_name = us, name
+            # the same 50 kernels as the profiler times them: kernel time apart from the gaps between launches
+            traced = {}
+            events = traced_events(lambda: traced.update(out=jax.block_until_ready(decode_loop(
+                q, k, v, g, beta, pool, slots))))
+            pool = traced["out"][1]
+            split = kernel_time_split(gpu_kernels(events), "kda_recurrent_slots")
+            res[f"decode_B{B}_{name}_profiled"] = split
+            if split.get("median_us") and (best_kernel is None or split["median_us"] < best_kernel):
+                best_kernel, best_kernel_name = split["median_us"], name
         res[f"decode_B{B}_us"] = round(best, 2)
         res[f"decode_B{B}_best"] = best_name
+        if best_kernel is not None:
+            res[f"decode_B{B}_kernel_us"] = best_kernel
+            res[f"decode_B{B}_kernel_best"] = best_kernel_name
+            res[f"decode_B{B}_kernel_state_TBps"] = round(B * H * D * D * 4 * 2 / (best_kernel * 1e-6) / 1e12, 3)
         res[f"decode_B{B}_state_TBps"] = round(B * H * D * D * 4 * 2 / (best * 1e-6) / 1e12, 3)
     return res
 
@@ -279,8 +297,10 @@ def main(argv=None) -> int:
     for B in DECODE_B if not args.no_decode else ():
         a = ours[f"decode_B{B}_us"]
         b = peer.get(f"decode_B{B}_graph_us")
+        kernel = (f"; profiled kernel {ours[f'decode_B{B}_kernel_us']} us, {ours[f'decode_B{B}_kernel_state_TBps']} "
+                  f"TB/s, {ours[f'decode_B{B}_kernel_best']}" if f"decode_B{B}_kernel_us" in ours else "")
         print(f"| decode step B{B} (us, device, {ours[f'decode_B{B}_best']}) | {a} "
-              f"({ours[f'decode_B{B}_state_TBps']} TB/s) | "
+              f"({ours[f'decode_B{B}_state_TBps']} TB/s{kernel}) | "
               f"{b or '-'} (host loop {peer.get(f'decode_B{B}_host_us', '-')}) | {round(b / a, 2) if b else '-'} |")
     line = (f"- {datetime.date.today()} kda.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__},"
             f" Pallas (Triton) kernels: dayzero {json.dumps(ours)}; fla-core 0.6.0 same run "

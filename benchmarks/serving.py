@@ -3,7 +3,8 @@
 Measures TTFT at prompts of 2K and 32K tokens, ITL and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens,
 64 new tokens each), every shape compiled before it is timed, and the bandwidth floor of a batch-1 decode step
 (active params in bf16 at 4.0 TB/s). With `--peer SCRIPT` it runs the peer stack's anchor script
-(../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same run and reports it beside ours.
+(../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same run and reports it beside ours;
+with `--trace-batches 1,16` those batches' generate runs once more under the profiler (GPU busy and idle time).
 Prints a table and appends one dated line to the results file.
 """
 
@@ -23,6 +24,7 @@ from dayzero.model import Model
 from dayzero.model.presets import active_parameters, get_preset
 from dayzero.serving import Engine, EngineConfig, SamplingParams
 
+from gpu_trace import busy_summary, gpu_kernels, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 
 
@@ -66,7 +68,10 @@ def main(argv=None) -> int:
                         help="decode steps per dispatch (the engine option)")
     parser.add_argument("--no-overlap-decode", action="store_true",
                         help="read each decode dispatch's tokens before launching the next (the engine option)")
+    parser.add_argument("--trace-batches", default="", help="comma-separated batch sizes whose generate runs once "
+                        "more under the profiler: GPU busy time, idle share and kernel time by XLA module")
     args = parser.parse_args(argv)
+    args.trace_batches = {int(b) for b in args.trace_batches.split(",") if b}
     device = jax.devices()[0]
     config = get_preset("medium_hybrid")
     t0 = time.perf_counter()
@@ -87,6 +92,7 @@ def main(argv=None) -> int:
         res[f"ttft_P{length}_ms"] = round(outs[0].ttft * 1e3, 2)
         print(f"TTFT prompt {length}: {outs[0].ttft * 1e3:.1f} ms")
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    traces = {}
     for batch in (1, 16, 64):
         prompts = [rng.integers(3, config.vocab_size, 128).tolist() for _ in range(batch)]
         outs, wall = timed_generate(engine, prompts, params)
@@ -96,6 +102,12 @@ def main(argv=None) -> int:
         res[f"tok_s_B{batch}"] = round(tokens / wall, 1)
         print(f"batch {batch}: ITL (median of per-request means) {itl * 1e3:.2f} ms, {tokens / wall:.1f} tokens/s overall, "
               f"decode-only {batch / itl:.1f} tokens/s")
+        if batch in args.trace_batches:  # the same generate again, traced: where the ITL goes on the GPU
+            events = traced_events(lambda: engine.generate(prompt_token_ids=prompts, sampling_params=params))
+            traces[batch] = busy_summary(gpu_kernels(events))
+            print(f"batch {batch} traced: {json.dumps(traces[batch])}")
+    if traces:
+        res["traced"] = traces
     res["bandwidth_floor_b1_ms"] = round(floor_ms, 3)
     res["compilations"] = engine.num_compilations
     peer = run_peer(args.peer, args.peer_timeout) if args.peer else {}

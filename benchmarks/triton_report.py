@@ -101,8 +101,6 @@ def kda_cases() -> dict:
     dq, dg, dbeta = S((64, 1, H, D), jnp.bfloat16), S((64, 1, H, D), jnp.float32), S((64, 1, H), jnp.bfloat16)
     pool, slots = S((1, 64, H, D, D), jnp.float32), S((64,), jnp.int32)
     return {"chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
-            "chunk_kda B1 T8192 intra_cumulative": (chunk(pallas.KdaTuning(intra_cumulative=True)),
-                                                    (q, q, q, g, beta, state)),
             "decode slots B64": (pallas.fused_recurrent_kda_slots, (dq, dq, dq, dg, dbeta, pool, slots))}
 
 

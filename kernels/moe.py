@@ -23,6 +23,24 @@ from .mxfp4 import ExpertWeights
 PACKED_GPU_VERIFIED = True
 
 
+def swiglu_as_one_expert(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                         impl: str | None = None) -> jax.Array | None:
+    """A dense SwiGLU MLP (a shared expert) through `moe_dense`'s grouped matmuls, as one expert that every token
+    uses with weight 1: x [N, H], w_gate/w_up [H, I], w_down [I, H] -> [N, H] of x.dtype. None where dispatch does
+    not pick those kernels (`impl` overrides) or they do not take the shape: the caller then runs its own layers.
+
+    Why: at decode sizes XLA's GEMM for [1, H] @ [H, 2I] read the medium hybrid's shared expert at ~0.4 TB/s on an
+    H200 (16 us per layer, benchmarks/NOTES_serving.md); the grouped kernels split K at one token.
+    """
+    kind = dispatch.choose("moe_dense", ("reference", "pallas"), impl, gpu_verified=moe_dense.GPU_VERIFIED)
+    if kind == "reference" or not moe_dense.supported(w_gate.shape[0], w_gate.shape[1]):
+        return None
+    ids = jnp.zeros((x.shape[0], 1), jnp.int32)
+    ones = jnp.ones((x.shape[0], 1), jnp.float32)
+    return moe_dense.grouped_swiglu(x, ids, ones, w_gate[None], w_up[None], w_down[None],
+                                    interpret=kind == "interpret")
+
+
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                 w_down: jax.Array, block_m: int | None | str = "auto", impl: str | None = None) -> jax.Array:
     """x [N, H], topk_ids [N, k] int, topk_weights [N, k] f32, w_gate/w_up [E, H, I], w_down [E, I, H] -> [N, H].

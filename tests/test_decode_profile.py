@@ -8,6 +8,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 
 import decode_profile  # noqa: E402
+import gpu_trace  # noqa: E402
 
 HLO = """
   %input_reduce_fusion.98 = bf16[2048]{0} fusion(%a), kind=kCustom, calls=%r.98, metadata={op_name="jit(_decode)/while/body/eval_jaxpr/Decoder.step/layers_0.step/self_attn.step/self_attn._inputs/v_proj/dot_general" deduplicated_name="input_reduce_fusion.96" scheduling_name="x"}
@@ -19,10 +20,10 @@ HLO = """
 
 def test_kernels_are_named_after_the_first_of_their_shared_group():
     ops = decode_profile.kernel_ops(HLO)
-    assert ops["input_reduce_fusion_98"] == ("attn: self_attn._inputs/q_proj/dot_general | "
-                                             "attn: self_attn._inputs/v_proj/dot_general")
+    assert ops["input_reduce_fusion_98"] == ("attn: self_attn._inputs/q_proj/dot_general -> bf16[2048] | "
+                                             "attn: self_attn._inputs/v_proj/dot_general -> bf16[2048]")
     assert "input_reduce_fusion_96" not in ops  # it runs as _98's kernel
-    assert ops["fusion_7"] == "mlp: mlp/shared_experts/up_proj/dot_general"
+    assert ops["fusion_7"] == "mlp: mlp/shared_experts/up_proj/dot_general -> bf16[1,2048]"
 
 
 def test_attribution_counts_gpu_kernels_per_token():
@@ -34,6 +35,38 @@ def test_attribution_counts_gpu_kernels_per_token():
               {"ph": "X", "pid": 3, "name": "moe_dense_gate_up", "dur": 4.0},
               {"ph": "X", "pid": 1, "name": "input_reduce_fusion_98", "dur": 500.0}]  # host event: not counted
     rows, total_ms, kernels = decode_profile.attribute(events, ops, n_tokens=2)
-    assert rows[0] == (ops["input_reduce_fusion_98"], 0.006, 1.0)
+    assert rows[0] == (ops["input_reduce_fusion_98"] + " [input_reduce_fusion]", 0.006, 1.0)
     assert rows[1] == ("moe_dense_gate_up", 0.002, 0.5)  # Pallas kernels keep their own name
     assert abs(total_ms - 0.008) < 1e-12 and kernels == 1.5
+
+
+def test_busy_summary_merges_overlapping_kernels_and_groups_by_module():
+    gpu = {"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:0"}}
+    kernel = lambda ts, dur, module: {"ph": "X", "pid": 3, "name": "k", "ts": ts, "dur": dur,
+                                      "args": {"hlo_module": module}}
+    events = [gpu, kernel(100.0, 50.0, "jit__decode"), kernel(120.0, 50.0, "jit__decode"),  # overlap: 70 busy
+              kernel(400.0, 100.0, "jit__prefill")]
+    summary = gpu_trace.busy_summary(gpu_trace.gpu_kernels(events))
+    assert summary["span_ms"] == 0.4 and summary["busy_ms"] == 0.17
+    assert summary["idle_share"] == round(1 - 170 / 400, 3)
+    assert summary["by_module"] == {"jit__decode": {"ms": 0.1, "kernels": 2}, "jit__prefill": {"ms": 0.1, "kernels": 1}}
+    assert gpu_trace.busy_summary([]) == {"kernels": 0}
+
+
+def test_kernel_time_split_reports_median_and_span_with_gaps():
+    events = [{"name": "kda_recurrent_slots", "ts": 0.0, "dur": 5.0}, {"name": "other", "ts": 6.0, "dur": 1.0},
+              {"name": "kda_recurrent_slots", "ts": 10.0, "dur": 7.0}]
+    split = gpu_trace.kernel_time_split(events, "kda_recurrent")
+    assert split == {"count": 2, "median_us": 7.0, "mean_us": 6.0, "span_per_kernel_us": 8.5}
+    assert gpu_trace.kernel_time_split(events, "missing") == {"count": 0}
+
+
+def test_xla_options_are_added_to_the_gpu_compile_options(monkeypatch):
+    from dayzero.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_COMPILER_OPTIONS", dict(dispatch._COMPILER_OPTIONS))
+    extra = decode_profile.use_xla_options(["xla_gpu_enable_triton_gemm=false", "xla_gpu_autotune_level=2"])
+    assert extra == {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 2}
+    cuda = dispatch.compiler_options("cuda")
+    assert cuda["xla_gpu_enable_triton_gemm"] is False and cuda["xla_disable_hlo_passes"] == "dot-strength-reduction"
+    assert dispatch.compiler_options("cpu") == {}

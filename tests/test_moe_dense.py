@@ -74,3 +74,34 @@ def test_dispatch_and_tiles():
     assert dispatch.choose("moe_dense", ("reference", "pallas"), platform="cpu") == "reference"
     assert not moe_dense.supported(40, 24) and moe_dense.supported(2048, 768)
     assert moe_dense.choose_tiles(6, 64).block_m == 16 and moe_dense.choose_tiles(2048 * 6, 64).block_m == 64
+
+
+def test_shared_expert_runs_as_one_grouped_expert_at_decode_sizes(seed, monkeypatch):
+    """The MoE block's shared-expert MLP: calls of up to `grouped_max_tokens` tokens run through the grouped kernels
+    as one expert (interpret mode here) and equal the dense layers; longer calls and the CPU's default dispatch
+    keep the dense layers exactly."""
+    from dayzero.model.moe import MLP
+
+    rng = np.random.default_rng(seed)
+    hidden, inter = 32, 48
+    grouped, plain = MLP(inter, hidden, jnp.float32, grouped_max_tokens=4), MLP(inter, hidden, jnp.float32)
+    params = plain.init(jax.random.key(seed % 2**31), jnp.zeros((1, 1, hidden)))
+    params = jax.tree.map(lambda p: p * 10.0, params)  # weights of order 0.2: outputs well above rounding
+    monkeypatch.setenv(dispatch.ENV_OVERRIDE, "interpret")
+    for tokens in (1, 4, 5):
+        x = jnp.asarray(rng.standard_normal((1, tokens, hidden)), jnp.float32)
+        want = np.asarray(plain.apply(params, x))
+        got = np.asarray(grouped.apply(params, x))
+        assert got.shape == want.shape == (1, tokens, hidden)
+        if tokens <= 4:
+            assert rel_err(got, want) < 1e-5, tokens
+            w = params["params"]
+            direct = moe.swiglu_as_one_expert(x[0], w["gate_proj"]["kernel"], w["up_proj"]["kernel"],
+                                              w["down_proj"]["kernel"])
+            assert direct is not None and np.array_equal(np.asarray(direct), got[0])
+        else:  # above the threshold: the dense layers themselves
+            assert np.array_equal(got, want)
+    monkeypatch.delenv(dispatch.ENV_OVERRIDE)
+    w = params["params"]
+    assert moe.swiglu_as_one_expert(x[0], w["gate_proj"]["kernel"], w["up_proj"]["kernel"],
+                                    w["down_proj"]["kernel"]) is None  # CPU: the caller's dense layers run

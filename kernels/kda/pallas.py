@@ -22,8 +22,9 @@ the slot variant reads and writes the state pool in place by slot index.
 
 Rows may have different lengths (`lengths` [B]): tokens at or past a row's length leave its state unchanged and
 produce zeros. Head dims that are not powers of two >= 16 are zero-padded (padded channels change nothing).
-Measured on the H200 (benchmarks/RESULTS.md, NOTES_kda.md): chunk_kda 1.26 ms at B1 T8192 H32 D128 (kernel 1a
-0.84 ms of it, 1b 0.20, the state pass ~0.24), about fla's; the decode step 3.2 TB/s of state traffic at B64.
+Measured on the H200 (benchmarks/RESULTS.md, NOTES_kda.md): chunk_kda 1.26-1.30 ms at B1 T8192 H32 D128 (kernel 1a
+0.84-0.87 ms of it, 1b 0.20, the state pass ~0.24) against fla's 1.02 ms; the decode step's kernel 3.6 TB/s of
+state traffic at B64 (profiler).
 """
 
 from __future__ import annotations
@@ -248,20 +249,8 @@ def _level_exponent(g, h):
     return jnp.where(odd == 1, inclusive, total - inclusive).reshape(rows, width)
 
 
-def _cumulative_level_exponent(cum, cum_ref, cols, h):
-    """`_level_exponent` from the chunk-cumulative log-decays instead of segmented sums: cum [C, W] (G, inclusive
-    from the chunk start) and the ref holding it, whose rows at each pair's reference (the last row of the even
-    h-block) are gathered (a row-indexed load, no reshape). Odd-block rows get G_t - G_ref, even-block rows
-    G_ref - G_s: both <= 0 since G never increases, so no positive exponent."""
-    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-    ref_rows = (row & ~(2 * h - 1)) + (h - 1)
-    at_ref = cum_ref[ref_rows, cols]
-    odd = ((row & h) != 0)[:, None]
-    return jnp.minimum(jnp.where(odd, cum - at_ref, at_ref - cum), 0.0)
-
-
 def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, kd_ref, x_ref, gl_ref, *, scale,
-                l2norm, precision, block_k, dot_dtype, cumulative=False):
+                l2norm, precision, block_k, dot_dtype):
     """One chunk, all 64 rows at once, over slices of `block_k` channels (a loop Triton keeps as a loop).
 
     For each level h the chunk's keys and queries are scaled by exp(level exponent) (one exp per element and level)
@@ -269,9 +258,7 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
     pair s < t, the diagonal of A_qk is q_t . k_t. Writes A_kk (beta-scaled, strictly lower, f32), A_qk, q exp(G),
     k exp(G_C - G), G_C and x = beta k exp(G) (the right-hand side of w, rounded to the input dtype as fla does);
     kernel 1b reads A_kk back by 16 x 16 blocks. Products on `dot_dtype` operands (f32: tf32 on the GPU for 16-bit
-    inputs, exact for f32 inputs; or bf16). With `cumulative`, g_ref holds the chunk-cumulative log-decays G (zero
-    increments past the row's length) and the level exponents come from `_cumulative_level_exponent`, whose level h
-    may be traced, so the six levels run as a loop (one level's temporaries live at a time).
+    inputs, exact for f32 inputs; or bf16).
     """
     chunk = pl.program_id(1)
     key_dim = q_ref.shape[-1]
@@ -306,30 +293,18 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
         a_kk, a_qk, diag = carry
         q = load(q_ref, kb) * q_mul
         k = load(k_ref, kb) * k_mul
-        if cumulative:
-            cum = load(g_ref, kb)  # G within the chunk
-            g_last = g_ref[CHUNK - 1, cols(kb)]
-            exponent = lambda h: _cumulative_level_exponent(cum, g_ref, cols(kb), h)
-        else:
-            g = jnp.where(live, load(g_ref, kb), 0.0)
-            cum = jnp.cumsum(g, axis=0)  # G within the chunk
-            g_last = jnp.sum(g, axis=0)
-            exponent = lambda h: _level_exponent(g, h)
+        g = jnp.where(live, load(g_ref, kb), 0.0)
         differ = r ^ c
-
-        def level(h, a_kk, a_qk):
-            f = jnp.exp(exponent(h))
+        for h in _LEVELS:
+            f = jnp.exp(_level_exponent(g, h))
             kf, qf = (k * f).astype(dot_dtype), (q * f).astype(dot_dtype)
             pairs = (differ >= h) & (differ < 2 * h)
-            return (a_kk + jnp.where(pairs, _mm_nt(kf, kf, precision), 0.0),
-                    a_qk + jnp.where(pairs, _mm_nt(qf, kf, precision), 0.0))
-
-        if cumulative:  # h may be traced: the levels run as a loop, one at a time
-            a_kk, a_qk = jax.lax.fori_loop(0, len(_LEVELS), lambda i, acc: level(_LEVELS[0] >> i, *acc),
-                                           (a_kk, a_qk))
-        else:
-            for h in _LEVELS:
-                a_kk, a_qk = level(h, a_kk, a_qk)
+            a_kk = a_kk + jnp.where(pairs, _mm_nt(kf, kf, precision), 0.0)
+            a_qk = a_qk + jnp.where(pairs, _mm_nt(qf, kf, precision), 0.0)
+        # G and its last row only after the levels: computed before them, they stay live across the six products
+        # (chunk_kda T8192 1.63 against 1.30 ms on the H200, 2026-12-01)
+        cum = jnp.cumsum(g, axis=0)  # G within the chunk
+        g_last = jnp.sum(g, axis=0)
         diag = diag + jnp.sum(q * k, axis=1, keepdims=True)
         decay = jnp.exp(cum)
         qg_ref[:, cols(kb)] = (q * decay).astype(io_dtype)
@@ -441,11 +416,14 @@ class KdaTuning:
     state_warps: int = 4
     state_stages: int = 3
     # The recurrent step: V columns and warps per program, launch order (`_bhv_grid`: V blocks of a head side by side,
-    # or rows side by side). Defaults: the fastest measured on the H200 at B64 (83-85 us against 90-95 us for the
-    # former 64 columns x 4 warps with rows side by side, benchmarks/NOTES_kda.md).
+    # or rows side by side), and whether the step's two reductions over K both read the decayed state (the output
+    # then q.S + (q.k) delta, `_delta_step`) or the output is reduced after the update. Defaults: the shortest kernel
+    # time the profiler measured on the H200 at B64, 74.2-75.2 us (3.57-3.62 TB/s) in three runs against 75-78 us for
+    # the other shapes (75.4 us with the output after the update; benchmarks/NOTES_kda.md).
     decode_block_v: int = 64
-    decode_warps: int = 8
+    decode_warps: int = 4
     decode_v_fastest: bool = True
+    decode_output_before_update: bool = True
     # Prefill kernel 1: "fused" (one kernel per chunk, 16-step column loops for the diagonal blocks) or "split"
     # (kernel 1a: A blocks by pair levels, no serial loop, over `intra_block_k` channels at a time, with intra_warps /
     # intra_stages; kernel 1b: block solve and WY factors with wy_warps). `intra_bf16_dots`: the split variant's A
@@ -458,11 +436,6 @@ class KdaTuning:
     intra_block_k: int = 32
     wy_warps: int = 4
     intra_bf16_dots: bool = True
-    # Kernel 1a's level exponents from a precomputed chunk-cumulative G (an XLA cumsum before the kernel) and rows of
-    # it gathered at each level's reference, the six levels then a loop rather than unrolled: no per-level reshape
-    # or segmented cumsum, and no spills (185 registers at 32 channels x 8 warps, built offline; the segmented form
-    # sits at 255 with spills: NOTES_kda.md). Not yet measured on a GPU, so off by default.
-    intra_cumulative: bool = False
 
 
 DEFAULT_TUNING = KdaTuning()
@@ -530,20 +503,15 @@ def chunk_akk(q, k, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=
     io_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
     precision, dot_dtype, block_k, warps = _split_settings(io_dtype, tuning)
     chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
-    out_shape = [shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
-                 jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)]
-    if tuning.intra_cumulative:  # kernel 1a reads G, the chunk-cumulative log-decays (zero increments past lengths)
-        live = jnp.arange(t_pad)[None, :, None, None] < lengths[:, None, None, None]
-        g = jnp.where(live, g.astype(jnp.float32), 0.0).reshape(batch, n_chunks, CHUNK, heads, kp)
-        g = jnp.cumsum(g, axis=2).reshape(batch, t_pad, heads, kp)
     return pl.pallas_call(
         functools.partial(_akk_kernel, scale=scale, l2norm=l2norm, precision=precision,
-                          block_k=min(block_k, kp), dot_dtype=dot_dtype, cumulative=tuning.intra_cumulative),
+                          block_k=min(block_k, kp), dot_dtype=dot_dtype),
         grid=(batch, n_chunks, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(kp), chunk_spec(kp), beta_spec],
         out_specs=[chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(kp), chunk_spec(kp), chunk_spec(kp),
                    pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, kp), lambda b, c, h: (b, c, h, 0))],
-        out_shape=out_shape,
+        out_shape=[shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
+                   jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)],
         compiler_params=_params(warps, tuning.intra_stages),
         interpret=interpret,
         name="kda_chunk_akk",
@@ -662,17 +630,28 @@ def _load_token(t, q_ref, k_ref, v_ref, g_ref, b_ref, *, l2norm, length):
     return q, k, v_ref[t, :].astype(jnp.float32), g, beta, live
 
 
-def _delta_step(state, token, scale):
-    """One token of the delta rule on a [K, BV] state slice: (new state, output [BV], zeros if the token is dead)."""
+def _delta_step(state, token, scale, output_before_update):
+    """One token of the delta rule on a [K, BV] state slice: (new state, output [BV], zeros if the token is dead).
+
+    `output_before_update`: both reductions over K read the decayed state before the update, o = q.(S + k delta) =
+    q.S + (q.k) delta, so neither waits on the other and q.k needs no state; otherwise o = q.S_new after it."""
     q, k, v, g, beta, live = token
+    q = q * scale
     state = state * jnp.exp(g)[:, None]
-    delta = beta * (v - jnp.sum(k[:, None] * state, axis=0))
-    state = state + k[:, None] * delta[None, :]
-    o = jnp.sum((q * scale)[:, None] * state, axis=0)
+    k_state = jnp.sum(k[:, None] * state, axis=0)
+    if output_before_update:
+        q_state = jnp.sum(q[:, None] * state, axis=0)
+        delta = beta * (v - k_state)
+        state = state + k[:, None] * delta[None, :]
+        o = q_state + jnp.sum(q * k) * delta
+    else:
+        delta = beta * (v - k_state)
+        state = state + k[:, None] * delta[None, :]
+        o = jnp.sum(q[:, None] * state, axis=0)
     return state, jnp.where(live, o, 0.0)
 
 
-def _recurrent_steps(load_state, steps, token_refs, o_ref, *, scale, l2norm, length):
+def _recurrent_steps(load_state, steps, token_refs, o_ref, *, scale, l2norm, length, output_before_update):
     """Runs `steps` tokens on the state that `load_state()` reads, writing o [steps, BV]; returns the new state.
 
     A single token's inputs are read before the state, so that their reads overlap the state read (in the slots
@@ -682,19 +661,19 @@ def _recurrent_steps(load_state, steps, token_refs, o_ref, *, scale, l2norm, len
 
     if steps == 1:
         token = load(0)
-        state, o = _delta_step(load_state(), token, scale)
+        state, o = _delta_step(load_state(), token, scale, output_before_update)
         o_ref[0, :] = o.astype(o_ref.dtype)
         return state
 
     def body(t, state):
-        state, o = _delta_step(state, load(t), scale)
+        state, o = _delta_step(state, load(t), scale, output_before_update)
         o_ref[t, :] = o.astype(o_ref.dtype)
         return state
 
     return jax.lax.fori_loop(0, steps, body, load_state())
 
 
-def _recurrent_kernel(*refs, steps, scale, l2norm, has_initial):
+def _recurrent_kernel(*refs, steps, scale, l2norm, has_initial, output_before_update):
     len_ref, q_ref, k_ref, v_ref, g_ref, b_ref = refs[:6]
     h0_ref = refs[6] if has_initial else None
     o_ref, hT_ref = refs[-2:]
@@ -703,7 +682,7 @@ def _recurrent_kernel(*refs, steps, scale, l2norm, has_initial):
         return h0_ref[...].astype(jnp.float32) if has_initial else jnp.zeros(hT_ref.shape, jnp.float32)
 
     hT_ref[...] = _recurrent_steps(load_state, steps, (q_ref, k_ref, v_ref, g_ref, b_ref), o_ref, scale=scale,
-                                   l2norm=l2norm, length=len_ref[0])
+                                   l2norm=l2norm, length=len_ref[0], output_before_update=output_before_update)
 
 
 def _token_specs(steps, kp, vp, block_v, order):
@@ -744,7 +723,8 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
         in_specs.append(state_spec)
     o, final = pl.pallas_call(
         functools.partial(_recurrent_kernel, steps=steps, scale=scale, l2norm=use_qk_l2norm_in_kernel,
-                          has_initial=initial_state is not None),
+                          has_initial=initial_state is not None,
+                          output_before_update=tuning.decode_output_before_update),
         grid=grid,
         in_specs=in_specs,
         out_specs=[_bhv_spec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j), order), state_spec],
@@ -759,12 +739,13 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
 
 
 def _slots_kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_ref, o_ref, pool_out_ref, *,
-                       steps, scale, l2norm, layer, block_v, v_fastest):
+                       steps, scale, l2norm, layer, block_v, v_fastest, output_before_update):
     head = pl.program_id(1)
     cols = pl.ds(pl.program_id(0 if v_fastest else 2) * block_v, block_v)
     slot = slot_ref[0]
     state = _recurrent_steps(lambda: pool_ref[layer, slot, head, :, cols], steps, (q_ref, k_ref, v_ref, g_ref, b_ref),
-                             o_ref, scale=scale, l2norm=l2norm, length=len_ref[0])
+                             o_ref, scale=scale, l2norm=l2norm, length=len_ref[0],
+                             output_before_update=output_before_update)
     pool_out_ref[layer, slot, head, :, cols] = state
 
 
@@ -794,7 +775,8 @@ def fused_recurrent_kda_slots(q, k, v, g, beta, state_pool, slots, layer=0, scal
     row = _bhv_spec((1,), lambda b, h, j: (b,), order)
     o, pool = pl.pallas_call(
         functools.partial(_slots_kernel, steps=steps, scale=scale, l2norm=use_qk_l2norm_in_kernel,
-                          layer=layer, block_v=block_v, v_fastest=tuning.decode_v_fastest),
+                          layer=layer, block_v=block_v, v_fastest=tuning.decode_v_fastest,
+                          output_before_update=tuning.decode_output_before_update),
         grid=grid,
         in_specs=[row, row] + _token_specs(steps, kp, vp, block_v, order) + [pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=[_bhv_spec((sq, steps, sq, block_v), lambda b, h, j: (b, 0, h, j), order),

@@ -64,12 +64,12 @@ def test_strong_decay_on_gpu():
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
-@pytest.mark.parametrize("v_fastest", [False, True])  # the decode kernels' two launch orders
+@pytest.mark.parametrize("v_fastest", [False, True])  # the decode kernels' two launch orders (and output forms)
 def test_recurrent_kernels_on_gpu(dtype, tol, v_fastest):
     B, T, H, K, V = 5, 2, 4, 128, 128
     q, k, v, g, beta, h0 = _inputs(_seed(), B, T, H, K, V, dtype)
     lengths = jnp.array([2, 1, 2, 2, 1], jnp.int32)
-    tuning = kda_pallas.KdaTuning(decode_v_fastest=v_fastest)
+    tuning = kda_pallas.KdaTuning(decode_v_fastest=v_fastest, decode_output_before_update=v_fastest)  # both forms
     o, s = kda_pallas.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                           use_qk_l2norm_in_kernel=True, lengths=lengths, tuning=tuning)
     o_r, s_r = kda_ref.fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
@@ -85,20 +85,18 @@ def test_recurrent_kernels_on_gpu(dtype, tol, v_fastest):
     assert np.array_equal(np.asarray(pool2[0]), np.asarray(pool[0]))
 
 
-@pytest.mark.parametrize("block_k,warps,cumulative", [(32, 4, False), (64, 8, False), (32, 8, True)])
+@pytest.mark.parametrize("block_k,warps", [(32, 4), (64, 8)])
 @pytest.mark.parametrize("dtype,tol,g_max", [(jnp.float32, 1e-5, 2.0), (jnp.bfloat16, 2e-2, 2.0),
                                              (jnp.float32, 1e-4, 8.0)])
-def test_split_intra_variant_on_gpu(dtype, tol, g_max, block_k, warps, cumulative):
+def test_split_intra_variant_on_gpu(dtype, tol, g_max, block_k, warps):
     """Kernel 1 split in two (A blocks by levels, then the block solve and WY products) against the reference:
-    f32, bf16, and strong decays (-60 on a third of the channels), at the default channel slice, a wider one, and
-    with the level exponents from the chunk-cumulative log-decays."""
+    f32, bf16, and strong decays (-60 on a third of the channels), at the default channel slice and a wider one."""
     B, T, H, K, V = 2, 333, 4, 128, 128
     q, k, v, g, beta, h0 = _inputs(_seed(), B, T, H, K, V, dtype, g_max=g_max)
     if g_max > 2.0:
         g = jnp.where(jax.random.uniform(jax.random.key(1), g.shape) < 0.3, -60.0, g)
     lengths = jnp.array([T, 190], jnp.int32)
-    tuning = kda_pallas.KdaTuning(intra_variant="split", intra_block_k=block_k, intra_warps=warps,
-                                  intra_cumulative=cumulative)
+    tuning = kda_pallas.KdaTuning(intra_variant="split", intra_block_k=block_k, intra_warps=warps)
     o, s = kda_pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                 use_qk_l2norm_in_kernel=True, lengths=lengths, tuning=tuning)
     with jax.default_matmul_precision("highest"):

@@ -46,3 +46,20 @@ def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed):
     err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     assert np.all(np.isfinite(got)) and err < tol, f"{shape} T={n_tokens} {dtype}: {err:.2e} (seed={seed})"
+
+
+@pytest.mark.parametrize("n_tokens", [1, 16, 64])
+def test_shared_expert_as_one_grouped_expert(n_tokens):
+    """The medium hybrid's shared expert (2048 -> 768) at decode sizes through the grouped kernels as one expert,
+    against the MLP's dense layers at float32 precision."""
+    from dayzero.model.moe import MLP
+
+    grouped, plain = MLP(768, 2048, jnp.bfloat16, grouped_max_tokens=64), MLP(768, 2048, jnp.bfloat16)
+    params = plain.init(jax.random.key(0), jnp.zeros((1, 1, 2048), jnp.bfloat16))
+    x = jax.random.normal(jax.random.key(n_tokens), (n_tokens, 1, 2048), jnp.bfloat16)
+    got = jax.jit(grouped.apply)(params, x).astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(MLP(768, 2048, jnp.float32).apply)(jax.tree.map(lambda p: p.astype(jnp.float32), params),
+                                                          x.astype(jnp.float32))
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert rel < 2e-2, rel
