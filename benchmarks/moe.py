@@ -9,7 +9,8 @@ Variants, on the same weights (random MXFP4; the others converted from it) and t
   bf16 auto the plain-XLA choice for dense bf16 experts (what the model runs where the Pallas kernels do not):
             ragged_dot or gathered one-expert tiles (kernels/moe_grouped.py; tile rows reported, "-" for ragged_dot)
   bf16 pallas the Pallas grouped matmuls over the dense bf16 experts (kernels/moe_dense.py), each used weight tile
-            read once; its % of copy bandwidth counts the active experts' bf16 bytes
+            read once; its % of copy bandwidth counts the active experts' bf16 bytes; "fused" beside it: the same
+            kernels with `DenseTiles.fused_prologues` (row gather and SwiGLU inside their operand loads)
   fp8       pre-converted FP8: the whole layer converted offline (E2M1 values in e4m3 + E8M0 scales), Pallas matmul
   fused     MXFP4 online: each weight tile converted in registers right before its MMA
   staged    MXFP4 online through the one-layer FP8 workspace (each call is a new layer: every expert converted);
@@ -29,6 +30,7 @@ is reported as not measured. Prints a table and appends a dated line to the resu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import statistics
@@ -39,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dayzero.kernels import moe, moe_grouped, moe_mxfp4, moe_workspace, mxfp4
+from dayzero.kernels import moe, moe_dense, moe_grouped, moe_mxfp4, moe_workspace, mxfp4
 from dayzero.model.config import MXFP4Execution
 
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
@@ -124,6 +126,9 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, dens
         lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, block_m=block_m)))
     seconds["bf16_pallas"] = attempt("bf16 pallas", lambda: plain(
         lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, impl=impl)))
+    fused_tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), fused_prologues=True)
+    seconds["bf16_pallas_fused"] = attempt("bf16 pallas, fused prologues", lambda: plain(
+        lambda x: moe_dense.grouped_swiglu(x, ids, w, wg, wu, wd, tiles=fused_tiles, interpret=impl == "interpret")))
     if not dense_only:
         seconds["fp8"] = attempt("fp8", lambda: plain(
             lambda x: moe.moe_experts_packed(x, ids, w, ew8, impl=impl)[0]))
@@ -173,6 +178,7 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, dens
     res["bf16_vs_online"] = ratio("bf16", "online", 2)
     res["bf16_vs_bf16_auto"] = ratio("bf16", "bf16_auto", 2)
     res["bf16_vs_bf16_pallas"] = ratio("bf16", "bf16_pallas", 2)
+    res["bf16_pallas_vs_fused_prologues"] = ratio("bf16_pallas", "bf16_pallas_fused", 3)
     if seconds.get("bf16_pallas"):
         res["bf16_pallas_pct_of_copy_bw"] = round(100 * seconds["bf16_roofline"] / seconds["bf16_pallas"], 1)
     res["bf16_roofline_vs_online"] = ratio("bf16_roofline", "online", 2)
@@ -212,10 +218,10 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
         layer = make_layer(jax.random.key(0), n_experts, hidden, inter)
         print(f"\n{name}: {n_experts} experts, top-{top_k}, {hidden} x {inter}")
         print("| tokens | active experts | bf16 ragged_dot us | bf16 auto us (tile rows) | bf16 pallas us (% of copy bw) "
-              "| fp8 pre-converted us "
+              "| bf16 pallas, fused prologues us | fp8 pre-converted us "
               "| mxfp4 fused us | mxfp4 staged us | online us | online / fp8 | bf16 / online | bf16 roofline / online "
               "| fused % of copy bw | kernels us (% of copy bw) | resident us (hit rate) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for n_tokens in tokens:
             r = bench_case(name, n_tokens, layer, args.impl, n_tokens in (tokens[0], tokens[-1]), bandwidth,
                            args.dense_only)
@@ -226,7 +232,7 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
             resident = f"{r['resident_us']} ({r['resident_hit_rate']:.0%})" if r.get("resident_us") else "-"
             print(f"| {n_tokens} | {r['active_experts']} | {cell(r['bf16_us'])} | "
                   f"{cell(r['bf16_auto_us'])} ({cell(r['bf16_auto_block_m'])}) | {cell(r.get('bf16_pallas_us'))} "
-                  f"({cell(r.get('bf16_pallas_pct_of_copy_bw'))}%) | "
+                  f"({cell(r.get('bf16_pallas_pct_of_copy_bw'))}%) | {cell(r.get('bf16_pallas_fused_us'))} | "
                   f"{cell(r.get('fp8_us'))} | "
                   f"{cell(r.get('fused_us'))} | {cell(r.get('staged_us'))} | {cell(r.get('online_us'))} ({r['online_mode']}) "
                   f"| {cell(r['online_vs_fp8'])} | {cell(r['bf16_vs_online'])} | {cell(r['bf16_roofline_vs_online'])} "

@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of dayzero's Pallas kernels as Triton builds them for the H200, on a machine
 without a GPU: a resource report that costs no device time.
 
-    python benchmarks/triton_report.py [--op kda] [--warps 2,4,8] [--sass DIR]
+    python benchmarks/triton_report.py [--op kda|moe_dense] [--warps 2,4,8] [--sass DIR]
 
 Each kernel of the chosen op is lowered for CUDA through `jax.export` (as tests/triton_lowering.py does), its Triton
 IR captured, compiled by the `triton` package for sm_90 with the kernel's own num_warps / num_stages (or each of
@@ -104,7 +104,28 @@ def kda_cases() -> dict:
             "decode slots B64": (pallas.fused_recurrent_kda_slots, (dq, dq, dq, dg, dbeta, pool, slots))}
 
 
-CASES = {"kda": kda_cases}
+def moe_dense_cases() -> dict:
+    """The dense-expert grouped matmuls at the medium hybrid's layer (64 experts, top-6, 2048 x 768, bf16) at 1 and
+    16 tokens, with the XLA row gather and SwiGLU and with them in the kernels' operand loads."""
+    import dataclasses
+
+    from dayzero.kernels import moe_dense
+
+    S = jax.ShapeDtypeStruct
+    n_experts, top_k, hidden, inter = 64, 6, 2048, 768
+    cases = {}
+    for n_tokens in (1, 16):
+        shapes = (S((n_tokens, hidden), jnp.bfloat16), S((n_tokens, top_k), jnp.int32),
+                  S((n_tokens, top_k), jnp.float32), S((n_experts, hidden, inter), jnp.bfloat16),
+                  S((n_experts, hidden, inter), jnp.bfloat16), S((n_experts, inter, hidden), jnp.bfloat16))
+        for fused in (False, True):
+            tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), fused_prologues=fused)
+            name = f"moe_dense T{n_tokens}" + (" fused_prologues" if fused else "")
+            cases[name] = (lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)
+    return cases
+
+
+CASES = {"kda": kda_cases, "moe_dense": moe_dense_cases}
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,8 @@ used weight tile once, straight from the stacked [E, K, N] experts, and do only 
   x rows [block_m, step_k] times W[expert][step_k, block_n] on the tensor cores, float32 accumulation;
 - decode-sized calls have few tiles, so K is split over up to `k_slices` programs per output tile (enough programs
   to keep HBM busy); the float32 partial sums [slices, rows, N] are added up by a small XLA reduction;
-- gate and up share one kernel (the same x tile feeds both), then SwiGLU in XLA and the down kernel.
+- gate and up share one kernel (the same x tile feeds both), then SwiGLU in XLA and the down kernel; with
+  `DenseTiles.fused_prologues` the row gather and the SwiGLU happen in the kernels' operand loads instead.
 
 Block sizes are the largest powers of two dividing the dims up to the tile's setting (Triton needs power-of-two
 blocks; on a GPU each must be >= 16 to feed a dot, see `supported`). Rounding follows `moe.moe_experts`: weights
@@ -46,6 +47,12 @@ class DenseTiles:
     min_programs: int = 1024
     num_warps: int = 4
     num_stages: int = 3
+    # The XLA steps around the kernels moved into their operand loads: the gate/up kernel reads each row's token
+    # from x by index (zeros for padding rows), instead of an XLA gather writing the rows first, and the down kernel
+    # computes silu(gate) * up as it loads them, instead of an XLA fusion writing the hidden rows. Two kernels fewer
+    # per MoE layer (at batch 1 and 16 on the H200 those two took ~4 and ~10 us per layer, NOTES_serving.md). Not
+    # yet measured on a GPU, so off by default.
+    fused_prologues: bool = False
 
 
 def choose_tiles(n_pairs: int, n_experts: int) -> DenseTiles:
@@ -73,7 +80,25 @@ def supported(hidden: int, inter: int, tiles: DenseTiles = DenseTiles()) -> bool
     return min(blocks + [tiles.block_m]) >= 16
 
 
-def _grouped_kernel(tile_expert_ref, x_ref, *refs, n_w, bm, bn, sk, steps):
+def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue):
+    """The x block [bm, sk] of rows r0.. at columns k0.. that tile's matmul reads. prologue None: x_ref holds the
+    rows; "gather": x_ref holds the tokens [T, K] and token_ref each row's token (T or more: a padding row, zeros);
+    "swiglu": x_ref holds gate and up side by side [R, 2K], the block is silu(gate) * up rounded to their dtype."""
+    if prologue == "gather":
+        n_tokens = x_ref.shape[0]
+        token = token_ref[pl.ds(r0, bm)]
+        real = token < n_tokens
+        rows = x_ref[jnp.where(real, token, 0), pl.ds(k0, sk)]
+        return jnp.where(real[:, None], rows, jnp.zeros_like(rows))
+    if prologue == "swiglu":
+        half = x_ref.shape[1] // 2
+        gate = x_ref[pl.ds(r0, bm), pl.ds(k0, sk)]
+        up = x_ref[pl.ds(r0, bm), pl.ds(half + k0, sk)]
+        return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+    return x_ref[pl.ds(r0, bm), pl.ds(k0, sk)]
+
+
+def _grouped_kernel(tile_expert_ref, token_ref, x_ref, *refs, n_w, bm, bn, sk, steps, prologue):
     w_refs, o_ref = refs[:n_w], refs[n_w]
     t, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = tile_expert_ref[t]
@@ -85,7 +110,7 @@ def _grouped_kernel(tile_expert_ref, x_ref, *refs, n_w, bm, bn, sk, steps):
 
         def step(i, accs):
             k0 = pl.multiple_of((s * steps + i) * sk, sk)
-            xb = x_ref[pl.ds(r0, bm), pl.ds(k0, sk)]
+            xb = _load_rows(x_ref, token_ref, r0, k0, bm=bm, sk=sk, prologue=prologue)
             return tuple(acc + tiling.mm(xb, w[expert, pl.ds(k0, sk), pl.ds(n0, bn)].astype(xb.dtype))
                          for w, acc in zip(w_refs, accs))
 
@@ -95,10 +120,26 @@ def _grouped_kernel(tile_expert_ref, x_ref, *refs, n_w, bm, bn, sk, steps):
 
 
 def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax.Array, ...], tiles: DenseTiles,
-                   interpret: bool = False) -> jax.Array:
+                   interpret: bool = False, token_of_row: jax.Array | None = None,
+                   prologue: str | None = None) -> jax.Array:
     """x_rows [R, K] (R a multiple of block_m; tile t = rows [t*block_m, (t+1)*block_m) uses expert tile_expert[t],
-    -1: unused), weights: each [E, K, N] -> float32 [R, len(weights), N] (rows of unused tiles undefined)."""
-    n_rows, k_dim = x_rows.shape
+    -1: unused), weights: each [E, K, N] -> float32 [R, len(weights), N] (rows of unused tiles undefined).
+
+    `prologue` (see `_load_rows`): "gather" takes the tokens [T, K] as x_rows and the rows' tokens `token_of_row`
+    [R] (R from it); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up."""
+    weights_k = weights[0].shape[1]
+    if prologue == "gather":
+        n_rows, k_dim = token_of_row.shape[0], x_rows.shape[1]
+    elif prologue == "swiglu":
+        n_rows, k_dim = x_rows.shape[0], x_rows.shape[1] // 2
+    elif prologue is None:
+        n_rows, k_dim = x_rows.shape
+    else:
+        raise ValueError(f"unknown prologue {prologue!r} (None, 'gather' or 'swiglu')")
+    if k_dim != weights_k:
+        raise ValueError(f"rows of {k_dim} features for weights of {weights_k} inputs")
+    if token_of_row is None:
+        token_of_row = jnp.zeros((1,), jnp.int32)  # unused
     n_dim = weights[0].shape[2]
     bm = tiles.block_m
     bn = _pow2_divisor(n_dim, tiles.block_n)
@@ -107,7 +148,8 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     grid = (n_rows // bm, n_dim // bn)
     wanted = -(-tiles.min_programs // (grid[0] * grid[1]))
     slices = max(d for d in range(1, min(tiles.k_slices, wanted, k_steps) + 1) if k_steps % d == 0)
-    kernel = functools.partial(_grouped_kernel, n_w=len(weights), bm=bm, bn=bn, sk=sk, steps=k_steps // slices)
+    kernel = functools.partial(_grouped_kernel, n_w=len(weights), bm=bm, bn=bn, sk=sk, steps=k_steps // slices,
+                               prologue=prologue)
     partial = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((slices, n_rows, len(weights), n_dim), jnp.float32),
@@ -115,7 +157,7 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
         compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
         interpret=interpret,
         name="moe_dense_gate_up" if len(weights) == 2 else "moe_dense_down",
-    )(tile_expert.astype(jnp.int32), x_rows, *weights)
+    )(tile_expert.astype(jnp.int32), token_of_row.astype(jnp.int32), x_rows, *weights)
     return partial[0] if slices == 1 else jnp.sum(partial, axis=0)
 
 
@@ -127,6 +169,14 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     n_experts = w_gate.shape[0]
     tiles = tiles or choose_tiles(topk_ids.size, n_experts)
     sched = moe_tiles.schedule(topk_ids, n_experts, tiles.block_m)
+    if tiles.fused_prologues:
+        # padding rows of used tiles read zeros (so their hidden rows are silu(0) * 0 = 0); rows of unused tiles stay
+        # undefined, but no program of the down kernel and no pair of `combine` reads them
+        gate_up = grouped_matmul(x, sched.tile_expert, (w_gate, w_up), tiles, interpret,
+                                 token_of_row=sched.token_of_row, prologue="gather").astype(x.dtype)
+        out = grouped_matmul(gate_up.reshape(gate_up.shape[0], -1), sched.tile_expert, (w_down,), tiles, interpret,
+                             prologue="swiglu")[:, 0].astype(x.dtype)
+        return moe_tiles.combine(out, sched, topk_weights).astype(x.dtype)
     padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row N: the padding rows' zeros
     rows = padded[sched.token_of_row]
     gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret).astype(x.dtype)

@@ -3,6 +3,8 @@ Triton lowering at model shapes, and where moe_experts uses them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,11 +33,13 @@ _grouped = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles", "interpre
     ((9, 8, 64, 96, 3), "random", moe_dense.DenseTiles(block_m=4, block_n=16, step_k=16, k_slices=2)),
     ((37, 5, 48, 80, 2), "one_expert_takes_all", moe_dense.DenseTiles(block_m=8, block_n=16, step_k=16, k_slices=1)),
 ])
-def test_matches_oracle(seed, shape, kind, tiles):
+@pytest.mark.parametrize("fused", [False, True])  # row gather and SwiGLU in the kernels' operand loads, or in XLA
+def test_matches_oracle(seed, shape, kind, tiles, fused):
     """Odd dims (blocks cut to their power-of-two divisors), K split or not, pairs sharing experts, one expert
     spread over several tiles while others sit idle."""
     rng = np.random.default_rng(seed)
     args = _case(rng, *shape, kind=kind)
+    tiles = dataclasses.replace(tiles, fused_prologues=fused)
     got = _grouped(*(jnp.asarray(a) for a in args), tiles=tiles, interpret=True)
     err = rel_err(got, dense_oracle(*args))
     assert got.dtype == jnp.float32 and err < 1e-5, f"{shape}: {err:.2e} (seed={seed})"
@@ -67,6 +71,8 @@ def test_lowers_to_triton_at_model_shapes(n_tokens):
                 spec((n_experts, hidden, inter), jnp.bfloat16), spec((n_experts, inter, hidden), jnp.bfloat16))
         assert moe_dense.supported(hidden, inter)
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a), *args) == 2
+        fused = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), fused_prologues=True)
+        assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=fused), *args) == 2
 
 
 def test_dispatch_and_tiles():

@@ -4,17 +4,20 @@ skewed loads included. Passing here is what lets `moe_dense.GPU_VERIFIED` become
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dayzero.kernels import moe
+from dayzero.kernels import moe, moe_dense
 
 pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices()),
                                 reason="no GPU on this machine")
 
 _experts = jax.jit(moe.moe_experts, static_argnames=("block_m", "impl"))
+_grouped = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles",))
 
 
 def _layer(key, n_experts, hidden, inter, dtype):
@@ -29,7 +32,8 @@ def _layer(key, n_experts, hidden, inter, dtype):
     ((64, 6, 2048, 768), 77, jnp.bfloat16, True), ((64, 6, 2048, 768), 1031, jnp.bfloat16, False),
     ((64, 6, 2048, 768), 5, jnp.float32, False), ((256, 8, 7168, 2048), 1, jnp.bfloat16, False),
     ((256, 8, 7168, 2048), 64, jnp.bfloat16, False)])
-def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed):
+@pytest.mark.parametrize("fused", [False, True])  # DenseTiles.fused_prologues: row gather and SwiGLU in the kernels
+def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed, fused):
     n_experts, top_k, hidden, inter = shape
     key = jax.random.key(seed)
     weights = _layer(key, n_experts, hidden, inter, dtype)
@@ -38,7 +42,11 @@ def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed):
         ids = jnp.where(ids == 3, ids[:, :1], ids).at[:, 0].set(3)
     w = jax.random.uniform(jax.random.fold_in(key, 2), (n_tokens, top_k), jnp.float32)
     x = jax.random.normal(jax.random.fold_in(key, 3), (n_tokens, hidden), dtype)
-    got = _experts(x, ids.astype(jnp.int32), w, *weights, impl="pallas")
+    if fused:
+        tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), fused_prologues=True)
+        got = _grouped(x, ids.astype(jnp.int32), w, *weights, tiles=tiles)
+    else:
+        got = _experts(x, ids.astype(jnp.int32), w, *weights, impl="pallas")
     with jax.default_matmul_precision("highest"):
         want = _experts(x.astype(jnp.float32), ids.astype(jnp.int32), w, *(a.astype(jnp.float32) for a in weights),
                         block_m=None, impl="reference")
