@@ -2,6 +2,7 @@
 with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized HLO names in its metadata.
 
     python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--engine serving] [--top 25]
+                                         [--xla-option NAME=VALUE] [--pallas router]
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
 `small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
@@ -26,6 +27,7 @@ import time
 import jax
 import numpy as np
 
+from dayzero.kernels import dispatch
 from dayzero.model import Model
 from dayzero.model.presets import get_preset
 from dayzero.serving import Engine, EngineConfig
@@ -142,8 +144,6 @@ def profile(engine: Engine, rows: StepRows, hlo_folder: str, repeats: int = 50) 
 def use_xla_options(pairs: list[str]) -> dict[str, object]:
     """Adds `NAME=VALUE` XLA options (true/false/ints parsed) to the options dayzero's model functions compile with
     on GPUs, for this process; returns them."""
-    from dayzero.kernels import dispatch
-
     def value(text: str):
         lowered = text.lower()
         return lowered == "true" if lowered in ("true", "false") else int(text) if text.lstrip("-").isdigit() else text
@@ -184,9 +184,15 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an XLA option added to dayzero's GPU compile options (repeatable), to try one")
+    parser.add_argument("--pallas", action="append", default=[], metavar="KERNEL",
+                        help="run this kernel's Pallas version on CUDA even if not yet GPU-verified (repeatable; "
+                             "a dispatch policy for the run), to try it: e.g. router")
     args = parser.parse_args(argv)
     extra = use_xla_options(args.xla_option)
-    with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder:
+    if args.pallas:
+        extra["pallas"] = args.pallas
+    with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder, \
+            dispatch.use_policy({"cuda": args.pallas} if args.pallas else None):
         dump_hlo_to(hlo_folder)
         summary = run(args, hlo_folder)
     device = jax.devices()[0]

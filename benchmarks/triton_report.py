@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of dayzero's Pallas kernels as Triton builds them for the H200, on a machine
 without a GPU: a resource report that costs no device time.
 
-    python benchmarks/triton_report.py [--op kda|moe_dense] [--warps 2,4,8] [--sass DIR]
+    python benchmarks/triton_report.py [--op kda|moe_dense|router] [--warps 2,4,8] [--sass DIR]
 
 Each kernel of the chosen op is lowered for CUDA through `jax.export` (as tests/triton_lowering.py does), its Triton
 IR captured, compiled by the `triton` package for sm_90 with the kernel's own num_warps / num_stages (or each of
@@ -125,7 +125,23 @@ def moe_dense_cases() -> dict:
     return cases
 
 
-CASES = {"kda": kda_cases, "moe_dense": moe_dense_cases}
+def router_cases() -> dict:
+    """The one-kernel MoE router at the medium hybrid's shape (64 experts, top-6, hidden 2048) and the largest it
+    takes at that width (128 experts, top-8), bf16, 16 tokens (one row block)."""
+    from dayzero.kernels import router
+
+    S = jax.ShapeDtypeStruct
+    cases = {}
+    for n_experts, hidden, top_k in ((64, 2048, 6), (128, 2048, 8)):
+        fn = lambda x, w, b, k=top_k: router.route_tokens(x, w, b, top_k=k, sigmoid=True, renormalize=True,
+                                                         scale=2.5)
+        cases[f"router E{n_experts} D{hidden}"] = (fn, (S((16, hidden), jnp.bfloat16),
+                                                        S((n_experts, hidden), jnp.bfloat16),
+                                                        S((n_experts,), jnp.float32)))
+    return cases
+
+
+CASES = {"kda": kda_cases, "moe_dense": moe_dense_cases, "router": router_cases}
 
 
 def main(argv=None) -> int:

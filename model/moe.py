@@ -13,6 +13,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dayzero.kernels import moe as moe_kernels
 from dayzero.kernels import moe_workspace, mxfp4
+from dayzero.kernels import router as router_kernel
 from dayzero.kernels.moe_workspace import Workspace
 
 from . import sharding
@@ -71,10 +72,12 @@ def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[
 
 
 class Router(nn.Module):
-    """Params: `weight` [E, D] (checkpoint layout, model dtype) and `e_score_correction_bias` [E] float32."""
+    """Params: `weight` [E, D] (checkpoint layout, model dtype) and `e_score_correction_bias` [E] float32.
+    `one_kernel`: route with `kernels.router` where dispatch picks it (off on a mesh: the kernel is not sharded)."""
 
     config: ModelConfig
     dtype: jnp.dtype
+    one_kernel: bool = True
 
     @nn.compact
     def __call__(self, x):
@@ -83,6 +86,14 @@ class Router(nn.Module):
         bias = None
         if cfg.router_bias:
             bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
+        groups = cfg.n_group if cfg.topk_group < cfg.n_group else 1  # every group kept: no group restriction
+        kind = "reference"
+        if self.one_kernel:
+            kind = router_kernel.choose(cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token, groups)
+        if kind != "reference":
+            return router_kernel.route_tokens(
+                x, weight, bias, top_k=cfg.num_experts_per_token, sigmoid=cfg.router_activation == "sigmoid",
+                renormalize=cfg.renormalize, scale=float(cfg.routed_scaling_factor), interpret=kind == "interpret")
         logits = x.astype(jnp.float32) @ weight.astype(jnp.float32).T
         return route(logits, bias, cfg)
 
@@ -241,7 +252,7 @@ class MoE(nn.Module):
         """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`)."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
-        ids, weights = Router(cfg, self.dtype, name="gate")(flat)
+        ids, weights = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")(flat)
         y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(flat, ids, weights, workspace)
         y = y.reshape(x.shape)
         if cfg.num_shared_experts:

@@ -1,0 +1,88 @@
+"""The one-kernel MoE router (kernels/router.py) in interpret mode against the XLA route of model/moe.py, its
+Triton lowering at model shapes, and where the model uses it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from triton_lowering import count_triton_kernels
+from dayzero.kernels import dispatch, router
+from dayzero.model.moe import Router, route
+from dayzero.model.presets import tiny
+
+
+def _config(n_experts, top_k, activation, renormalize, hidden=64, scale=2.5):
+    return tiny().replace(hidden_size=hidden, num_experts=n_experts, num_experts_per_token=top_k,
+                          router_activation=activation, renormalize=renormalize, routed_scaling_factor=scale)
+
+
+@pytest.mark.parametrize("n_tokens,n_experts,top_k,activation,renormalize,bias", [
+    (1, 64, 6, "sigmoid", True, True), (21, 32, 3, "softmax", False, False), (40, 16, 1, "sigmoid", True, True),
+    (17, 64, 8, "softmax", True, True)])
+def test_matches_the_xla_route(seed, n_tokens, n_experts, top_k, activation, renormalize, bias):
+    """Odd token counts (partial row blocks), both activations, with and without the correction bias and the
+    renormalisation, top-1 up to top-8: the same experts in the same order, weights to float32 rounding."""
+    rng = np.random.default_rng(seed)
+    cfg = _config(n_experts, top_k, activation, renormalize)
+    x = jnp.asarray(rng.standard_normal((n_tokens, cfg.hidden_size)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n_experts, cfg.hidden_size)) * 0.3, jnp.float32)
+    b = jnp.asarray(rng.standard_normal(n_experts) * 0.1, jnp.float32) if bias else None
+    ids, weights = router.route_tokens(x, w, b, top_k=top_k, sigmoid=activation == "sigmoid",
+                                       renormalize=renormalize, scale=cfg.routed_scaling_factor, interpret=True)
+    with jax.default_matmul_precision("highest"):
+        want_ids, want_weights = route(x @ w.T, b, cfg)
+    assert ids.shape == want_ids.shape == (n_tokens, top_k) and ids.dtype == jnp.int32
+    assert np.array_equal(np.asarray(ids), np.asarray(want_ids)), f"seed={seed}"
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=2e-6, atol=1e-7)
+
+
+def test_ties_break_like_top_k():
+    """Equal choices: the lower expert first, as jax.lax.top_k orders them."""
+    x = jnp.ones((3, 32), jnp.float32)
+    w = jnp.zeros((16, 32), jnp.float32).at[5].set(1.0).at[9].set(1.0).at[2].set(0.5)
+    ids, weights = router.route_tokens(x, w, None, top_k=3, sigmoid=True, renormalize=False, scale=1.0,
+                                       interpret=True)
+    assert np.array_equal(np.asarray(ids), [[5, 9, 2]] * 3)
+    want_ids, want_weights = route(x @ w.T, None, _config(16, 3, "sigmoid", False, hidden=32, scale=1.0))
+    assert np.array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-6)
+
+
+def test_model_router_uses_it_where_dispatch_picks_it(seed, monkeypatch):
+    """The Router module: the kernel under DAYZERO_KERNELS=interpret equals the XLA route; the CPU's default and a
+    mesh (one_kernel=False) keep XLA; grouped routing (DeepSeek's n_group) is not taken."""
+    cfg = _config(64, 6, "sigmoid", True, hidden=96).replace(router_bias=True)
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal((5, 96)), jnp.float32)
+    params = Router(cfg, jnp.float32).init(jax.random.key(0), x)
+    params = jax.tree.map(lambda p: p + 0.01 * jnp.arange(p.size, dtype=p.dtype).reshape(p.shape) / p.size, params)
+    with jax.default_matmul_precision("highest"):
+        want = Router(cfg, jnp.float32).apply(params, x)  # CPU default: the XLA route
+        monkeypatch.setenv(dispatch.ENV_OVERRIDE, "interpret")
+        got = Router(cfg, jnp.float32).apply(params, x)
+        mesh_like = Router(cfg, jnp.float32, one_kernel=False).apply(params, x)
+    assert np.array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=2e-6)
+    assert np.array_equal(np.asarray(mesh_like[0]), np.asarray(want[0]))
+    assert router.choose(64, 96, 6, n_group=1, impl="interpret") == "interpret"
+    assert router.choose(256, 7168, 8, n_group=8, impl="interpret") == "reference"  # DeepSeek's expert groups
+    assert router.choose(384, 7168, 8, n_group=1, impl="interpret") == "reference"  # not a power of two
+    assert router.choose(256, 7168, 8, n_group=1, impl="interpret") == "reference"  # weight too big for one program
+    monkeypatch.delenv(dispatch.ENV_OVERRIDE)
+    assert router.choose(64, 96, 6, n_group=1, impl=None) == "reference"  # CPU
+    assert dispatch.choose("router", ("reference", "pallas"), platform="cuda",
+                           gpu_verified=router.GPU_VERIFIED) == ("pallas" if router.GPU_VERIFIED else "reference")
+
+
+@pytest.mark.parametrize("n_tokens", [1, 16, 64])
+def test_lowers_to_triton_at_model_shapes(n_tokens):
+    spec = jax.ShapeDtypeStruct
+    for n_experts, hidden, top_k in ((64, 2048, 6), (128, 2048, 8)):
+        assert router.supported(n_experts, hidden, top_k)
+        args = (spec((n_tokens, hidden), jnp.bfloat16), spec((n_experts, hidden), jnp.bfloat16),
+                spec((n_experts,), jnp.float32))
+        fn = lambda x, w, b, k=top_k: router.route_tokens(x, w, b, top_k=k, sigmoid=True, renormalize=True,
+                                                         scale=2.5)
+        assert count_triton_kernels(fn, *args) == 1
