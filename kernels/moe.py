@@ -23,6 +23,14 @@ from .mxfp4 import ExpertWeights
 PACKED_GPU_VERIFIED = True
 
 
+def _dense_kernel_kind(hidden: int, inter: int, impl: str | None) -> str:
+    """Which `moe_dense` implementation dispatch picks for experts of hidden x inter: "pallas", "interpret", or
+    "reference" (also where Triton dots need >= 16-wide blocks that the dims do not give: tiny test models run XLA
+    on GPUs)."""
+    kind = dispatch.choose("moe_dense", ("reference", "pallas"), impl, gpu_verified=moe_dense.GPU_VERIFIED)
+    return "reference" if kind == "pallas" and not moe_dense.supported(hidden, inter) else kind
+
+
 def swiglu_as_one_expert(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                          impl: str | None = None) -> jax.Array | None:
     """A dense SwiGLU MLP (a shared expert) through `moe_dense`'s grouped matmuls, as one expert that every token
@@ -32,9 +40,9 @@ def swiglu_as_one_expert(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_dow
     Why: at decode sizes XLA's GEMM for [1, H] @ [H, 2I] read the medium hybrid's shared expert at ~0.4 TB/s on an
     H200 (16 us per layer, benchmarks/NOTES_serving.md); the grouped kernels split K at one token.
     """
-    kind = dispatch.choose("moe_dense", ("reference", "pallas"), impl, gpu_verified=moe_dense.GPU_VERIFIED)
+    kind = _dense_kernel_kind(w_gate.shape[0], w_gate.shape[1], impl)
     if kind == "reference" or not moe_dense.supported(w_gate.shape[0], w_gate.shape[1]):
-        return None
+        return None  # (interpret mode too: shapes a GPU's kernels would not take keep the caller's layers)
     ids = jnp.zeros((x.shape[0], 1), jnp.int32)
     ones = jnp.ones((x.shape[0], 1), jnp.float32)
     return moe_dense.grouped_swiglu(x, ids, ones, w_gate[None], w_up[None], w_down[None],
@@ -51,9 +59,7 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_ga
     "auto" whichever `moe_grouped.choose_block_m` expects to be cheaper for this call's shape.
     """
     if block_m == "auto":
-        kind = dispatch.choose("moe_dense", ("reference", "pallas"), impl, gpu_verified=moe_dense.GPU_VERIFIED)
-        if kind == "pallas" and not moe_dense.supported(w_gate.shape[1], w_gate.shape[2]):
-            kind = "reference"  # Triton dots need >= 16-wide blocks (tiny test models run XLA on GPUs)
+        kind = _dense_kernel_kind(w_gate.shape[1], w_gate.shape[2], impl)
         if kind != "reference":
             return moe_dense.grouped_swiglu(x, topk_ids, topk_weights, w_gate, w_up, w_down,
                                             interpret=kind == "interpret")

@@ -98,7 +98,9 @@ def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue):
     return x_ref[pl.ds(r0, bm), pl.ds(k0, sk)]
 
 
-def _grouped_kernel(tile_expert_ref, token_ref, x_ref, *refs, n_w, bm, bn, sk, steps, prologue):
+def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue):
+    token_ref = refs[0] if prologue == "gather" else None  # the rows' tokens come first where they are gathered
+    x_ref, *refs = refs[1:] if prologue == "gather" else refs
     w_refs, o_ref = refs[:n_w], refs[n_w]
     t, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = tile_expert_ref[t]
@@ -138,8 +140,6 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
         raise ValueError(f"unknown prologue {prologue!r} (None, 'gather' or 'swiglu')")
     if k_dim != weights_k:
         raise ValueError(f"rows of {k_dim} features for weights of {weights_k} inputs")
-    if token_of_row is None:
-        token_of_row = jnp.zeros((1,), jnp.int32)  # unused
     n_dim = weights[0].shape[2]
     bm = tiles.block_m
     bn = _pow2_divisor(n_dim, tiles.block_n)
@@ -157,7 +157,8 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
         compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
         interpret=interpret,
         name="moe_dense_gate_up" if len(weights) == 2 else "moe_dense_down",
-    )(tile_expert.astype(jnp.int32), token_of_row.astype(jnp.int32), x_rows, *weights)
+    )(tile_expert.astype(jnp.int32), *([token_of_row.astype(jnp.int32)] if prologue == "gather" else []), x_rows,
+      *weights)
     return partial[0] if slices == 1 else jnp.sum(partial, axis=0)
 
 
@@ -175,12 +176,12 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
         gate_up = grouped_matmul(x, sched.tile_expert, (w_gate, w_up), tiles, interpret,
                                  token_of_row=sched.token_of_row, prologue="gather").astype(x.dtype)
         out = grouped_matmul(gate_up.reshape(gate_up.shape[0], -1), sched.tile_expert, (w_down,), tiles, interpret,
-                             prologue="swiglu")[:, 0].astype(x.dtype)
-        return moe_tiles.combine(out, sched, topk_weights).astype(x.dtype)
-    padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row N: the padding rows' zeros
-    rows = padded[sched.token_of_row]
-    gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret).astype(x.dtype)
-    real = (sched.token_of_row < n_tokens)[:, None]  # rows of unused tiles hold whatever the output buffer held
-    hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
-    out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret)[:, 0].astype(x.dtype)
-    return moe_tiles.combine(out, sched, topk_weights).astype(x.dtype)
+                             prologue="swiglu")
+    else:
+        padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row N: the padding rows' zeros
+        rows = padded[sched.token_of_row]
+        gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret).astype(x.dtype)
+        real = (sched.token_of_row < n_tokens)[:, None]  # rows of unused tiles hold whatever the output buffer held
+        hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
+        out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret)
+    return moe_tiles.combine(out[:, 0].astype(x.dtype), sched, topk_weights).astype(x.dtype)

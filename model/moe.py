@@ -87,9 +87,8 @@ class Router(nn.Module):
         if cfg.router_bias:
             bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
         groups = cfg.n_group if cfg.topk_group < cfg.n_group else 1  # every group kept: no group restriction
-        kind = "reference"
-        if self.one_kernel:
-            kind = router_kernel.choose(cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token, groups)
+        kind = (router_kernel.choose(cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token, groups)
+                if self.one_kernel else "reference")
         if kind != "reference":
             return router_kernel.route_tokens(
                 x, weight, bias, top_k=cfg.num_experts_per_token, sigmoid=cfg.router_activation == "sigmoid",

@@ -638,16 +638,10 @@ def _delta_step(state, token, scale, output_before_update):
     q, k, v, g, beta, live = token
     q = q * scale
     state = state * jnp.exp(g)[:, None]
-    k_state = jnp.sum(k[:, None] * state, axis=0)
-    if output_before_update:
-        q_state = jnp.sum(q[:, None] * state, axis=0)
-        delta = beta * (v - k_state)
-        state = state + k[:, None] * delta[None, :]
-        o = q_state + jnp.sum(q * k) * delta
-    else:
-        delta = beta * (v - k_state)
-        state = state + k[:, None] * delta[None, :]
-        o = jnp.sum(q[:, None] * state, axis=0)
+    q_state = jnp.sum(q[:, None] * state, axis=0) if output_before_update else None
+    delta = beta * (v - jnp.sum(k[:, None] * state, axis=0))
+    state = state + k[:, None] * delta[None, :]
+    o = q_state + jnp.sum(q * k) * delta if output_before_update else jnp.sum(q[:, None] * state, axis=0)
     return state, jnp.where(live, o, 0.0)
 
 
@@ -739,9 +733,9 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
 
 
 def _slots_kernel(slot_ref, len_ref, q_ref, k_ref, v_ref, g_ref, b_ref, pool_ref, o_ref, pool_out_ref, *,
-                       steps, scale, l2norm, layer, block_v, v_fastest, output_before_update):
-    head = pl.program_id(1)
-    cols = pl.ds(pl.program_id(0 if v_fastest else 2) * block_v, block_v)
+                       steps, scale, l2norm, layer, block_v, order, output_before_update):
+    _, head, j = order(pl.program_id(0), pl.program_id(1), pl.program_id(2))
+    cols = pl.ds(j * block_v, block_v)
     slot = slot_ref[0]
     state = _recurrent_steps(lambda: pool_ref[layer, slot, head, :, cols], steps, (q_ref, k_ref, v_ref, g_ref, b_ref),
                              o_ref, scale=scale, l2norm=l2norm, length=len_ref[0],
@@ -775,7 +769,7 @@ def fused_recurrent_kda_slots(q, k, v, g, beta, state_pool, slots, layer=0, scal
     row = _bhv_spec((1,), lambda b, h, j: (b,), order)
     o, pool = pl.pallas_call(
         functools.partial(_slots_kernel, steps=steps, scale=scale, l2norm=use_qk_l2norm_in_kernel,
-                          layer=layer, block_v=block_v, v_fastest=tuning.decode_v_fastest,
+                          layer=layer, block_v=block_v, order=order,
                           output_before_update=tuning.decode_output_before_update),
         grid=grid,
         in_specs=[row, row] + _token_specs(steps, kp, vp, block_v, order) + [pl.BlockSpec(memory_space=pl.ANY)],
