@@ -2,7 +2,7 @@
 width 768) and a DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at 1, 16, 64, 256 tokens and an 8K prefill.
 
     python3 benchmarks/moe.py [--results benchmarks/RESULTS.md] [--shapes medium,deepseek] [--tokens 1,16,64,256,8192]
-                              [--sweep] [--dense-only]
+                              [--sweep [split_k]] [--dense-only | --variants fused,fp8,...]
 
 Variants, on the same weights (random MXFP4; the others converted from it) and the same uniform top-k routing:
   bf16      jax.lax.ragged_dot over dense bf16 experts (dayzero.kernels.moe.moe_experts with block_m=None)
@@ -98,16 +98,23 @@ def mxfp4_bytes(active: int, hidden: int, inter: int) -> int:
 def attempt(label: str, fn):
     """fn() -> value, or None (said why) when the variant cannot run at this size: XLA's bf16 ragged_dot pads every
     group to the full row count on GPUs, which runs out of memory at 8K tokens x 256 experts."""
+    start = time.perf_counter()
     try:
-        return fn()
+        value = fn()
+        print(f"  {label}: {time.perf_counter() - start:.1f} s (compile and time)", flush=True)
+        return value
     except Exception as e:  # noqa: BLE001 - a benchmark reports a failing variant and goes on
         print(f"  {label}: not measured ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})")
         return None
 
 
-def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, dense_only: bool = False) -> dict:
-    """One layer call size; `extras` adds staged (when not what the model runs) and resident timings; `dense_only`
-    times the bf16 variants alone."""
+VARIANTS = ("bf16", "bf16_auto", "bf16_pallas", "bf16_pallas_fused", "fp8", "fused", "staged", "resident", "kernels")
+DENSE_VARIANTS = VARIANTS[:4]
+
+
+def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, variants=VARIANTS) -> dict:
+    """One layer call size; `extras` adds staged (when not what the model runs) and resident timings; `variants`
+    names the variants timed (VARIANTS)."""
     n_experts, top_k, hidden, inter = SHAPES[name]
     ew, ew8, (wg, wu, wd) = layer
     ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
@@ -119,21 +126,23 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, dens
     def plain(fn):
         return per_call(lambda x, i: x + eps * fn(x), x, iters)[0]
 
-    seconds["bf16"] = attempt("bf16 ragged_dot", lambda: plain(
-        lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, block_m=None)))
+    def timed(variant, label, fn):
+        if variant in variants:
+            seconds[variant] = attempt(label, fn)
+
+    timed("bf16", "bf16 ragged_dot", lambda: plain(lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, block_m=None)))
     block_m = moe_grouped.choose_block_m(ids.size, n_experts, hidden, inter, 2)
-    seconds["bf16_auto"] = seconds["bf16"] if block_m is None else attempt("bf16 tiles", lambda: plain(
-        lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, block_m=block_m)))
-    seconds["bf16_pallas"] = attempt("bf16 pallas", lambda: plain(
-        lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, impl=impl)))
+    if block_m is None and "bf16_auto" in variants:
+        seconds["bf16_auto"] = seconds.get("bf16")
+    else:
+        timed("bf16_auto", "bf16 tiles", lambda: plain(
+            lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, block_m=block_m)))
+    timed("bf16_pallas", "bf16 pallas", lambda: plain(lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, impl=impl)))
     fused_tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), fused_prologues=True)
-    seconds["bf16_pallas_fused"] = attempt("bf16 pallas, fused prologues", lambda: plain(
+    timed("bf16_pallas_fused", "bf16 pallas, fused prologues", lambda: plain(
         lambda x: moe_dense.grouped_swiglu(x, ids, w, wg, wu, wd, tiles=fused_tiles, interpret=impl == "interpret")))
-    if not dense_only:
-        seconds["fp8"] = attempt("fp8", lambda: plain(
-            lambda x: moe.moe_experts_packed(x, ids, w, ew8, impl=impl)[0]))
-        seconds["fused"] = attempt("fused", lambda: plain(
-            lambda x: moe.moe_experts_packed(x, ids, w, ew, impl=impl)[0]))
+    timed("fp8", "fp8", lambda: plain(lambda x: moe.moe_experts_packed(x, ids, w, ew8, impl=impl)[0]))
+    timed("fused", "fused", lambda: plain(lambda x: moe.moe_experts_packed(x, ids, w, ew, impl=impl)[0]))
     ws = moe_workspace.create(moe_workspace.num_slots(ids.size, n_experts), hidden, inter)
     res = {}
 
@@ -147,11 +156,11 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, dens
         return t
 
     auto = MXFP4Execution().uses_workspace(n_tokens, top_k, n_experts)
-    if (auto or extras) and not dense_only:
-        seconds["staged"] = attempt("staged", lambda: staged(False))
-    if extras and not dense_only:
-        seconds["resident"] = attempt("resident", lambda: staged(True))
-    if n_tokens <= 16 and not dense_only:  # the two fused kernels alone (schedule and activations prepared outside the loop)
+    if auto or extras:
+        timed("staged", "staged", lambda: staged(False))
+    if extras:
+        timed("resident", "resident", lambda: staged(True))
+    if n_tokens <= 16 and "kernels" in variants:  # the two fused kernels alone (schedule and activations prepared outside the loop)
         tiles = moe_mxfp4.choose_tiles(ids.size, n_experts)
         plan = moe_mxfp4.plan(x, ids, ew, None, n_experts, tiles)
         seconds["fused_kernels"] = attempt("kernels", lambda: per_call(
@@ -185,14 +194,19 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, dens
     return res
 
 
-def sweep(layer, name, impl) -> dict:
-    """The fused kernel at one token over a few tile configurations."""
+def sweep(layer, name, impl, which: str = "all") -> dict:
+    """The fused kernel at one token over a few tile configurations (`which`: "all", or "split_k": the split-K
+    tiles and choose_tiles' own)."""
     n_experts, top_k, hidden, _ = SHAPES[name]
     ew = layer[0]
     ids, w = routing(jax.random.key(1), 1, n_experts, top_k)
     x = jax.random.normal(jax.random.key(1), (1, hidden), jnp.bfloat16)
     out = {}
-    for bn in (32, 64, 128):
+    if which == "split_k":
+        t, _ = per_call(lambda x, i: x + jnp.asarray(1e-3, x.dtype) * moe.moe_experts_packed(
+            x, ids, w, ew, impl=impl)[0], x, 20)
+        out["choose_tiles"] = round(t * 1e6, 2)
+    for bn in (32, 64, 128) if which == "all" else ():
         for groups in (2, 4, 8):
             for warps in (4, 8):
                 tiles = moe_mxfp4.Tiles(block_m=16, block_n=bn, max_groups=groups, num_warps=warps, num_stages=3)
@@ -224,21 +238,21 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for n_tokens in tokens:
             r = bench_case(name, n_tokens, layer, args.impl, n_tokens in (tokens[0], tokens[-1]), bandwidth,
-                           args.dense_only)
+                           args.variants)
             results[f"{name}_T{n_tokens}"] = r
             cell = lambda v: "-" if v is None else v  # noqa: E731
             kernels = (f"{r['fused_kernels_us']} ({cell(r.get('fused_kernels_pct_of_copy_bw'))}%)"
                        if r.get("fused_kernels_us") else "-")
             resident = f"{r['resident_us']} ({r['resident_hit_rate']:.0%})" if r.get("resident_us") else "-"
-            print(f"| {n_tokens} | {r['active_experts']} | {cell(r['bf16_us'])} | "
-                  f"{cell(r['bf16_auto_us'])} ({cell(r['bf16_auto_block_m'])}) | {cell(r.get('bf16_pallas_us'))} "
+            print(f"| {n_tokens} | {r['active_experts']} | {cell(r.get('bf16_us'))} | "
+                  f"{cell(r.get('bf16_auto_us'))} ({cell(r['bf16_auto_block_m'])}) | {cell(r.get('bf16_pallas_us'))} "
                   f"({cell(r.get('bf16_pallas_pct_of_copy_bw'))}%) | {cell(r.get('bf16_pallas_fused_us'))} | "
                   f"{cell(r.get('fp8_us'))} | "
                   f"{cell(r.get('fused_us'))} | {cell(r.get('staged_us'))} | {cell(r.get('online_us'))} ({r['online_mode']}) "
                   f"| {cell(r['online_vs_fp8'])} | {cell(r['bf16_vs_online'])} | {cell(r['bf16_roofline_vs_online'])} "
                   f"| {cell(r.get('fused_pct_of_copy_bw'))} | {kernels} | {resident} |")
         if args.sweep:
-            results[f"{name}_sweep_T1_fused_us"] = sweep(layer, name, args.impl)
+            results[f"{name}_sweep_T1_fused_us"] = sweep(layer, name, args.impl, args.sweep)
             print("tile sweep, fused, 1 token (us):", results[f"{name}_sweep_T1_fused_us"])
         del layer
 
@@ -249,15 +263,25 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="medium,deepseek")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--impl", default="pallas", help="pallas (GPU), or interpret for a CPU smoke run")
-    parser.add_argument("--sweep", action="store_true", help="also sweep the fused kernel's tiles at 1 token")
+    parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "split_k"),
+                        help="also sweep the fused kernel's tiles at 1 token (split_k: only the split-K tiles)")
     parser.add_argument("--dense-only", action="store_true", help="time the bf16 variants alone (no MXFP4 / FP8)")
+    parser.add_argument("--variants", help=f"comma-separated variants to time (of {', '.join(VARIANTS)}; default all)")
     args = parser.parse_args(argv)
+    if args.variants:
+        unknown = set(args.variants.split(",")) - set(VARIANTS)
+        if unknown:
+            parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    args.variants = (tuple(args.variants.split(",")) if args.variants else
+                     DENSE_VARIANTS if args.dense_only else VARIANTS)
     device = jax.devices()[0]
     start = time.perf_counter()
     bandwidth = copy_bandwidth()
     print(f"{device.device_kind}, jax {jax.__version__}: HBM copy {bandwidth / 1e12:.3f} TB/s (read + write)")
     results: dict = {"hbm_copy_TBps": round(bandwidth / 1e12, 3)}
-    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.variants != VARIANTS:
+        results["variants"] = list(args.variants)
+    tokens = [int(t) for t in args.tokens.split(",") if t.strip()]  # --tokens "": the sweep alone
     try:
         measure_shapes(args, tokens, results, bandwidth)
     except KeyboardInterrupt:  # `timeout -s INT`: report what was measured, marked as partial

@@ -38,16 +38,22 @@ def _tunings():
     from dayzero.kernels.indexer_pallas import IndexerKernelConfig
     from dayzero.kernels.sparse_mla import SparseMLAConfig
 
-    decode = {"h32k32w8": SparseMLAConfig(), "h64k16w8": SparseMLAConfig(block_h=64, block_k=16),
-              "h32k32w8_split1024": SparseMLAConfig(min_split_tokens=1024),
-              "h16k32w4": SparseMLAConfig(block_h=16, num_warps=4),
-              # the "fused" decode variant (benchmarks/NOTES_dsa.md): two 64-head halves, many splits
-              "fused_h64k32w8": SparseMLAConfig(block_h=64, min_split_tokens=128, decode_variant="fused"),
-              "fused_h64k32w16_s64": SparseMLAConfig(block_h=64, num_warps=16, decode_programs=132,
-                                                     min_split_tokens=64, decode_variant="fused"),
-              "fused_h64k16w8_s64": SparseMLAConfig(block_h=64, block_k=16, decode_programs=132,
-                                                    min_split_tokens=64, decode_variant="fused")}
-    prefill = {"h32k32w8": SparseMLAConfig(), "h64k16w8": SparseMLAConfig(block_h=64, block_k=16)}
+    def heads_split(block_h, block_k, **kw):
+        return SparseMLAConfig(block_h=block_h, block_k=block_k, decode_block_k=block_k, decode_variant="heads_split",
+                               **{"min_split_tokens": 256, **kw})
+
+    # the default (first) is the fused variant (benchmarks/NOTES_dsa.md): two 64-head halves, many splits
+    decode = {"fused_h64k32w8": SparseMLAConfig(),
+              "fused_h64k32w16_s64": SparseMLAConfig(num_warps=16, decode_programs=132, min_split_tokens=64),
+              "fused_h64k16w8_s64": SparseMLAConfig(decode_block_k=16, decode_programs=132, min_split_tokens=64),
+              # 32-head blocks: no register spills at 8 warps when built for sm_90 offline (triton_report.py --op
+              # sparse_mla: 250 registers, against 255 + 484 bytes of spills at 64 heads)
+              "fused_h32k32w8": SparseMLAConfig(block_h=32),
+              "fused_h32k32w8_s64": SparseMLAConfig(block_h=32, min_split_tokens=64),
+              "h32k32w8": heads_split(32, 32), "h64k16w8": heads_split(64, 16),
+              "h32k32w8_split1024": heads_split(32, 32, min_split_tokens=1024),
+              "h16k32w4": heads_split(16, 32, num_warps=4)}
+    prefill = {"h64k16w8": SparseMLAConfig(), "h32k32w8": SparseMLAConfig(block_h=32, block_k=32)}
     indexer = {"k128w4": IndexerKernelConfig(), "k64w4": IndexerKernelConfig(block_k=64),
                "k256w8": IndexerKernelConfig(block_k=256, num_warps=8)}
     return decode, prefill, indexer
@@ -109,11 +115,14 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
             times.append(time.perf_counter() - start)
         return statistics.median(times) / per_call
 
-    def chained(op):
-        """op(q, *rest) run CHAIN times in one jit, each q nudged by the previous output (eps = 0 at run time)."""
+    def chained(op, per_call_last=False):
+        """op(q, *rest) run CHAIN times in one jit, each q nudged by the previous output (eps = 0 at run time).
+        per_call_last: the last argument is stacked [CHAIN, ...] and call n takes its n-th entry (each sparse decode
+        call gathers other tokens, so no call finds the previous call's selected latents in L2)."""
         def run(eps, q, *rest):
-            for _ in range(CHAIN):
-                out = op(q, *rest)
+            for n in range(CHAIN):
+                args = (*rest[:-1], rest[-1][n]) if per_call_last else rest
+                out = op(q, *args)
                 q = q + (eps * out.reshape(-1)[0].astype(jnp.float32)).astype(q.dtype)
             return out
 
@@ -145,7 +154,8 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
             mla_ops[name, dense] = chained(
                 (lambda q, qr, c, t, p: sparse_mla.sparse_mla(q, qr, c, 0, t, p, None, 576 ** -0.5, config=cfg))
                 if dense else
-                (lambda q, qr, c, t, p, i: sparse_mla.sparse_mla(q, qr, c, 0, t, p, i, 576 ** -0.5, config=cfg)))
+                (lambda q, qr, c, t, p, i: sparse_mla.sparse_mla(q, qr, c, 0, t, p, i, 576 ** -0.5, config=cfg)),
+                per_call_last=not dense)
         return mla_ops[name, dense]
 
     def index_op(name, kind):
@@ -181,8 +191,9 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
             tag = f"B{batch}_{ctx // 1024}K"
             tables = all_tables[:batch, :ctx // BLOCK]
             pos = jnp.full((batch, 1), ctx - 1, jnp.int32)
-            sel = jax.vmap(lambda kk: jax.random.choice(kk, ctx, (TOPK,), replace=False))(
-                jax.random.split(jax.random.fold_in(k, ctx), batch)).astype(jnp.int32)[:, None, :]
+            sel = jax.vmap(lambda kk: jax.random.choice(kk, ctx, (TOPK,), replace=False))(  # [CHAIN, B, 1, K]
+                jax.random.split(jax.random.fold_in(k, ctx), CHAIN * batch)).astype(jnp.int32).reshape(
+                CHAIN, batch, 1, TOPK)
             name, us = best_of(mla_names, lambda n: mla_op(n, False),
                                (q_lat, q_rope, latent, all_tables[:batch], pos, sel), f"sparse_decode_{tag}")
             mla_names = [name]

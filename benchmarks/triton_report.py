@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of dayzero's Pallas kernels as Triton builds them for the H200, on a machine
 without a GPU: a resource report that costs no device time.
 
-    python benchmarks/triton_report.py [--op kda|moe_dense|router] [--warps 2,4,8] [--sass DIR]
+    python benchmarks/triton_report.py [--op kda|moe_dense|router|sparse_mla] [--warps 2,4,8] [--sass DIR]
 
 Each kernel of the chosen op is lowered for CUDA through `jax.export` (as tests/triton_lowering.py does), its Triton
 IR captured, compiled by the `triton` package for sm_90 with the kernel's own num_warps / num_stages (or each of
@@ -73,17 +73,23 @@ def compile_report(ir: str, num_warps: int, num_stages: int, sass_path: str | No
         bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
         log = subprocess.run([os.path.join(bin_dir, "ptxas"), "-v", "-arch=sm_90a", ptx, "-o", os.devnull],
                              capture_output=True, text=True, check=True).stderr
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
         if sass_path:
-            cubin = os.path.join(tmp, "kernel.cubin")
-            with open(cubin, "wb") as f:
-                f.write(kernel.asm["cubin"])
             with open(sass_path, "w") as f:
-                f.write(subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", cubin], capture_output=True,
-                                       text=True, check=True).stdout)
+                f.write(sass)
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, log)) else 0
+    ttgir = kernel.asm["ttgir"]
     return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
             "spill_loads": number(r"(\d+) bytes spill loads"), "stack": number(r"(\d+) bytes stack frame"),
-            "shared": kernel.metadata.shared}
+            "shared": kernel.metadata.shared,
+            # static counts (a loop body counts once): layout conversions Triton left in the IR (most go through
+            # shared memory), and the barriers and instructions of the machine code
+            "convert_layouts": ttgir.count("ttg.convert_layout"), "barriers": len(re.findall(r"\bBAR\.", sass)),
+            "sass_instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, flags=re.M))}
 
 
 def kda_cases() -> dict:
@@ -100,7 +106,9 @@ def kda_cases() -> dict:
 
     dq, dg, dbeta = S((64, 1, H, D), jnp.bfloat16), S((64, 1, H, D), jnp.float32), S((64, 1, H), jnp.bfloat16)
     pool, slots = S((1, 64, H, D, D), jnp.float32), S((64,), jnp.int32)
+    one_product = pallas.KdaTuning(intra_one_product=True)
     return {"chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
+            "chunk_kda B1 T8192 one_product": (chunk(one_product), (q, q, q, g, beta, state)),
             "decode slots B64": (pallas.fused_recurrent_kda_slots, (dq, dq, dq, dg, dbeta, pool, slots))}
 
 
@@ -141,7 +149,32 @@ def router_cases() -> dict:
     return cases
 
 
-CASES = {"kda": kda_cases, "moe_dense": moe_dense_cases, "router": router_cases}
+def sparse_mla_cases() -> dict:
+    """Sparse MLA decode (the fused variant, the default, and heads_split 32 x 32) and prefill at DeepSeek-V3.2's
+    shapes (128 heads, latent 512 + 64, top-2048, bf16), batch 16."""
+    from dayzero.kernels import sparse_mla
+
+    S = jax.ShapeDtypeStruct
+    batch, heads, rank, rope, topk = 16, 128, 512, 64, 2048
+    cache = S((1, batch * 512 + 1, 64, rank + rope), jnp.bfloat16)
+    tables = S((batch, 512), jnp.int32)
+    split = sparse_mla.SparseMLAConfig(block_h=32, block_k=32, decode_block_k=32, min_split_tokens=256,
+                                       decode_variant="heads_split")
+    cases = {}
+    fused32 = sparse_mla.SparseMLAConfig(block_h=32, num_warps=4)
+    for name, length, config in (("decode fused", 1, sparse_mla.SparseMLAConfig()), ("decode heads_split", 1, split),
+                                 ("decode fused h32 w4", 1, fused32),
+                                 ("prefill", 64, sparse_mla.SparseMLAConfig())):
+        fn = lambda ql, qr, c, t, p, i, config=config: sparse_mla.sparse_mla(ql, qr, c, 0, t, p, i, 576 ** -0.5,
+                                                                             config=config)
+        cases[f"sparse_mla {name} B{batch}"] = (fn, (S((batch, length, heads, rank), jnp.bfloat16),
+                                                     S((batch, length, heads, rope), jnp.bfloat16), cache, tables,
+                                                     S((batch, length), jnp.int32),
+                                                     S((batch, length, topk), jnp.int32)))
+    return cases
+
+
+CASES = {"kda": kda_cases, "moe_dense": moe_dense_cases, "router": router_cases, "sparse_mla": sparse_mla_cases}
 
 
 def main(argv=None) -> int:
@@ -150,19 +183,23 @@ def main(argv=None) -> int:
     parser.add_argument("--warps", help="comma-separated num_warps to build each kernel with (default: its own)")
     parser.add_argument("--sass", help="folder to write each kernel's SASS into")
     args = parser.parse_args(argv)
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
     try:
         import triton  # noqa: F401
     except ImportError:
         raise SystemExit("needs the triton package: pip install triton==3.6.0")
-    print("| case | kernel | warps | stages | registers | spill bytes (st/ld) | stack | shared |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("| case | kernel | warps | stages | registers | spill bytes (st/ld) | stack | shared | layout conversions "
+          "| barriers | SASS instructions |\n|---|---|---|---|---|---|---|---|---|---|---|")
     for case, (fn, shapes) in CASES[args.op]().items():
         for kernel in capture_kernels(fn, *shapes):
             for warps in ([int(w) for w in args.warps.split(",")] if args.warps else [kernel["num_warps"]]):
-                sass = os.path.join(args.sass, f"{kernel['name']}_w{warps}.sass") if args.sass else None
+                stem = re.sub(r"\W+", "_", f"{case} {kernel['name']} w{warps}")
+                sass = os.path.join(args.sass, f"{stem}.sass") if args.sass else None
                 r = compile_report(kernel["ir"], warps, kernel["num_stages"], sass)
                 print(f"| {case} | {kernel['name']} | {warps} | {kernel['num_stages']} | {r['registers']} | "
-                      f"{r['spill_stores']}/{r['spill_loads']} | {r['stack']} | {r['shared']} |", flush=True)
+                      f"{r['spill_stores']}/{r['spill_loads']} | {r['stack']} | {r['shared']} | {r['convert_layouts']} | "
+                      f"{r['barriers']} | {r['sass_instructions']} |", flush=True)
     return 0
 
 

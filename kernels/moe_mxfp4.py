@@ -58,10 +58,19 @@ class Tiles:
     split_k: int = 1  # > 1: K split over up to this many programs per output tile (see the module docstring)
 
 
+# Layer calls of at most this many token-expert pairs take split-K tiles (32 columns x 4 groups x 8 K splits). On the
+# H200 (benchmarks/moe.py --sweep split_k, 2026-12-01) the medium layer at 1 token ran 42.6 us with them against
+# 52.1 us for the 16-row tiles without splits. 0 until the split-K tiles pass tests/gpu/test_mxfp4_gpu.py (not yet
+# run on a GPU); then 8 (one decode token's top-k).
+SPLIT_K_MAX_PAIRS = 0
+
+
 def choose_tiles(n_pairs: int, n_experts: int) -> Tiles:
     """Tiles for a layer call of `n_pairs` token-expert pairs: 16-row tiles for decode-sized batches (the weights
     are read once per tile; fewer wasted rows), 64-row tiles once experts see many tokens (prefill)."""
     rows = n_pairs / max(1, min(n_experts, n_pairs))
+    if n_pairs <= SPLIT_K_MAX_PAIRS:  # one token's experts: split K so enough programs stream the weights
+        return Tiles(block_m=16, block_n=32, max_groups=4, num_stages=3, split_k=8)
     if rows <= 16:
         return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3)
     if rows <= 48:

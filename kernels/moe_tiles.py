@@ -5,7 +5,11 @@ rows never mixes experts and needs no row masks. The number of tiles is bounded 
 ceil((P + min(E, P) * (block_m - 1)) / block_m) for P = tokens * top_k pairs; tiles past the used ones are marked
 -1 and the kernels skip them, so empty experts cost nothing and a decode step touches only the chosen experts.
 A single token's pairs (a batch-1 decode step) name distinct experts: each gets its own tile, in top-k order, with
-no sort or scatter (the static bound is then exactly k tiles).
+no sort or scatter (the static bound is then exactly k tiles). Up to `COMPARE_MAX_PAIRS` pairs (decode batches) the
+schedule comes from comparisons instead of a sort and scatters: a pair's rank among its expert's pairs is the count
+of earlier pairs with the same expert, and a row's token is found by matching it against every pair's row, each a
+single broadcast-and-reduce that XLA fuses into one kernel (the sort-based form is ~9 kernels per MoE layer, which
+are a large part of a decode step's kernel count). Both forms give the same schedule.
 """
 
 from __future__ import annotations
@@ -15,6 +19,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+# Layer calls of at most this many token-expert pairs build their schedule by comparisons (`_compare_schedule`):
+# at 1024 pairs the largest comparison is rows x pairs ~ 2M (medium hybrid), one small fusion.
+COMPARE_MAX_PAIRS = 1024
 
 
 class Schedule(NamedTuple):
@@ -38,6 +47,14 @@ def schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:
     n_tokens, top_k = topk_ids.shape
     if n_tokens == 1:
         return _single_token_schedule(topk_ids, n_experts, block_m)
+    if n_tokens * top_k <= COMPARE_MAX_PAIRS:
+        return _compare_schedule(topk_ids, n_experts, block_m)
+    return _sorted_schedule(topk_ids, n_experts, block_m)
+
+
+def _sorted_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:
+    """`schedule` by a stable sort of the pairs by expert and scatters back."""
+    n_tokens, top_k = topk_ids.shape
     n_pairs = n_tokens * top_k
     flat = topk_ids.reshape(-1).astype(jnp.int32)
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
@@ -54,6 +71,30 @@ def schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:
         jnp.arange(n_pairs, dtype=jnp.int32) // top_k)
     t = jnp.arange(n_tiles, dtype=jnp.int32)
     tile_expert = jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)  # one fused compare-sum
+    tile_expert = jnp.where(t < tile_end[-1], tile_expert, -1)
+    return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, tile_expert, sizes)
+
+
+def _compare_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:
+    """`schedule` by comparisons (O(pairs x (pairs + rows + experts)) work, no sort or scatter): the same Schedule."""
+    n_tokens, top_k = topk_ids.shape
+    n_pairs = n_tokens * top_k
+    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    experts = jnp.arange(n_experts, dtype=jnp.int32)
+    sizes = jnp.sum(flat[None, :] == experts[:, None], axis=1, dtype=jnp.int32)  # [E]
+    tiles = (sizes + block_m - 1) // block_m
+    tile_end = jnp.sum(jnp.where(experts[None, :] <= experts[:, None], tiles[None, :], 0), axis=1)  # inclusive cumsum
+    first_row = (tile_end - tiles) * block_m
+    pair = jnp.arange(n_pairs, dtype=jnp.int32)
+    same_before = (flat[None, :] == flat[:, None]) & (pair[None, :] < pair[:, None])  # [P, P]: q before p, same expert
+    row_of_pair = first_row[flat] + jnp.sum(same_before, axis=1, dtype=jnp.int32)
+    n_tiles = max_tiles(n_pairs, n_experts, block_m)
+    row = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
+    match = row[:, None] == row_of_pair[None, :]  # [R, P]: at most one pair per row
+    token_of_row = jnp.where(jnp.any(match, axis=1),
+                             jnp.sum(jnp.where(match, pair[None, :] // top_k, 0), axis=1, dtype=jnp.int32), n_tokens)
+    t = jnp.arange(n_tiles, dtype=jnp.int32)
+    tile_expert = jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)
     tile_expert = jnp.where(t < tile_end[-1], tile_expert, -1)
     return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, tile_expert, sizes)
 

@@ -27,8 +27,10 @@ from jax.experimental import pallas as pl
 
 from . import dispatch, tiles as tiling
 
-# Whether the kernel has passed tests/gpu/test_router_gpu.py on a GPU. Until it has, dispatch runs the XLA route on
-# CUDA/ROCm unless asked for it (impl="pallas" or DAYZERO_KERNELS).
+# Whether CUDA/ROCm run the kernel by default. It passes tests/gpu/test_router_gpu.py on the H200 (2026-12-01) but is
+# slower there than the XLA route (benchmarks/decode_profile.py --pallas router: 18.7 us per layer at batch 1
+# against ~11 us; one program reads the whole weight on one multiprocessor), so it stays off unless asked for
+# (impl="pallas" or DAYZERO_KERNELS).
 GPU_VERIFIED = False
 BLOCK_M = 16
 MAX_EXPERTS = 256

@@ -35,13 +35,20 @@ from . import tiles
 class SparseMLAConfig:
     """Tile sizes and launch parameters (powers of two)."""
 
-    block_h: int = 32  # heads per program
-    block_k: int = 32  # selected tokens per online-softmax step
+    # Defaults: the fastest tunings measured on the H200 (2026-12-01, RESULTS.md). Prefill: 64 heads x 16 keys at
+    # 128 heads (sparse_attention.py: 240 ms at 32K against 406 for 32 x 32); 32 keys for head blocks under 64 (the
+    # medium hybrid's 16-head dense MLA: serving.py's TTFT at 32K was 2.86 s in the run with 16 keys, 1.85 s in the
+    # earlier runs with 32). Decode:
+    # "fused", 64 heads x 32 keys (B1 40 us, B16 157 us against 79 / 307 for heads_split 32 x 32). float32 caches
+    # run 32 heads x 16 keys (shared memory).
+    block_h: int = 64  # heads per program
+    block_k: int | None = None  # selected tokens per online-softmax step (prefill); None: 16 at 64 heads, else 32
+    decode_block_k: int = 32  # the same for one token per request (decode)
     decode_programs: int = 264  # decode: split the selected tokens until about this many programs run ...
-    min_split_tokens: int = 256  # ... while each split keeps at least this many (its partial costs H x R floats)
+    min_split_tokens: int = 128  # ... while each split keeps at least this many (its partial costs H x R floats)
     num_warps: int = 8
     num_stages: int = 2
-    decode_variant: str = "heads_split"  # decode: "heads_split" (grid request, head block, split) or "fused"
+    decode_variant: str = "fused"  # decode: "fused" or "heads_split" (grid request, head block, split)
 
     def __post_init__(self):
         if self.decode_variant not in ("heads_split", "fused"):
@@ -189,9 +196,11 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
     rope_dim = q_rope.shape[-1]
     n_layers, n_blocks, block_size, width = cache.shape
     n_rows = batch * length
-    block_h = min(config.block_h, tiles.pow2_at_least(heads, 16))
+    wide = jnp.dtype(cache.dtype).itemsize >= 4  # float32 tiles: half as many fit in shared memory
+    block_h = min(config.block_h, tiles.pow2_at_least(heads, 16), 32 if wide else config.block_h)
     heads_p = tiles.round_up(heads, block_h)
-    block_k = config.block_k if jnp.dtype(cache.dtype).itemsize < 4 else min(config.block_k, 16)  # f32: smem
+    block_k = config.decode_block_k if length == 1 else config.block_k or (16 if block_h >= 64 else 32)
+    block_k = min(block_k, 16) if wide else block_k
     num_keys = block_tables.shape[1] * block_size if indices is None else indices.shape[-1]
     n_chunks = -(-num_keys // block_k)
     splits = 1

@@ -71,6 +71,15 @@ def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[
     return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
 
 
+def router_logits(x: jax.Array, weight: jax.Array) -> jax.Array:
+    """x [N, D] @ weight [E, D]^T -> float32 logits [N, E]. Operands of one 16-bit dtype stay in it: their products
+    are exact in the float32 accumulator, as upcast ones are, and no float32 copy of the weight is made per step
+    (on the H200 that convert was its own kernel in every MoE layer of a decode step). Otherwise both go to float32."""
+    if x.dtype != weight.dtype or jnp.dtype(x.dtype).itemsize > 2:
+        x, weight = x.astype(jnp.float32), weight.astype(jnp.float32)
+    return jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 class Router(nn.Module):
     """Params: `weight` [E, D] (checkpoint layout, model dtype) and `e_score_correction_bias` [E] float32.
     `one_kernel`: route with `kernels.router` where dispatch picks it (off on a mesh: the kernel is not sharded)."""
@@ -93,8 +102,7 @@ class Router(nn.Module):
             return router_kernel.route_tokens(
                 x, weight, bias, top_k=cfg.num_experts_per_token, sigmoid=cfg.router_activation == "sigmoid",
                 renormalize=cfg.renormalize, scale=float(cfg.routed_scaling_factor), interpret=kind == "interpret")
-        logits = x.astype(jnp.float32) @ weight.astype(jnp.float32).T
-        return route(logits, bias, cfg)
+        return route(router_logits(x, weight), bias, cfg)
 
 
 PROJECTIONS = ("w_gate", "w_up", "w_down")

@@ -147,6 +147,21 @@ def test_tile_schedule(seed, n_tokens):
     assert np.sum(token_of_row == n_tokens) == token_of_row.size - rows.size  # the rest read the zero row
 
 
+@pytest.mark.parametrize("n_tokens, n_experts, top_k, block_m, kind", [
+    (2, 8, 3, 4, "random"), (16, 64, 6, 16, "random"), (37, 8, 2, 4, "empty_experts"), (50, 8, 1, 16, "single_last"),
+    (64, 64, 2, 16, "one_expert_takes_all")])
+def test_compare_schedule_equals_sorted(seed, n_tokens, n_experts, top_k, block_m, kind):
+    """The sort-free schedule of decode-sized calls is the sort-based one, array for array."""
+    rng = np.random.default_rng(seed)
+    ids, _ = routing(rng, kind, n_tokens, n_experts, top_k=top_k)
+    ids = jnp.asarray(ids)
+    got = jax.jit(moe_tiles._compare_schedule, static_argnums=(1, 2))(ids, n_experts, block_m)
+    want = jax.jit(moe_tiles._sorted_schedule, static_argnums=(1, 2))(ids, n_experts, block_m)
+    for name, g, w in zip(moe_tiles.Schedule._fields, got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} ({kind}, seed={seed})")
+    assert ids.size <= moe_tiles.COMPARE_MAX_PAIRS  # what schedule() runs for these sizes
+
+
 SHAPES = {"medium": (64, 2048, 768, 6), "deepseek": (256, 7168, 2048, 8)}
 
 

@@ -19,7 +19,8 @@ from dayzero.kernels import attention, fp8_indexer, indexer, indexer_pallas, pag
 LAYERS, BLOCKS, BLOCK = 2, 14, 64
 LAYER = 1
 IDX_CFG = indexer_pallas.IndexerKernelConfig(block_k=32, block_q=16, score_bytes=4 * 2 * 16 * 320)
-MLA_CFG = sparse_mla.SparseMLAConfig(block_h=16, block_k=8, decode_programs=64, min_split_tokens=8)  # decode splits
+MLA_CFG = sparse_mla.SparseMLAConfig(block_h=16, block_k=8, decode_block_k=8, decode_programs=64, min_split_tokens=8,
+                                     decode_variant="heads_split")  # decode splits
 # Whole ops under jit: one compilation per shape instead of one per eager op.
 topk_op = jax.jit(indexer.indexer_topk, static_argnums=(4, 6, 7), static_argnames=("impl", "config"))
 mla_op = jax.jit(attention.sparse_mla, static_argnums=(3, 7), static_argnames=("impl", "config"))
@@ -250,8 +251,8 @@ def test_fused_decode_matches_reference(seed, k, dtype, block_h):
     q_rope = jnp.asarray(rng.standard_normal((batch, 1, heads, rope)), dtype)
     idx = None if k is None else random_selection(rng, pos, k)
     args = (q_lat, q_rope, cache, LAYER, tables, jnp.asarray(pos), idx, 0.2)
-    cfg = sparse_mla.SparseMLAConfig(block_h=block_h, block_k=8, decode_programs=64, min_split_tokens=8,
-                                     decode_variant="fused")
+    cfg = sparse_mla.SparseMLAConfig(block_h=block_h, block_k=8, decode_block_k=8, decode_programs=64,
+                                     min_split_tokens=8, decode_variant="fused")
     ref = mla_op(*args, impl="reference")
     got = mla_op(*args, impl="interpret", config=cfg)
     assert got.shape == ref.shape and got.dtype == dtype
@@ -331,7 +332,8 @@ def _indexer(length, fp8):
     return fn, args + ((V32_SCALES,) if fp8 else ())
 
 
-FUSED_H64 = sparse_mla.SparseMLAConfig(block_h=64, min_split_tokens=128, decode_variant="fused")
+HEADS_SPLIT = sparse_mla.SparseMLAConfig(block_h=32, block_k=32, decode_block_k=32, min_split_tokens=256,
+                                         decode_variant="heads_split")
 
 
 def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
@@ -347,8 +349,8 @@ def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
     ("indexer decode", lambda: _indexer(1, False)), ("indexer decode fp8", lambda: _indexer(1, True)),
     ("indexer prefill", lambda: _indexer(128, False)), ("indexer prefill fp8", lambda: _indexer(128, True)),
     ("sparse decode", lambda: _sparse(1, False)), ("dense decode", lambda: _sparse(1, True)),
-    ("sparse decode fused", lambda: _sparse(1, False, FUSED_H64)),
-    ("dense decode fused", lambda: _sparse(1, True, FUSED_H64)),
+    ("sparse decode heads_split", lambda: _sparse(1, False, HEADS_SPLIT)),
+    ("dense decode heads_split", lambda: _sparse(1, True, HEADS_SPLIT)),
     ("sparse prefill", lambda: _sparse(64, False)), ("dense prefill", lambda: _sparse(64, True)),
 ])
 def test_kernels_lower_to_triton(name, case):

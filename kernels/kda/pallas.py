@@ -250,7 +250,7 @@ def _level_exponent(g, h):
 
 
 def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, kd_ref, x_ref, gl_ref, *, scale,
-                l2norm, precision, block_k, dot_dtype):
+                l2norm, precision, block_k, dot_dtype, one_product):
     """One chunk, all 64 rows at once, over slices of `block_k` channels (a loop Triton keeps as a loop).
 
     For each level h the chunk's keys and queries are scaled by exp(level exponent) (one exp per element and level)
@@ -259,6 +259,12 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
     k exp(G_C - G), G_C and x = beta k exp(G) (the right-hand side of w, rounded to the input dtype as fla does);
     kernel 1b reads A_kk back by 16 x 16 blocks. Products on `dot_dtype` operands (f32: tf32 on the GPU for 16-bit
     inputs, exact for f32 inputs; or bf16).
+
+    `one_product`: one product and one [64, 64] accumulator per level instead of two of each. A level's pairs (t, s)
+    have t in an odd h-block and s in the even one before it, so in kf . Y^T with Y = qf on odd-block rows and kf on
+    even-block rows, entry (t, s) (t > s) is kf_t . kf_s = A_kk[t, s] and entry (s, t) is kf_s . qf_t = A_qk[t, s]:
+    A_kk fills the lower triangle and A_qk, transposed, the upper; the same dot products, half the MMAs and
+    accumulator registers.
     """
     chunk = pl.program_id(1)
     key_dim = q_ref.shape[-1]
@@ -299,6 +305,10 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
             f = jnp.exp(_level_exponent(g, h))
             kf, qf = (k * f).astype(dot_dtype), (q * f).astype(dot_dtype)
             pairs = (differ >= h) & (differ < 2 * h)
+            if one_product:  # a_kk holds A_kk below the diagonal and A_qk^T above it (a_qk unused)
+                odd = (row & h) != 0  # [C, 1]: rows of odd h-blocks
+                a_kk = a_kk + jnp.where(pairs, _mm_nt(kf, jnp.where(odd, qf, kf), precision), 0.0)
+                continue
             a_kk = a_kk + jnp.where(pairs, _mm_nt(kf, kf, precision), 0.0)
             a_qk = a_qk + jnp.where(pairs, _mm_nt(qf, kf, precision), 0.0)
         # G and its last row only after the levels: computed before them, they stay live across the six products
@@ -314,7 +324,10 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
         return a_kk, a_qk, diag
 
     zeros = jnp.zeros((CHUNK, CHUNK), jnp.float32)
-    a_kk, a_qk, diag = jax.lax.fori_loop(0, n_k, body, (zeros, zeros, jnp.zeros((CHUNK, 1), jnp.float32)))
+    a_kk, a_qk, diag = jax.lax.fori_loop(0, n_k, body, (zeros, jnp.zeros((1, 1), jnp.float32) if one_product else zeros,
+                                                        jnp.zeros((CHUNK, 1), jnp.float32)))
+    if one_product:
+        a_qk = a_kk.T
     lower = r > c  # the levels' products also fill mirrored pairs (s > t): dropped here
     akk_ref[...] = jnp.where(lower, beta * a_kk, 0.0)
     aqk_ref[...] = (jnp.where(lower, a_qk, 0.0) + jnp.where(r == c, diag, 0.0)).astype(aqk_ref.dtype)
@@ -436,6 +449,9 @@ class KdaTuning:
     intra_block_k: int = 32
     wy_warps: int = 4
     intra_bf16_dots: bool = True
+    # Kernel 1a with one product and one accumulator per level (`_akk_kernel`'s one_product): the same dot products,
+    # half the MMAs and accumulator registers. Off until measured on a GPU (benchmarks/NOTES_kda.md item 12).
+    intra_one_product: bool = False
 
 
 DEFAULT_TUNING = KdaTuning()
@@ -505,7 +521,7 @@ def chunk_akk(q, k, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=
     chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
     return pl.pallas_call(
         functools.partial(_akk_kernel, scale=scale, l2norm=l2norm, precision=precision,
-                          block_k=min(block_k, kp), dot_dtype=dot_dtype),
+                          block_k=min(block_k, kp), dot_dtype=dot_dtype, one_product=tuning.intra_one_product),
         grid=(batch, n_chunks, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(kp), chunk_spec(kp), beta_spec],
         out_specs=[chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(kp), chunk_spec(kp), chunk_spec(kp),

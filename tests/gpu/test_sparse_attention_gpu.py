@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dayzero.kernels import attention, dispatch, fp8_indexer, indexer, paged
+from dayzero.kernels.sparse_mla import SparseMLAConfig
 from dayzero.model import Model
 from dayzero.model.cache import init_cache
 from dayzero.model.config import LAYER_MLA, MLP_DENSE, MLP_MOE, ModelConfig, RopeConfig
@@ -101,10 +102,17 @@ def test_indexer_topk(rng, length, fp8):
     assert_same_selection(got, ref, scores)
 
 
-@pytest.mark.parametrize("length, dense, dtype", [(1, False, jnp.bfloat16), (1, True, jnp.bfloat16),
-                                                  (1, False, jnp.float32), (64, False, jnp.bfloat16),
-                                                  (64, True, jnp.float32)])
-def test_sparse_mla(rng, length, dense, dtype):
+DEFAULT = SparseMLAConfig()  # decode: the fused variant; prefill 64 heads x 16 keys
+HEADS_SPLIT = SparseMLAConfig(block_h=32, block_k=32, decode_block_k=32, min_split_tokens=256,
+                              decode_variant="heads_split")
+
+
+@pytest.mark.parametrize("length, dense, dtype, config", [
+    (1, False, jnp.bfloat16, DEFAULT), (1, True, jnp.bfloat16, DEFAULT), (1, False, jnp.float32, DEFAULT),
+    (64, False, jnp.bfloat16, DEFAULT), (64, True, jnp.float32, DEFAULT),
+    (1, False, jnp.bfloat16, HEADS_SPLIT), (1, True, jnp.float32, HEADS_SPLIT), (64, False, jnp.bfloat16, HEADS_SPLIT)],
+    ids=lambda v: getattr(v, "decode_variant", None))
+def test_sparse_mla(rng, length, dense, dtype, config):
     batch, heads, rank, rope, topk, per_row, num_blocks = 4, 128, 512, 64, 2048, 64, 300
     tables = tables_for(rng, batch, per_row, num_blocks)
     cache = jnp.asarray(rng.standard_normal((2, num_blocks, BLOCK, rank + rope)), dtype)
@@ -117,7 +125,7 @@ def test_sparse_mla(rng, length, dense, dtype):
         idx = np.stack([[np.sort(rng.choice(p + 1, min(topk, p + 1), replace=False)).tolist()
                          + [-1] * (topk - min(topk, p + 1)) for p in row] for row in positions])
         idx = jnp.asarray(idx, jnp.int32)
-    run = jax.jit(lambda impl, *a: attention.sparse_mla(*a[:3], 1, *a[3:], 576 ** -0.5, impl=impl),
+    run = jax.jit(lambda impl, *a: attention.sparse_mla(*a[:3], 1, *a[3:], 576 ** -0.5, impl=impl, config=config),
                   static_argnums=0)
     args = (q_lat, q_rope, cache, tables, jnp.asarray(positions, jnp.int32), idx)
     got, ref = run("pallas", *args), run("reference", *args)
