@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import dataclasses
 import datetime
 import glob
 import json
@@ -174,6 +176,22 @@ def run(args, hlo_folder: str) -> dict:
     return summary
 
 
+@contextlib.contextmanager
+def dense_fused_prologues(on: bool):
+    """Within: `moe_dense.choose_tiles` picks its tiles with fused_prologues=True (an A/B for this run only)."""
+    if not on:
+        yield
+        return
+    from dayzero.kernels import moe_dense
+
+    chosen = moe_dense.choose_tiles
+    moe_dense.choose_tiles = lambda *a: dataclasses.replace(chosen(*a), fused_prologues=True)
+    try:
+        yield
+    finally:
+        moe_dense.choose_tiles = chosen
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
@@ -187,12 +205,17 @@ def main(argv=None) -> int:
     parser.add_argument("--pallas", action="append", default=[], metavar="KERNEL",
                         help="run this kernel's Pallas version on CUDA even if not yet GPU-verified (repeatable; "
                              "a dispatch policy for the run), to try it: e.g. router")
+    parser.add_argument("--dense-fused-prologues", action="store_true",
+                        help="dense experts with DenseTiles.fused_prologues (row gather and SwiGLU in the kernels)")
     args = parser.parse_args(argv)
     extra = use_xla_options(args.xla_option)
     if args.pallas:
         extra["pallas"] = args.pallas
+    if args.dense_fused_prologues:
+        extra["dense_fused_prologues"] = True
     with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder, \
-            dispatch.use_policy({"cuda": args.pallas} if args.pallas else None):
+            dispatch.use_policy({"cuda": args.pallas} if args.pallas else None), \
+            dense_fused_prologues(args.dense_fused_prologues):
         dump_hlo_to(hlo_folder)
         summary = run(args, hlo_folder)
     device = jax.devices()[0]
