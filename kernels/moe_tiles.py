@@ -69,10 +69,7 @@ def _sorted_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Sched
     n_tiles = max_tiles(n_pairs, n_experts, block_m)
     token_of_row = jnp.full((n_tiles * block_m,), n_tokens, jnp.int32).at[row_of_pair].set(
         jnp.arange(n_pairs, dtype=jnp.int32) // top_k)
-    t = jnp.arange(n_tiles, dtype=jnp.int32)
-    tile_expert = jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)  # one fused compare-sum
-    tile_expert = jnp.where(t < tile_end[-1], tile_expert, -1)
-    return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, tile_expert, sizes)
+    return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, _tile_expert(tile_end, n_tiles), sizes)
 
 
 def _compare_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:
@@ -93,10 +90,15 @@ def _compare_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Sche
     match = row[:, None] == row_of_pair[None, :]  # [R, P]: at most one pair per row
     token_of_row = jnp.where(jnp.any(match, axis=1),
                              jnp.sum(jnp.where(match, pair[None, :] // top_k, 0), axis=1, dtype=jnp.int32), n_tokens)
+    return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, _tile_expert(tile_end, n_tiles), sizes)
+
+
+def _tile_expert(tile_end: jax.Array, n_tiles: int) -> jax.Array:
+    """tile_end [E] (each expert's tiles end before this tile, cumulative) -> each of the n_tiles tiles' expert, -1
+    past the used ones (one fused compare-sum)."""
     t = jnp.arange(n_tiles, dtype=jnp.int32)
-    tile_expert = jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)
-    tile_expert = jnp.where(t < tile_end[-1], tile_expert, -1)
-    return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, tile_expert, sizes)
+    expert = jnp.sum(tile_end[None, :] <= t[:, None], axis=1, dtype=jnp.int32)
+    return jnp.where(t < tile_end[-1], expert, -1)
 
 
 def _single_token_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:

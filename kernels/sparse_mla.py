@@ -196,11 +196,11 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
     rope_dim = q_rope.shape[-1]
     n_layers, n_blocks, block_size, width = cache.shape
     n_rows = batch * length
-    wide = jnp.dtype(cache.dtype).itemsize >= 4  # float32 tiles: half as many fit in shared memory
-    block_h = min(config.block_h, tiles.pow2_at_least(heads, 16), 32 if wide else config.block_h)
-    heads_p = tiles.round_up(heads, block_h)
+    block_h = min(config.block_h, tiles.pow2_at_least(heads, 16))
     block_k = config.decode_block_k if length == 1 else config.block_k or (16 if block_h >= 64 else 32)
-    block_k = min(block_k, 16) if wide else block_k
+    if jnp.dtype(cache.dtype).itemsize >= 4:  # float32 tiles: half as many fit in shared memory
+        block_h, block_k = min(block_h, 32), min(block_k, 16)
+    heads_p = tiles.round_up(heads, block_h)
     num_keys = block_tables.shape[1] * block_size if indices is None else indices.shape[-1]
     n_chunks = -(-num_keys // block_k)
     splits = 1

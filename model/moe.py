@@ -58,7 +58,7 @@ def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[
     """
     scores = jax.nn.sigmoid(logits) if cfg.router_activation == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     choice = scores if bias is None else scores + bias.astype(jnp.float32)
-    if cfg.n_group > 1 and cfg.topk_group < cfg.n_group:
+    if restricting_groups(cfg) > 1:
         grouped = choice.reshape(choice.shape[0], cfg.n_group, -1)
         group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
         _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
@@ -69,6 +69,11 @@ def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[
     if cfg.renormalize and cfg.num_experts_per_token > 1:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return ids.astype(jnp.int32), weights * cfg.routed_scaling_factor
+
+
+def restricting_groups(cfg: ModelConfig) -> int:
+    """The expert groups that restrict the choice: n_group when only topk_group of them are kept, else 1."""
+    return cfg.n_group if cfg.topk_group < cfg.n_group else 1
 
 
 def router_logits(x: jax.Array, weight: jax.Array) -> jax.Array:
@@ -95,8 +100,8 @@ class Router(nn.Module):
         bias = None
         if cfg.router_bias:
             bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
-        groups = cfg.n_group if cfg.topk_group < cfg.n_group else 1  # every group kept: no group restriction
-        kind = (router_kernel.choose(cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token, groups)
+        kind = (router_kernel.choose(cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token,
+                                     restricting_groups(cfg))
                 if self.one_kernel else "reference")
         if kind != "reference":
             return router_kernel.route_tokens(
