@@ -2,7 +2,7 @@
 width 768) and a DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at 1, 16, 64, 256 tokens and an 8K prefill.
 
     python3 benchmarks/moe.py [--results benchmarks/RESULTS.md] [--shapes medium,deepseek] [--tokens 1,16,64,256,8192]
-                              [--sweep [split_k]] [--dense-only | --variants fused,fp8,...]
+                              [--sweep [all|split_k|decode16,...]] [--dense-only | --variants fused,fp8,...]
 
 Variants, on the same weights (random MXFP4; the others converted from it) and the same uniform top-k routing:
   bf16      jax.lax.ragged_dot over dense bf16 experts (dayzero.kernels.moe.moe_experts with block_m=None)
@@ -16,7 +16,8 @@ Variants, on the same weights (random MXFP4; the others converted from it) and t
   staged    MXFP4 online through the one-layer FP8 workspace (each call is a new layer: every expert converted);
             timed where the model uses it and at the first and last token counts
   resident  staged, calling the same layer again: resident conversions reused (hit rate reported; first and last)
-  online    what the model runs (MXFP4Execution "auto": fused below 128 rows per expert, staged at and above)
+  online    what the model runs (MXFP4Execution "auto": fused below `workspace_min_rows` rows per expert, staged at
+            and above)
   kernels   the fused variant's two Pallas kernels alone (routing, gathers and the combine left out; <= 16 tokens)
 Device time per call: `iters` calls chained inside one jit (each call's input depends on the previous output), median
 of 5 runs. The HBM copy bandwidth measured in the same run is the roofline: decode must stream the active experts'
@@ -24,7 +25,8 @@ MXFP4 bytes (4.25 bits per weight); the bandwidth figures divide those bytes by 
 kernels' time. Beside the measured bf16 ragged_dot (which XLA may run over every expert, padded), "bf16 roofline" is
 an ideal bf16 kernel reading only the active experts at the copy bandwidth. A variant that cannot run (out of memory)
 is reported as not measured. Prints a table and appends a dated line to the results file.
-`--sweep` also times the fused kernel at 1 token over a few tile configurations, split-K ones included.
+`--sweep` also times the fused kernel over a few tile configurations: at 1 token (split-K ones included) or, with
+`decode16`, at 16 tokens.
 """
 
 from __future__ import annotations
@@ -50,14 +52,16 @@ SHAPES = {"medium": (64, 6, 2048, 768), "deepseek": (256, 8, 7168, 2048), "tiny"
 TOKENS = (1, 16, 64, 256, 8192)
 
 
-def per_call(step, carry, iters: int, repeats: int = 5):
-    """step(carry, i) -> carry, chained `iters` times in one jit; returns (seconds per call, final carry)."""
-    loop = jax.jit(lambda c: jax.lax.fori_loop(0, iters, lambda i, c: step(c, i), c))
-    out = jax.block_until_ready(loop(carry))
+def per_call(step, carry, iters: int, operands=(), repeats: int = 5):
+    """step(carry, i, operands) -> carry, chained `iters` times in one jit; returns (seconds per call, final carry).
+    The weights go in `operands`, arguments of the jit: closed over, XLA would embed them in the program as
+    constants (gigabytes at the DeepSeek shape, and minutes of compile)."""
+    loop = jax.jit(lambda c, ops: jax.lax.fori_loop(0, iters, lambda i, c: step(c, i, ops), c))
+    out = jax.block_until_ready(loop(carry, operands))
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out = jax.block_until_ready(loop(carry))
+        out = jax.block_until_ready(loop(carry, operands))
         times.append(time.perf_counter() - t0)
     return statistics.median(times) / iters, out
 
@@ -65,7 +69,7 @@ def per_call(step, carry, iters: int, repeats: int = 5):
 def copy_bandwidth() -> float:
     """Bytes per second of an elementwise pass over 1 GiB (read + write)."""
     x = jnp.ones((1 << 28,), jnp.float32)
-    t, _ = per_call(lambda a, i: a * 1.0001, x, 10)
+    t, _ = per_call(lambda a, i, _: a * 1.0001, x, 10)
     return 2 * x.nbytes / t
 
 
@@ -116,41 +120,44 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
     """One layer call size; `extras` adds staged (when not what the model runs) and resident timings; `variants`
     names the variants timed (VARIANTS)."""
     n_experts, top_k, hidden, inter = SHAPES[name]
-    ew, ew8, (wg, wu, wd) = layer
+    ew, ew8, dense = layer
     ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
     x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
     iters = 3 if n_tokens >= 4096 else 20
     eps = jnp.asarray(1e-3, jnp.bfloat16)
     seconds = {}
 
-    def plain(fn):
-        return per_call(lambda x, i: x + eps * fn(x), x, iters)[0]
+    def plain(fn, weights):
+        """fn(x, weights) -> [T, D]: the weights passed as jit arguments."""
+        return per_call(lambda x, i, ops: x + eps * fn(x, ops), x, iters, weights)[0]
 
     def timed(variant, label, fn):
         if variant in variants:
             seconds[variant] = attempt(label, fn)
 
-    timed("bf16", "bf16 ragged_dot", lambda: plain(lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, block_m=None)))
+    timed("bf16", "bf16 ragged_dot", lambda: plain(
+        lambda x, d: moe.moe_experts(x, ids, w, *d, block_m=None), dense))
     block_m = moe_grouped.choose_block_m(ids.size, n_experts, hidden, inter, 2)
     if block_m is None and "bf16_auto" in variants:
         seconds["bf16_auto"] = seconds.get("bf16")
     else:
         timed("bf16_auto", "bf16 tiles", lambda: plain(
-            lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, block_m=block_m)))
-    timed("bf16_pallas", "bf16 pallas", lambda: plain(lambda x: moe.moe_experts(x, ids, w, wg, wu, wd, impl=impl)))
+            lambda x, d: moe.moe_experts(x, ids, w, *d, block_m=block_m), dense))
+    timed("bf16_pallas", "bf16 pallas", lambda: plain(
+        lambda x, d: moe.moe_experts(x, ids, w, *d, impl=impl), dense))
     fused_tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), fused_prologues=True)
     timed("bf16_pallas_fused", "bf16 pallas, fused prologues", lambda: plain(
-        lambda x: moe_dense.grouped_swiglu(x, ids, w, wg, wu, wd, tiles=fused_tiles, interpret=impl == "interpret")))
-    timed("fp8", "fp8", lambda: plain(lambda x: moe.moe_experts_packed(x, ids, w, ew8, impl=impl)[0]))
-    timed("fused", "fused", lambda: plain(lambda x: moe.moe_experts_packed(x, ids, w, ew, impl=impl)[0]))
+        lambda x, d: moe_dense.grouped_swiglu(x, ids, w, *d, tiles=fused_tiles, interpret=impl == "interpret"), dense))
+    timed("fp8", "fp8", lambda: plain(lambda x, e: moe.moe_experts_packed(x, ids, w, e, impl=impl)[0], ew8))
+    timed("fused", "fused", lambda: plain(lambda x, e: moe.moe_experts_packed(x, ids, w, e, impl=impl)[0], ew))
     ws = moe_workspace.create(moe_workspace.num_slots(ids.size, n_experts), hidden, inter)
     res = {}
 
     def staged(same_layer):
-        def step(c, i):
-            y, ws = moe.moe_experts_packed(c[0], ids, w, ew, layer=0 if same_layer else i, workspace=c[1], impl=impl)
+        def step(c, i, e):
+            y, ws = moe.moe_experts_packed(c[0], ids, w, e, layer=0 if same_layer else i, workspace=c[1], impl=impl)
             return c[0] + eps * y, ws
-        t, (_, out_ws) = per_call(step, (x, ws), iters)
+        t, (_, out_ws) = per_call(step, (x, ws), iters, ew)
         if same_layer:
             res["resident_hit_rate"] = round(moe_workspace.hit_rate(out_ws), 3)
         return t
@@ -161,12 +168,12 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
     if extras:
         timed("resident", "resident", lambda: staged(True))
     if n_tokens <= 16 and "kernels" in variants:  # the two fused kernels alone (schedule and activations prepared outside the loop)
-        tiles = moe_mxfp4.choose_tiles(ids.size, n_experts)
+        tiles = moe_mxfp4.choose_tiles(ids.size, n_experts, inter)
         plan = moe_mxfp4.plan(x, ids, ew, None, n_experts, tiles)
         seconds["fused_kernels"] = attempt("kernels", lambda: per_call(
-            lambda rows, i: rows + (1e-3 * moe_mxfp4.expert_rows(plan._replace(x_rows=rows), ew, jnp.bfloat16, tiles,
-                                                                 impl == "interpret")[0, 0]).astype(rows.dtype),
-            plan.x_rows, iters)[0])
+            lambda rows, i, e: rows + (1e-3 * moe_mxfp4.expert_rows(plan._replace(x_rows=rows), e, jnp.bfloat16, tiles,
+                                                                    impl == "interpret")[0, 0]).astype(rows.dtype),
+            plan.x_rows, iters, ew)[0])
     seconds["online"] = seconds.get("staged") if auto else seconds.get("fused")
     res["online_mode"] = "staged" if auto else "fused"
     active = int(np.unique(np.asarray(ids)).size)
@@ -195,30 +202,62 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
 
 
 def sweep(layer, name, impl, which: str = "all") -> dict:
-    """The fused kernel at one token over a few tile configurations (`which`: "all", or "split_k": the split-K
-    tiles and choose_tiles' own)."""
+    """The fused kernel over a few tile configurations: at 1 token ("all", or "split_k": the split-K tiles and
+    choose_tiles' own), or at 16 tokens ("decode16": choose_tiles' own against DECODE16_SWEEP)."""
     n_experts, top_k, hidden, _ = SHAPES[name]
     ew = layer[0]
-    ids, w = routing(jax.random.key(1), 1, n_experts, top_k)
-    x = jax.random.normal(jax.random.key(1), (1, hidden), jnp.bfloat16)
+    n_tokens = 16 if which == "decode16" else 1
+    ids, w = routing(jax.random.key(1), n_tokens, n_experts, top_k)
+    x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
     out = {}
-    if which == "split_k":
-        t, _ = per_call(lambda x, i: x + jnp.asarray(1e-3, x.dtype) * moe.moe_experts_packed(
-            x, ids, w, ew, impl=impl)[0], x, 20)
-        out["choose_tiles"] = round(t * 1e6, 2)
+
+    def time_tiles(tiles):
+        t, _ = per_call(lambda x, i, e: x + jnp.asarray(1e-3, x.dtype) * moe.moe_experts_packed(
+            x, ids, w, e, tiles=tiles, impl=impl)[0], x, 20, ew)
+        return round(t * 1e6, 2)
+
+    if which in ("split_k", "decode16"):
+        out["choose_tiles"] = time_tiles(None)
+    if which == "decode16":
+        for label, tiles in DECODE16_SWEEP.items():
+            out[label] = time_tiles(tiles)
+        return out
     for bn in (32, 64, 128) if which == "all" else ():
         for groups in (2, 4, 8):
             for warps in (4, 8):
                 tiles = moe_mxfp4.Tiles(block_m=16, block_n=bn, max_groups=groups, num_warps=warps, num_stages=3)
-                t, _ = per_call(lambda x, i, tiles=tiles: x + jnp.asarray(1e-3, x.dtype) * moe.moe_experts_packed(
-                    x, ids, w, ew, tiles=tiles, impl=impl)[0], x, 20)
-                out[f"bn{bn}_g{groups}_w{warps}"] = round(t * 1e6, 2)
+                out[f"bn{bn}_g{groups}_w{warps}"] = time_tiles(tiles)
     for bn, groups, split in SPLIT_K_SWEEP:  # split-K (benchmarks/NOTES_moe.md)
         tiles = moe_mxfp4.Tiles(block_m=16, block_n=bn, max_groups=groups, num_warps=4, num_stages=3, split_k=split)
-        t, _ = per_call(lambda x, i, tiles=tiles: x + jnp.asarray(1e-3, x.dtype) * moe.moe_experts_packed(
-            x, ids, w, ew, tiles=tiles, impl=impl)[0], x, 20)
-        out[f"bn{bn}_g{groups}_w4_s{split}"] = round(t * 1e6, 2)
+        out[f"bn{bn}_g{groups}_w4_s{split}"] = time_tiles(tiles)
+    for bn, warps in ((32, 2), (64, 4)):  # the weights as the MMA's A operand, split-K
+        tiles = moe_mxfp4.Tiles(block_m=16, block_n=bn, max_groups=4, num_warps=warps, num_stages=3, split_k=8,
+                                weights_as_a=True)
+        out[f"a_bn{bn}_g4_w{warps}_s8"] = time_tiles(tiles)
+    for bn in (32, 64):  # the scales loaded one K step ahead, split-K
+        tiles = moe_mxfp4.Tiles(block_m=16, block_n=bn, max_groups=4, num_stages=3, split_k=8, prefetch_scales=True)
+        out[f"bn{bn}_g4_w4_s8_pf"] = time_tiles(tiles)
     return out
+
+
+# 16-token tiles (16 rows, 3 stages): instructions per converted weight in the offline sm_90 build
+# (triton_report.py) in the comments; "a_": the weights as the MMA's A operand
+DECODE16_SWEEP = {
+    "bn32_g4_w4": moe_mxfp4.Tiles(16, 32, 4, 4, 3),  # 5.1
+    "bn64_g2_w4": moe_mxfp4.Tiles(16, 64, 2, 4, 3),  # 5.0, 98 registers
+    "bn64_g8_w4": moe_mxfp4.Tiles(16, 64, 8, 4, 3),  # 4.2, 163 registers
+    "bn128_g4_w8": moe_mxfp4.Tiles(16, 128, 4, 8, 3),  # 4.3
+    "bn64_g4_w8": moe_mxfp4.Tiles(16, 64, 4, 8, 3),  # 5.1
+    "a_bn32_g4_w2": moe_mxfp4.Tiles(16, 32, 4, 2, 3, weights_as_a=True),  # 3.8
+    "a_bn64_g4_w4": moe_mxfp4.Tiles(16, 64, 4, 4, 3, weights_as_a=True),  # 4.4 (wgmma)
+    "a_bn32_g4_w4": moe_mxfp4.Tiles(16, 32, 4, 4, 3, weights_as_a=True),  # 7.3 (each weight converted twice)
+    "bn64_g4_w4_st2": moe_mxfp4.Tiles(16, 64, 4, 4, 2),  # pipeline depth: K steps in flight per program
+    "bn64_g4_w4_st4": moe_mxfp4.Tiles(16, 64, 4, 4, 4),
+    "bn64_g4_w4_st5": moe_mxfp4.Tiles(16, 64, 4, 4, 5),
+    "bn64_g8_w4_st4": moe_mxfp4.Tiles(16, 64, 8, 4, 4),
+    "bn64_g4_w4_pf": moe_mxfp4.Tiles(16, 64, 4, 4, 3, prefetch_scales=True),  # scales one K step ahead
+    "bn64_g8_w4_pf": moe_mxfp4.Tiles(16, 64, 8, 4, 3, prefetch_scales=True),
+}
 
 
 # (block_n, max_groups, split_k) of the split-K tiles swept at 1 token (4 warps, 3 stages)
@@ -251,9 +290,10 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
                   f"{cell(r.get('fused_us'))} | {cell(r.get('staged_us'))} | {cell(r.get('online_us'))} ({r['online_mode']}) "
                   f"| {cell(r['online_vs_fp8'])} | {cell(r['bf16_vs_online'])} | {cell(r['bf16_roofline_vs_online'])} "
                   f"| {cell(r.get('fused_pct_of_copy_bw'))} | {kernels} | {resident} |")
-        if args.sweep:
-            results[f"{name}_sweep_T1_fused_us"] = sweep(layer, name, args.impl, args.sweep)
-            print("tile sweep, fused, 1 token (us):", results[f"{name}_sweep_T1_fused_us"])
+        for which in args.sweep.split(",") if args.sweep else ():
+            n = 16 if which == "decode16" else 1
+            results[f"{name}_sweep_{which}_T{n}_fused_us"] = r = sweep(layer, name, args.impl, which)
+            print(f"tile sweep ({which}), fused, {n} token(s) (us):", r)
         del layer
 
 
@@ -263,8 +303,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="medium,deepseek")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--impl", default="pallas", help="pallas (GPU), or interpret for a CPU smoke run")
-    parser.add_argument("--sweep", nargs="?", const="all", choices=("all", "split_k"),
-                        help="also sweep the fused kernel's tiles at 1 token (split_k: only the split-K tiles)")
+    parser.add_argument("--sweep", nargs="?", const="all",
+                        help="also sweep the fused kernel's tiles, comma-separated: all / split_k (1 token: every "
+                             "tile, or the split-K ones), decode16 (16 tokens)")
     parser.add_argument("--dense-only", action="store_true", help="time the bf16 variants alone (no MXFP4 / FP8)")
     parser.add_argument("--variants", help=f"comma-separated variants to time (of {', '.join(VARIANTS)}; default all)")
     args = parser.parse_args(argv)

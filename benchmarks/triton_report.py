@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of dayzero's Pallas kernels as Triton builds them for the H200, on a machine
 without a GPU: a resource report that costs no device time.
 
-    python benchmarks/triton_report.py [--op kda|moe_dense|router|sparse_mla] [--warps 2,4,8] [--sass DIR]
+    python benchmarks/triton_report.py [--op kda|moe_dense|moe_mxfp4|router|sparse_mla] [--warps 2,4,8] [--sass DIR]
 
 Each kernel of the chosen op is lowered for CUDA through `jax.export` (as tests/triton_lowering.py does), its Triton
 IR captured, compiled by the `triton` package for sm_90 with the kernel's own num_warps / num_stages (or each of
@@ -106,9 +106,9 @@ def kda_cases() -> dict:
 
     dq, dg, dbeta = S((64, 1, H, D), jnp.bfloat16), S((64, 1, H, D), jnp.float32), S((64, 1, H), jnp.bfloat16)
     pool, slots = S((1, 64, H, D, D), jnp.float32), S((64,), jnp.int32)
-    one_product = pallas.KdaTuning(intra_one_product=True)
+    two_products = pallas.KdaTuning(intra_one_product=False)
     return {"chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
-            "chunk_kda B1 T8192 one_product": (chunk(one_product), (q, q, q, g, beta, state)),
+            "chunk_kda B1 T8192 two_products": (chunk(two_products), (q, q, q, g, beta, state)),
             "decode slots B64": (pallas.fused_recurrent_kda_slots, (dq, dq, dq, dg, dbeta, pool, slots))}
 
 
@@ -174,7 +174,38 @@ def sparse_mla_cases() -> dict:
     return cases
 
 
-CASES = {"kda": kda_cases, "moe_dense": moe_dense_cases, "router": router_cases, "sparse_mla": sparse_mla_cases}
+def moe_mxfp4_cases() -> dict:
+    """The MXFP4 (and pre-converted FP8) grouped matmuls at the medium hybrid's layer (64 experts, top-6, 2048 x 768)
+    at 1 token (split-K tiles) and 16 tokens, and at the DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at
+    16 tokens, with `choose_tiles`' tiles."""
+    from dayzero.kernels import moe_mxfp4, mxfp4
+
+    S = jax.ShapeDtypeStruct
+    cases = {}
+    for label, (n_experts, top_k, hidden, inter), n_tokens, fmt in (
+            ("medium", (64, 6, 2048, 768), 1, "mxfp4"), ("medium", (64, 6, 2048, 768), 16, "mxfp4"),
+            ("medium", (64, 6, 2048, 768), 16, "float8_e4m3fn"), ("deepseek", (256, 8, 7168, 2048), 16, "mxfp4")):
+        gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(inter)
+        if fmt == "mxfp4":
+            data = (S((n_experts, inter, gd, 16), jnp.uint8), S((n_experts, hidden, gi, 16), jnp.uint8))
+        else:
+            data = (S((n_experts, inter, gd, 2, 16), jnp.float8_e4m3fn),
+                    S((n_experts, hidden, gi, 2, 16), jnp.float8_e4m3fn))
+        scales = (S((n_experts, inter, gd), jnp.uint8), S((n_experts, hidden, gi), jnp.uint8))
+
+        def fn(x, ids, w, g, u, d, gs, us, ds, fmt=fmt, n_experts=n_experts):
+            ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds, fmt=fmt)
+            return moe_mxfp4.grouped_swiglu(x, ids, w, ew, n_experts=n_experts)
+
+        cases[f"{label} {fmt} T{n_tokens}"] = (fn, (S((n_tokens, hidden), jnp.bfloat16),
+                                                    S((n_tokens, top_k), jnp.int32),
+                                                    S((n_tokens, top_k), jnp.float32),
+                                                    data[0], data[0], data[1], scales[0], scales[0], scales[1]))
+    return cases
+
+
+CASES = {"kda": kda_cases, "moe_dense": moe_dense_cases, "moe_mxfp4": moe_mxfp4_cases,
+         "router": router_cases, "sparse_mla": sparse_mla_cases}
 
 
 def main(argv=None) -> int:

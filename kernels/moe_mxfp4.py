@@ -9,8 +9,9 @@ decode step reads only the chosen experts' weights.
 Conversion happens on each weight tile immediately before the MMA, in registers:
 - the K axis is split into even and odd elements (the low and high nibbles of each byte), and the activations are
   split the same way outside the kernel, so out = x_even W_lo^T + x_odd W_hi^T needs no interleaving;
-- an E2M1 nibble becomes an fp16 bit pattern with three integer ops: (mag << 9) | (sign << 15) reads as E2M1 * 2^-14
-  (0.5 lands on the fp16 subnormal 2^-15); an FP8 e4m3 byte likewise reads as its value * 2^-8;
+- an E2M1 nibble becomes an fp16 bit pattern: (mag << 9) | (sign << 15) reads as E2M1 * 2^-14 (0.5 lands on the
+  fp16 subnormal 2^-15); an FP8 e4m3 byte likewise reads as its value * 2^-8. On the GPU a few PTX instructions build
+  these for four bytes at once (`_E2M1_LO_PTX`, ...); in interpret mode jnp integer ops build the same bits;
 - per weight row and K step (up to `max_groups` blocks of 32), blocks are rescaled by 2^(s - s_max) in fp16 and
   2^(s_max - 127) is applied to the fp32 partial sum after the dot. Exact while the scales of a row inside one K step
   span at most 9 binades (fp16 subnormals below that lose bits of the smaller blocks);
@@ -56,21 +57,29 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 2
     split_k: int = 1  # > 1: K split over up to this many programs per output tile (see the module docstring)
+    weights_as_a: bool = False  # the converted weights as the MMA's A operand (out^T = W x^T), the rows as its B
+    # Load each K step's scales one step ahead (carried through the K loop). Triton's pipeline stages cover the
+    # activations and weight bytes (async copies to shared memory) but not the scales: without this, every step
+    # waits on a global load of its scales before it can convert (offline sm_90 build: an LDG in the loop body).
+    prefetch_scales: bool = False
 
 
-# Layer calls of at most this many token-expert pairs take split-K tiles (32 columns x 4 groups x 8 K splits). On the
+# Layer calls of at most this many token-expert pairs take split-K tiles (32 or 64 columns x 4 groups x 8 K splits,
+# `choose_tiles`). On the
 # H200 (benchmarks/moe.py --sweep split_k, 2026-12-01) the medium layer at 1 token ran 42.6 us with them against
-# 52.1 us for the 16-row tiles without splits. 0 until the split-K tiles pass tests/gpu/test_mxfp4_gpu.py (not yet
-# run on a GPU); then 8 (one decode token's top-k).
-SPLIT_K_MAX_PAIRS = 0
+# 52.1 us for the 16-row tiles without splits; tests/gpu/test_mxfp4_gpu.py::test_split_k_decode_tiles passed on the
+# H200 (2026-12-01, fourth session). 8: one decode token's top-k (medium top-6, DeepSeek top-8).
+SPLIT_K_MAX_PAIRS = 8
 
 
-def choose_tiles(n_pairs: int, n_experts: int) -> Tiles:
+def choose_tiles(n_pairs: int, n_experts: int, intermediate: int = 0) -> Tiles:
     """Tiles for a layer call of `n_pairs` token-expert pairs: 16-row tiles for decode-sized batches (the weights
-    are read once per tile; fewer wasted rows), 64-row tiles once experts see many tokens (prefill)."""
+    are read once per tile; fewer wasted rows), 64-row tiles once experts see many tokens (prefill). `intermediate`
+    (the experts' width) picks the split-K column tile: 64 columns from 2048 on (DeepSeek's 2048: 189 us against
+    226 us for 32 at one token on the H200, 2026-12-01), 32 below (the medium layer's 768: 45.1 against 47.4 us)."""
     rows = n_pairs / max(1, min(n_experts, n_pairs))
     if n_pairs <= SPLIT_K_MAX_PAIRS:  # one token's experts: split K so enough programs stream the weights
-        return Tiles(block_m=16, block_n=32, max_groups=4, num_stages=3, split_k=8)
+        return Tiles(block_m=16, block_n=64 if intermediate >= 2048 else 32, max_groups=4, num_stages=3, split_k=8)
     if rows <= 16:
         return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3)
     if rows <= 48:
@@ -109,34 +118,89 @@ def _f16(bits):
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
 
 
-def _nibbles_to_f16(b):
-    """int32 bytes -> (low, high) nibbles as fp16 E2M1 * 2^-14."""
+def _nibbles_to_f16(b, asm: bool = False):
+    """uint8 bytes -> (low, high) nibbles as fp16 E2M1 * 2^-14; `asm`: in PTX, four bytes per 32-bit word (Triton's
+    own code handles one byte per register: ~5 integer instructions per value against ~1.4 here)."""
+    if asm:  # one output per asm block (jax's lowering of multi-output asm returns one value); no work is shared
+        f16 = [jax.ShapeDtypeStruct(b.shape, jnp.float16)]
+        return tuple(pltriton.elementwise_inline_asm(ptx, args=[b], constraints="=r,=r,r", pack=4,
+                                                     result_shape_dtypes=f16)[0]
+                     for ptx in (_E2M1_LO_PTX, _E2M1_HI_PTX))
+    b = b.astype(jnp.int32)
     lo = ((b & 0x7) << 9) | ((b & 0x8) << 12)
     hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
     return _f16(lo), _f16(hi)
 
 
-def _e4m3_to_f16(b):
-    """int32 e4m3 bytes -> fp16 value * 2^-8 (exponent and mantissa fields move up unchanged)."""
+def _e4m3_to_f16(b, asm: bool = False):
+    """uint8 e4m3 bytes -> fp16 value * 2^-8 (exponent and mantissa fields move up unchanged); `asm` as above."""
+    if asm:
+        return pltriton.elementwise_inline_asm(_E4M3_PTX, args=[b], constraints="=r,=r,r", pack=4,
+                                               result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.float16)])[0]
+    b = b.astype(jnp.int32)
     return _f16(((b & 0x7F) << 7) | ((b & 0x80) << 8))
 
 
-def _tile(fmt, data_ref, scale_ref, slot, expert, c0, p, g0, gk, bn, wmask):
+# The PTX forms: the input register holds four bytes B0..B3 (element 0 lowest), each output register two fp16
+# (element 0 in the low half). Each value's high byte is built for all four bytes at once (shifts and masks on the
+# whole word), then prmt spreads the bytes into the halves: [B1' 0 B0' 0] and [B3' 0 B2' 0] (e4m3 also fills the low
+# bytes). Per four bytes: 6 / 5 instructions for the low / high nibbles, 7 for e4m3. Every read of the input comes
+# before the first write of an output (an output may share its register).
+_E2M1_LO_PTX = """{
+.reg .b32 m, n;
+shl.b32 m, $2, 1;
+and.b32 m, m, 0x0E0E0E0E;
+shl.b32 n, $2, 4;
+and.b32 n, n, 0x80808080;
+or.b32 m, m, n;
+prmt.b32 $0, m, 0, 0x1404;
+prmt.b32 $1, m, 0, 0x3424;
+}"""
+_E2M1_HI_PTX = """{
+.reg .b32 m, n;
+shr.b32 m, $2, 3;
+and.b32 m, m, 0x0E0E0E0E;
+and.b32 n, $2, 0x80808080;
+or.b32 m, m, n;
+prmt.b32 $0, m, 0, 0x1404;
+prmt.b32 $1, m, 0, 0x3424;
+}"""
+_E4M3_PTX = """{
+.reg .b32 h, l, n;
+shr.b32 h, $2, 1;
+and.b32 h, h, 0x3F3F3F3F;
+and.b32 n, $2, 0x80808080;
+or.b32 h, h, n;
+shl.b32 l, $2, 7;
+and.b32 l, l, 0x80808080;
+prmt.b32 $0, l, h, 0x5140;
+prmt.b32 $1, l, h, 0x7362;
+}"""
+
+
+def _scales(scale_ref, expert, c0, p, g0, gk, bn, wmask):
+    """The E8M0 scales of weight rows [c0, c0+bn) (parity p), K groups [g0, g0+gk): int32 [bn, gk]."""
+    return pltriton.load(scale_ref.at[expert, pl.ds(c0, bn), p, pl.ds(g0, gk)], mask=wmask[:, None],
+                         other=0).astype(jnp.int32)
+
+
+def _tile(fmt, data_ref, scale_ref, slot, expert, c0, p, g0, gk, bn, wmask, asm, s=None):
     """One K step of weight rows [c0, c0+bn) (parity p): (lo, hi) [bn, gk*16] in the MMA dtype and the per-row
-    factor [bn] float32 to apply to their dot (None when the scale is already folded in)."""
+    factor [bn] float32 to apply to their dot (None when the scale is already folded in); `asm`: convert in PTX;
+    `s`: the step's scales when already loaded (`_scales`)."""
     rows, groups = pl.ds(c0, bn), pl.ds(g0, gk)
     m3 = wmask[:, None, None]
     if fmt == "bfloat16":
         lo = pltriton.load(data_ref.at[slot, rows, p, groups, _plane(0), :], mask=m3, other=0)
         hi = pltriton.load(data_ref.at[slot, rows, p, groups, _plane(1), :], mask=m3, other=0)
         return lo.reshape(bn, gk * _HALF), hi.reshape(bn, gk * _HALF), None
-    s = pltriton.load(scale_ref.at[expert, rows, p, groups], mask=wmask[:, None], other=0).astype(jnp.int32)
+    if s is None:
+        s = _scales(scale_ref, expert, c0, p, g0, gk, bn, wmask)
     if fmt == "mxfp4":
-        b = pltriton.load(data_ref.at[slot, rows, p, groups, :], mask=m3, other=0).astype(jnp.int32)
-        lo, hi = _nibbles_to_f16(b)
+        lo, hi = _nibbles_to_f16(pltriton.load(data_ref.at[slot, rows, p, groups, :], mask=m3, other=0), asm)
     else:
-        lo, hi = (_e4m3_to_f16(pltriton.load(data_ref.at[slot, rows, p, groups, _plane(i), :], mask=m3,
-                                             other=0).astype(jnp.int32)) for i in (0, 1))
+        lo, hi = (_e4m3_to_f16(pltriton.load(data_ref.at[slot, rows, p, groups, _plane(i), :], mask=m3, other=0),
+                               asm) for i in (0, 1))
     s_max = jnp.max(s, axis=1)
     rel = _pow2_f32(jnp.maximum(s - s_max[:, None] + 127, 0)).astype(jnp.float16)[:, :, None]
     lo = (lo * rel).reshape(bn, gk * _HALF)
@@ -151,7 +215,7 @@ def _dot_t(a, b):
 
 
 def _matmul_kernel(te_ref, ts_ref, rs_ref, x_ref, *refs, fmt, gated, bm, bn, gk, k_steps, col_tiles, n_valid,
-                   n_out, split):
+                   n_out, split, asm, swap, prefetch):
     if split > 1:  # the rows' validity (1: a pair's row, 0: padding), then the weights
         rv_ref, refs = refs[0], refs[1:]
     per = 1 if fmt == "bfloat16" else 2
@@ -173,19 +237,36 @@ def _matmul_kernel(te_ref, ts_ref, rs_ref, x_ref, *refs, fmt, gated, bm, bn, gk,
         r0 = pl.multiple_of(t * bm, bm)
 
         k0 = q * k_steps
+        prefetch_now = prefetch and fmt != "bfloat16"
 
-        def step(kk, accs):
+        def scales_at(kk):  # one tuple entry per projection
+            g0 = (k0 + jnp.minimum(kk, k_steps - 1)) * gk
+            return tuple(_scales(w[1], expert, c0, p, g0, gk, bn, wmask) for w in wrefs)
+
+        def step(kk, carry):
+            accs, s_now = carry
+            if prefetch_now:
+                s_next = scales_at(kk + 1)  # issued before this step's work; used by the next step
             g0 = (k0 + kk) * gk
             xl = x_ref[pl.ds(r0, bm), 0, pl.ds(g0 * _HALF, gk * _HALF)]
             xh = x_ref[pl.ds(r0, bm), 1, pl.ds(g0 * _HALF, gk * _HALF)]
             out = []
-            for w, acc in zip(wrefs, accs):
-                lo, hi, factor = _tile(fmt, w[0], w[1] if per == 2 else None, slot, expert, c0, p, g0, gk, bn, wmask)
-                d = _dot_t(xl, lo) + _dot_t(xh, hi)
-                out.append(acc + (d if factor is None else d * factor[None, :]))
-            return tuple(out)
+            for i, (w, acc) in enumerate(zip(wrefs, accs)):
+                lo, hi, factor = _tile(fmt, w[0], w[1] if per == 2 else None, slot, expert, c0, p, g0, gk, bn, wmask,
+                                       asm, s_now[i] if prefetch_now else None)
+                if swap:  # [bn, bm]
+                    d = _dot_t(lo, xl) + _dot_t(hi, xh)
+                    out.append(acc + (d if factor is None else d * factor[:, None]))
+                else:  # [bm, bn]
+                    d = _dot_t(xl, lo) + _dot_t(xh, hi)
+                    out.append(acc + (d if factor is None else d * factor[None, :]))
+            return tuple(out), (s_next if prefetch_now else s_now)
 
-        accs = jax.lax.fori_loop(0, k_steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(n_w)))
+        shape = (bn, bm) if swap else (bm, bn)
+        accs, _ = jax.lax.fori_loop(0, k_steps, step, (tuple(jnp.zeros(shape, jnp.float32) for _ in range(n_w)),
+                                                       scales_at(0) if prefetch_now else ()))
+        if swap:
+            accs = tuple(a.T for a in accs)
         rs = rs_ref[pl.ds(r0, bm)][:, None]
         if split > 1:  # partial sums of the pairs' rows: [split, R, projection, parity, n_out]
             mask = (rv_ref[pl.ds(r0, bm)] != 0)[:, None] & (cols < n_out)[None, :]
@@ -213,7 +294,8 @@ def _matmul(x_rows, row_scale, tile_expert, tile_slot, weights, *, fmt, gated, n
     col_tiles = pl.cdiv(n_out, tiles.block_n)
     kernel = functools.partial(_matmul_kernel, fmt=fmt, gated=gated, bm=tiles.block_m, bn=tiles.block_n, gk=gk,
                                k_steps=kh // _HALF // gk // split, col_tiles=col_tiles, n_valid=n_valid,
-                               n_out=n_out, split=split)
+                               n_out=n_out, split=split, asm=not interpret,
+                               swap=tiles.weights_as_a, prefetch=tiles.prefetch_scales)
     flat = [a for w in weights for a in w if a is not None]
     grid = (n_rows // tiles.block_m, parity * col_tiles)
     if split > 1:
@@ -364,7 +446,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
         raise ValueError(f"the experts' intermediate size ({ew.intermediate_size}) must be even")
     if n_experts is None:
         n_experts = slot_of_expert.shape[0] if slot_of_expert is not None else ew.gate.shape[0]
-    tiles = tiles or choose_tiles(topk_ids.size, n_experts)
+    tiles = tiles or choose_tiles(topk_ids.size, n_experts, ew.intermediate_size)
     p = plan(x, topk_ids, ew, slot_of_expert, n_experts, tiles)
     if _split_k(ew, tiles):
         pairs = expert_pairs(p, ew, x.dtype, tiles, interpret).reshape(*topk_ids.shape, -1)
@@ -376,7 +458,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
 # ------------------------------------------------------------------------------------------------ conversion
 
 
-def _convert_kernel(need_ref, expert_ref, blocks_ref, scales_ref, ws_in_ref, ws_ref, *, fmt, br, gb, n_rows):
+def _convert_kernel(need_ref, expert_ref, blocks_ref, scales_ref, ws_in_ref, ws_ref, *, fmt, br, gb, n_rows, asm):
     del ws_in_ref  # aliased with ws_ref: slots not converted here keep their contents
     s = pl.program_id(0)
     i = pl.program_id(1)
@@ -387,8 +469,8 @@ def _convert_kernel(need_ref, expert_ref, blocks_ref, scales_ref, ws_in_ref, ws_
         e = expert_ref[s]
         rows, groups = pl.ds(i * br, br), pl.ds(kk * gb, gb)
         valid = (i * br + jnp.arange(br, dtype=jnp.int32)) < n_rows
-        b = pltriton.load(blocks_ref.at[e, rows, groups, :], mask=valid[:, None, None], other=0).astype(jnp.int32)
-        lo, hi = _nibbles_to_f16(b)
+        lo, hi = _nibbles_to_f16(pltriton.load(blocks_ref.at[e, rows, groups, :], mask=valid[:, None, None], other=0),
+                                 asm)
         if fmt == "float8_e4m3fn":
             lo = (lo * _UNIT["mxfp4"]).astype(ws_ref.dtype)  # exact: E2M1 values fit e4m3
             hi = (hi * _UNIT["mxfp4"]).astype(ws_ref.dtype)
@@ -408,7 +490,8 @@ def convert(ws: jax.Array, need: jax.Array, slot_expert: jax.Array, blocks: jax.
     (the workspace buffer is updated in place)."""
     n_slots, n_rows, groups = ws.shape[:3]
     gb = _group_tile(groups, max_groups)
-    kernel = functools.partial(_convert_kernel, fmt=jnp.dtype(ws.dtype).name, br=block_rows, gb=gb, n_rows=n_rows)
+    kernel = functools.partial(_convert_kernel, fmt=jnp.dtype(ws.dtype).name, br=block_rows, gb=gb, n_rows=n_rows,
+                               asm=not interpret)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(ws.shape, ws.dtype),

@@ -142,8 +142,8 @@ class MXFP4Execution:
 
     mode: "fused" converts each weight tile right before its MMA (no workspace); "workspace" converts a layer's
     active experts into the one-layer workspace (reused by every layer) and multiplies from it; "auto" picks
-    "workspace" when the experts see at least `workspace_min_rows` token rows on average (prefill), "fused" below
-    (decode); "offline" means the experts were converted once, in full, at load (`model.mxfp4.convert_offline`).
+    "workspace" when the experts see at least `workspace_min_rows` token rows on average, "fused" below; "offline"
+    means the experts were converted once, in full, at load (`model.mxfp4.convert_offline`).
     workspace_dtype: "float8_e4m3fn" (E2M1 values, E8M0 scales kept) or "bfloat16" (scales folded in).
     impl: the experts' kernel implementation ("pallas", "interpret", "reference"); None lets `kernels.dispatch`
     choose.
@@ -151,7 +151,11 @@ class MXFP4Execution:
 
     mode: str = "auto"
     workspace_dtype: str = "float8_e4m3fn"
-    workspace_min_rows: int = 128
+    # H200 (benchmarks/moe.py, 2026-12-01, fourth session): fused ran faster than the workspace at every size
+    # measured, up to 8192-token prefills (medium layer, 768 rows per expert: 3.44 against 4.55 ms; DeepSeek-size
+    # layer, 256 rows: 36.2 against 61.0 ms), and faster than experts pre-converted to FP8 (4.22 / 46.5 ms).
+    # So "auto" stays fused up to far larger calls than those (the workspace stays available as a mode).
+    workspace_min_rows: int = 4096
     impl: str | None = None
 
     def uses_workspace(self, n_tokens: int, top_k: int, n_experts: int) -> bool:

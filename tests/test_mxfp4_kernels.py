@@ -4,6 +4,9 @@ lowering of every kernel for CUDA at the medium-hybrid and DeepSeek shapes."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -217,6 +220,25 @@ def test_split_k_matches_oracle(seed, kind, n_tokens, top_k, tiles):
         np.testing.assert_allclose(np.asarray(rows)[pairs], np.asarray(ref)[pairs], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_tokens,tiles", [
+    (5, moe_mxfp4.Tiles(block_m=16, block_n=16, max_groups=2, weights_as_a=True)),
+    (1, dataclasses.replace(SPLIT, weights_as_a=True)),
+    (5, moe_mxfp4.Tiles(block_m=16, block_n=16, max_groups=1, prefetch_scales=True)),
+    (1, dataclasses.replace(SPLIT_GATE_UP, prefetch_scales=True, weights_as_a=True))])
+def test_tile_options_match_oracle(seed, n_tokens, tiles):
+    """Tiles.weights_as_a (out^T = W x^T in the kernels, transposed before the epilogue) and Tiles.prefetch_scales
+    (each K step's scales loaded one step ahead) against the oracle, with and without split-K, in MXFP4 and
+    pre-converted FP8."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_tokens, D)).astype(np.float32)
+    ids, w = routing(rng, "random", n_tokens, E, 2)
+    for fmt in ("mxfp4", "float8_e4m3fn"):
+        ew = packed_experts(rng, E, D, I, fmt)
+        got, _ = _run(jnp.asarray(x), ids, w, ew, "interpret", tiles=tiles)
+        err = rel_err(got, oracle(x, ids, w, ew))
+        assert err < 4e-3, f"weights as A {fmt} T={n_tokens}: {err:.2e} (seed={seed})"
+
+
 def test_split_k_lowers_to_triton():
     """The split-K kernels at the medium hybrid's decode shape (gate/up K split 8 ways, down 6 ways)."""
     n_experts, hidden, inter, top_k = SHAPES["medium"]
@@ -228,3 +250,49 @@ def test_split_k_lowers_to_triton():
         fused = lambda x, i, w, ew: moe.moe_experts_packed(x, i, w, ew, tiles=tiles, impl="pallas")[0]  # noqa: E731
         text = lower_for_cuda(fused, *args, _specs(n_experts, hidden, inter, fmt))
         assert text.count("__gpu$xla.gpu.triton") == 2, fmt
+
+
+def _run_ptx(ptx: str, word: int, n_out: int) -> list[int]:
+    """Emulates the integer PTX of the conversion blocks (prmt, shl, shr, and, or on .b32) on one input word."""
+    n_in = max(int(t) for t in re.findall(r"[$]([0-9]+)", ptx))  # the input: the highest operand
+    regs = {f"${n_in}": word}
+
+    def val(tok):
+        tok = tok.strip()
+        return int(tok, 0) & 0xFFFFFFFF if tok[0].isdigit() else regs[tok]
+
+    for line in ptx.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        a = [val(t) for t in src]
+        if op == "prmt.b32":
+            pool = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [(a[1] >> (8 * i)) & 0xFF for i in range(4)]
+            out = sum(pool[(a[2] >> (4 * i)) & 0x7] << (8 * i) for i in range(4))  # no sign-replicate selectors
+            assert all(not (a[2] >> (4 * i)) & 0x8 for i in range(4))
+        else:
+            out = {"shl.b32": lambda: a[0] << a[1], "shr.b32": lambda: a[0] >> a[1], "and.b32": lambda: a[0] & a[1],
+                   "or.b32": lambda: a[0] | a[1]}[op]()
+        regs[dst] = out & 0xFFFFFFFF
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+@pytest.mark.parametrize("which", ["e2m1_lo", "e2m1_hi", "e4m3"])
+def test_conversion_ptx_matches_jnp(which):
+    """The PTX conversion blocks (the GPU path) give the same fp16 bit patterns as the jnp form (the interpret path)
+    for every byte in every position of a word: four bytes in, two fp16 per output register, element 0 lowest."""
+    ptx = {"e2m1_lo": moe_mxfp4._E2M1_LO_PTX, "e2m1_hi": moe_mxfp4._E2M1_HI_PTX, "e4m3": moe_mxfp4._E4M3_PTX}[which]
+    rng = np.random.default_rng(0)
+    words = np.concatenate([np.repeat(np.arange(256, dtype=np.uint8), 4).reshape(-1, 4),
+                            rng.integers(0, 256, (256, 4), dtype=np.uint8)])
+    if which == "e4m3":
+        want = np.asarray(jax.lax.bitcast_convert_type(moe_mxfp4._e4m3_to_f16(jnp.asarray(words)), jnp.uint16))
+    else:
+        lo, hi = moe_mxfp4._nibbles_to_f16(jnp.asarray(words))
+        want = np.asarray(jax.lax.bitcast_convert_type(lo if which == "e2m1_lo" else hi, jnp.uint16))
+    for bytes4, expect in zip(words, want):
+        r0, r1 = _run_ptx(ptx, int.from_bytes(bytes(bytes4), "little"), 2)
+        got = [r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16]
+        assert got == [int(e) for e in expect], f"{which} {list(bytes4)}: {got} != {list(expect)}"

@@ -450,8 +450,10 @@ class KdaTuning:
     wy_warps: int = 4
     intra_bf16_dots: bool = True
     # Kernel 1a with one product and one accumulator per level (`_akk_kernel`'s one_product): the same dot products,
-    # half the MMAs and accumulator registers. Off until measured on a GPU (benchmarks/NOTES_kda.md item 12).
-    intra_one_product: bool = False
+    # half the MMAs and accumulator registers. H200, 2026-12-01 (fourth session, fla in the same run): 1a 0.741 ms
+    # against 0.875, chunk_kda T8192 1.173 ms against 1.298 (8 warps: 1.270); tests/gpu/test_kda_gpu.py passes with
+    # it in f32 and bf16 (benchmarks/NOTES_kda.md item 12).
+    intra_one_product: bool = True
 
 
 DEFAULT_TUNING = KdaTuning()

@@ -87,6 +87,34 @@ def test_split_k_decode_tiles(seed, shape, n_tokens, fmt):
     assert rel_err(got, want) < 4e-3, f"{shape} T={n_tokens} {fmt}: {rel_err(got, want):.2e} (seed={seed})"
 
 
+DECODE_VARIANTS = {  # benchmarks/moe.py --sweep split_k,decode16 times these
+    "a_bn32_g4_w2": moe_mxfp4.Tiles(16, 32, 4, 2, 3, weights_as_a=True),
+    "a_bn64_g4_w4": moe_mxfp4.Tiles(16, 64, 4, 4, 3, weights_as_a=True),  # wgmma
+    "bn64_g8_w4": moe_mxfp4.Tiles(16, 64, 8, 4, 3),
+    "a_bn64_g4_w4_s8": moe_mxfp4.Tiles(16, 64, 4, 4, 3, split_k=8, weights_as_a=True),
+    "bn64_g4_w4_pf": moe_mxfp4.Tiles(16, 64, 4, 4, 3, prefetch_scales=True),
+    "bn32_g4_w4_s8_pf": moe_mxfp4.Tiles(16, 32, 4, 4, 3, split_k=8, prefetch_scales=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DECODE_VARIANTS))
+@pytest.mark.parametrize("shape, n_tokens, fmt", [((64, 6, 2048, 768), 16, "mxfp4"), ((256, 8, 7168, 2048), 3, "mxfp4"),
+                                                  ((64, 6, 2048, 768), 5, "float8_e4m3fn")])
+def test_decode_tile_variants(seed, name, shape, n_tokens, fmt):
+    """Decode tile variants (the weights as the MMA's A operand, wider K steps, scales loaded a step ahead) against
+    the reference."""
+    n_experts, top_k, hidden, inter = shape
+    key = jax.random.key(seed)
+    ew = mxfp4.random_experts(key, n_experts, hidden, inter)
+    ew = ew if fmt == "mxfp4" else converted(ew, fmt)
+    ids, w = _device_routing(jax.random.fold_in(key, 1), n_tokens, n_experts, top_k)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (n_tokens, hidden), jnp.float32)
+    got, _ = _packed(x, ids, w, ew, tiles=DECODE_VARIANTS[name], impl="pallas")
+    want, _ = _reference(x, ids, w, ew)
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert rel_err(got, want) < 4e-3, f"{name} {shape} T={n_tokens} {fmt}: {rel_err(got, want):.2e} (seed={seed})"
+
+
 @pytest.mark.parametrize("fmt,tol", [("float8_e4m3fn", 4e-3), ("bfloat16", 2e-2)])
 @pytest.mark.parametrize("n_tokens", [3, 700])
 def test_preconverted_formats(seed, fmt, tol, n_tokens):
