@@ -115,13 +115,14 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
             times.append(time.perf_counter() - start)
         return statistics.median(times) / per_call
 
-    def chained(op, per_call_last=False):
+    def chained(op, per_call=()):
         """op(q, *rest) run CHAIN times in one jit, each q nudged by the previous output (eps = 0 at run time).
-        per_call_last: the last argument is stacked [CHAIN, ...] and call n takes its n-th entry (each sparse decode
-        call gathers other tokens, so no call finds the previous call's selected latents in L2)."""
+        per_call: indices into rest of arguments stacked [CHAIN, ...]; call n takes their n-th entries (each call
+        reads other requests' blocks and gathers other tokens, as one decode step's layers do: no call finds the
+        previous call's bytes in L2)."""
         def run(eps, q, *rest):
             for n in range(CHAIN):
-                args = (*rest[:-1], rest[-1][n]) if per_call_last else rest
+                args = tuple(a[n] if i in per_call else a for i, a in enumerate(rest))
                 out = op(q, *args)
                 q = q + (eps * out.reshape(-1)[0].astype(jnp.float32)).astype(q.dtype)
             return out
@@ -155,7 +156,7 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
                 (lambda q, qr, c, t, p: sparse_mla.sparse_mla(q, qr, c, 0, t, p, None, 576 ** -0.5, config=cfg))
                 if dense else
                 (lambda q, qr, c, t, p, i: sparse_mla.sparse_mla(q, qr, c, 0, t, p, i, 576 ** -0.5, config=cfg)),
-                per_call_last=not dense)
+                per_call=(2,) if dense else (2, 4))
         return mla_ops[name, dense]
 
     def index_op(name, kind):
@@ -166,7 +167,8 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
                 "topk": lambda w, q, p, c, t: indexer_pallas.indexer_topk(q, w, p, c, 0, t, TOPK, config=cfg),
                 "topk_fp8": lambda w, q, p, c, t, s: indexer_pallas.indexer_topk(q, w, p, c, 0, t, TOPK,
                                                                                  key_scales=s, config=cfg),
-                "scores": lambda w, q, p, c, t: indexer_pallas.row_scores(q, w, p, c, 0, t, config=cfg)}[kind])
+                "scores": lambda w, q, p, c, t: indexer_pallas.row_scores(q, w, p, c, 0, t, config=cfg)}[kind],
+                per_call=(3,))
         return index_ops[name, kind]
 
     def best_of(names, op_of, args, tag):
@@ -187,15 +189,18 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
         w = jax.random.normal(jax.random.fold_in(k, 3), (batch, 1, IDX_HEADS), jnp.float32) * IDX_DIM ** -0.5
         w8 = w * q_idx_scales
         mla_names, index_names = list(decode_tunings), list(indexer_tunings)  # swept at the first context
+        # call n of a chain reads rows n*batch.. of the block tables (mod max_batch): at batch 1, ten calls over ten
+        # requests' caches (94 MB at 8K, more than the 50 MB L2) instead of one request's 9.4 MB ten times
+        rows = (jnp.arange(CHAIN)[:, None] * batch + jnp.arange(batch)[None]) % max_batch  # [CHAIN, batch]
         for ctx in contexts:
             tag = f"B{batch}_{ctx // 1024}K"
-            tables = all_tables[:batch, :ctx // BLOCK]
+            tables = all_tables[rows][:, :, :ctx // BLOCK]  # [CHAIN, batch, pages]
             pos = jnp.full((batch, 1), ctx - 1, jnp.int32)
             sel = jax.vmap(lambda kk: jax.random.choice(kk, ctx, (TOPK,), replace=False))(  # [CHAIN, B, 1, K]
                 jax.random.split(jax.random.fold_in(k, ctx), CHAIN * batch)).astype(jnp.int32).reshape(
                 CHAIN, batch, 1, TOPK)
             name, us = best_of(mla_names, lambda n: mla_op(n, False),
-                               (q_lat, q_rope, latent, all_tables[:batch], pos, sel), f"sparse_decode_{tag}")
+                               (q_lat, q_rope, latent, all_tables[rows], pos, sel), f"sparse_decode_{tag}")
             mla_names = [name]
             res[f"sparse_decode_{tag}_us"] = round(us, 2)
             res[f"sparse_decode_{tag}_pct_hbm"] = round(100 * batch * TOPK * 576 * 2 / (us * 1e-6) / copy_bw, 1)
