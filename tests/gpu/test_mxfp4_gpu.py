@@ -67,24 +67,30 @@ def test_fused_deepseek_shape_decode(seed, n_tokens):
     assert rel_err(got, want) < 4e-3, f"T={n_tokens}: {rel_err(got, want):.2e} (seed={seed})"
 
 
-SPLIT_K_DECODE = moe_mxfp4.Tiles(block_m=16, block_n=32, max_groups=4, num_stages=3, split_k=8)
-
-
-@pytest.mark.parametrize("shape, n_tokens, fmt", [((64, 6, 2048, 768), 1, "mxfp4"), ((64, 6, 2048, 768), 3, "mxfp4"),
-                                                  ((256, 8, 7168, 2048), 1, "mxfp4"),
-                                                  ((64, 6, 2048, 768), 1, "float8_e4m3fn")])
-def test_split_k_decode_tiles(seed, shape, n_tokens, fmt):
-    """The split-K tiles `choose_tiles` takes for one decode token once SPLIT_K_MAX_PAIRS allows them."""
+def _check_tiles(seed, shape, n_tokens, fmt, tiles, label):
+    """The fused layer with `tiles` on `shape` (experts, top-k, hidden, intermediate) against the reference."""
     n_experts, top_k, hidden, inter = shape
     key = jax.random.key(seed)
     ew = mxfp4.random_experts(key, n_experts, hidden, inter)
     ew = ew if fmt == "mxfp4" else converted(ew, fmt)
     ids, w = _device_routing(jax.random.fold_in(key, 1), n_tokens, n_experts, top_k)
     x = jax.random.normal(jax.random.fold_in(key, 2), (n_tokens, hidden), jnp.float32)
-    got, _ = _packed(x, ids, w, ew, tiles=SPLIT_K_DECODE, impl="pallas")
+    got, _ = _packed(x, ids, w, ew, tiles=tiles, impl="pallas")
     want, _ = _reference(x, ids, w, ew)
     assert np.all(np.isfinite(np.asarray(got)))
-    assert rel_err(got, want) < 4e-3, f"{shape} T={n_tokens} {fmt}: {rel_err(got, want):.2e} (seed={seed})"
+    assert rel_err(got, want) < 4e-3, f"{label} {shape} T={n_tokens} {fmt}: {rel_err(got, want):.2e} (seed={seed})"
+
+
+@pytest.mark.parametrize("shape, n_tokens, fmt", [((64, 6, 2048, 768), 1, "mxfp4"), ((64, 6, 2048, 768), 3, "mxfp4"),
+                                                  ((256, 8, 7168, 2048), 1, "mxfp4"),
+                                                  ((64, 6, 2048, 768), 1, "float8_e4m3fn")])
+def test_split_k_decode_tiles(seed, shape, n_tokens, fmt):
+    """The split-K tiles `choose_tiles` takes for one decode token (32 columns at the medium width, 64 at DeepSeek's);
+    at 3 tokens the medium shape's 32-column split-K tiles, forced."""
+    n_experts, top_k, _, inter = shape
+    tiles = moe_mxfp4.choose_tiles(top_k, n_experts, inter)
+    assert tiles.split_k > 1
+    _check_tiles(seed, shape, n_tokens, fmt, tiles, "split-K")
 
 
 DECODE_VARIANTS = {  # benchmarks/moe.py --sweep split_k,decode16 times these
@@ -103,16 +109,7 @@ DECODE_VARIANTS = {  # benchmarks/moe.py --sweep split_k,decode16 times these
 def test_decode_tile_variants(seed, name, shape, n_tokens, fmt):
     """Decode tile variants (the weights as the MMA's A operand, wider K steps, scales loaded a step ahead) against
     the reference."""
-    n_experts, top_k, hidden, inter = shape
-    key = jax.random.key(seed)
-    ew = mxfp4.random_experts(key, n_experts, hidden, inter)
-    ew = ew if fmt == "mxfp4" else converted(ew, fmt)
-    ids, w = _device_routing(jax.random.fold_in(key, 1), n_tokens, n_experts, top_k)
-    x = jax.random.normal(jax.random.fold_in(key, 2), (n_tokens, hidden), jnp.float32)
-    got, _ = _packed(x, ids, w, ew, tiles=DECODE_VARIANTS[name], impl="pallas")
-    want, _ = _reference(x, ids, w, ew)
-    assert np.all(np.isfinite(np.asarray(got)))
-    assert rel_err(got, want) < 4e-3, f"{name} {shape} T={n_tokens} {fmt}: {rel_err(got, want):.2e} (seed={seed})"
+    _check_tiles(seed, shape, n_tokens, fmt, DECODE_VARIANTS[name], name)
 
 
 @pytest.mark.parametrize("fmt,tol", [("float8_e4m3fn", 4e-3), ("bfloat16", 2e-2)])
