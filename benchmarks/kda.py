@@ -135,7 +135,9 @@ def parse_tunings(spec: str) -> dict:
     return tunings
 
 
-def measure_dayzero(tunings: dict, decode: bool = True) -> dict:
+def measure_dayzero(tunings: dict, decode: bool = True, res: dict | None = None) -> dict:
+    """Fills `res` as it goes (each prefill tuning's figures are also printed when measured), so that an interrupted
+    run still reports what it measured; returns it."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     import functools
 
@@ -144,7 +146,7 @@ def measure_dayzero(tunings: dict, decode: bool = True) -> dict:
 
     from dayzero.kernels.kda import pallas, reference
 
-    res = {}
+    res = {} if res is None else res
 
     def timed(fn, *args, n=20, reps=5):
         jax.block_until_ready(fn(*args))
@@ -207,6 +209,8 @@ def measure_dayzero(tunings: dict, decode: bool = True) -> dict:
                 res[f"chunk_T{T}_{name}_rel_err_vs_reference"] = [round(rel(o, o_r), 5), round(rel(s, s_r), 5)]
             ms = timed(fn, q, k, v, g, beta, h0) * 1e3
             res[f"chunk_T{T}_{name}_ms"] = round(ms, 4)
+            print(f"  chunk_kda T{T} {name}: {ms:.4f} ms"
+                  + (f" (kernel 1 {res[f'intra_T{T}_{name}_ms']} ms)" if first else ""), flush=True)
             if best is None or ms < best:
                 best, best_name = ms, name
         res[f"chunk_T{T}_ms"] = round(best, 4)
@@ -276,26 +280,39 @@ def main(argv=None) -> int:
         return 0
     tunings = parse_tunings(args.intra_variants)
     peer = {} if args.no_peer else run_peer()
-    ours = measure_dayzero(tunings, decode=not args.no_decode)
+    if peer:
+        print("fla: " + json.dumps(peer), flush=True)
+    ours, start = {}, time.perf_counter()
+    try:
+        measure_dayzero(tunings, decode=not args.no_decode, res=ours)
+    except KeyboardInterrupt:  # `timeout -s INT`: report what was measured
+        ours["interrupted_after_s"] = round(time.perf_counter() - start)
+        print(f"interrupted after {ours['interrupted_after_s']} s: reporting what was measured", flush=True)
     import jax
 
     device = jax.devices()[0]
-    print(f"\n{device.device_kind}, jax {jax.__version__}, HBM copy {ours['hbm_copy_TBps']} TB/s")
+    print(f"\n{device.device_kind}, jax {jax.__version__}, HBM copy {ours.get('hbm_copy_TBps')} TB/s")
     T = PREFILL_T[0]
     print(f"| prefill tuning | compile (s) | kernel 1 T{T} (ms) | chunk_kda T{T} (ms) | rel err (o, state) |\n"
           "|---|---|---|---|---|")
     for name in tunings:
+        if f"chunk_T{T}_{name}_ms" not in ours:
+            continue
         apart = (f" (1a {ours[f'akk_T{T}_{name}_ms']}, 1b {ours[f'wy_T{T}_{name}_ms']})"
                  if f"akk_T{T}_{name}_ms" in ours else "")
         print(f"| {name} | {ours[f'compile_{name}_s']} | {ours[f'intra_T{T}_{name}_ms']}{apart} | "
               f"{ours[f'chunk_T{T}_{name}_ms']} | {ours[f'chunk_T{T}_{name}_rel_err_vs_reference']} |")
     print("\n| what | dayzero | fla | ratio (fla / dayzero) |\n|---|---|---|---|")
     for T in PREFILL_T:
-        a, b = ours[f"chunk_T{T}_ms"], peer.get(f"chunk_T{T}_ms")
+        a, b = ours.get(f"chunk_T{T}_ms"), peer.get(f"chunk_T{T}_ms")
+        if a is None:
+            continue
         print(f"| chunk_kda T{T} (ms, {ours[f'chunk_T{T}_best']}) | {a} | {b or '-'} | "
               f"{round(b / a, 2) if b else '-'} |")
     for B in DECODE_B if not args.no_decode else ():
-        a = ours[f"decode_B{B}_us"]
+        a = ours.get(f"decode_B{B}_us")
+        if a is None:
+            continue
         b = peer.get(f"decode_B{B}_graph_us")
         kernel = (f"; profiled kernel {ours[f'decode_B{B}_kernel_us']} us, {ours[f'decode_B{B}_kernel_state_TBps']} "
                   f"TB/s, {ours[f'decode_B{B}_kernel_best']}" if f"decode_B{B}_kernel_us" in ours else "")
