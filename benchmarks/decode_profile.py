@@ -2,7 +2,7 @@
 with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized HLO names in its metadata.
 
     python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--engine serving] [--top 25]
-                                         [--xla-option NAME=VALUE] [--pallas router]
+                                         [--xla-option NAME=VALUE] [--pallas router] [--dump PREFIX]
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
 `small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
@@ -172,6 +172,11 @@ def run(args, hlo_folder: str) -> dict:
             print(f"| {label} | {ms:.4f} | {n:g} |")
         summary[batch] = {k: round(v, 3) for k, v in result.items() if k != "ops"}
         summary[batch]["top_ops_ms"] = {label: round(ms, 4) for label, ms, _ in result["ops"][:8]}
+        if args.dump:
+            everything = {"ops": [{"op": label, "ms_per_token": ms, "kernels_per_token": n}
+                                  for label, ms, n in result["ops"]]}
+            with open(f"{args.dump}.B{batch}.json", "w") as f:
+                json.dump({**summary[batch], **everything}, f, indent=1)
         del engine
     return summary
 
@@ -205,6 +210,9 @@ def main(argv=None) -> int:
     parser.add_argument("--pallas", action="append", default=[], metavar="KERNEL",
                         help="run this kernel's Pallas version on CUDA even if not yet GPU-verified (repeatable; "
                              "a dispatch policy for the run), to try it: e.g. router")
+    parser.add_argument("--dump", metavar="PREFIX",
+                        help="also write every op of each batch size to PREFIX.B<batch>.json (the results line keeps "
+                             "the top 8)")
     parser.add_argument("--dense-fused-prologues", action="store_true",
                         help="dense experts with DenseTiles.fused_prologues (row gather and SwiGLU in the kernels)")
     args = parser.parse_args(argv)
