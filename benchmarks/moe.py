@@ -257,6 +257,9 @@ DECODE16_SWEEP = {
     "bn64_g8_w4_st4": moe_mxfp4.Tiles(16, 64, 8, 4, 4),
     "bn64_g4_w4_pf": moe_mxfp4.Tiles(16, 64, 4, 4, 3, prefetch_scales=True),  # scales one K step ahead
     "bn64_g8_w4_pf": moe_mxfp4.Tiles(16, 64, 8, 4, 3, prefetch_scales=True),
+    "bn16_g4_w1": moe_mxfp4.Tiles(16, 16, 4, 1, 3),  # 4.3, one warp per program: its barriers wait for no other
+    "bn16_g4_w1_pf": moe_mxfp4.Tiles(16, 16, 4, 1, 3, prefetch_scales=True),
+    "bn32_g4_w2": moe_mxfp4.Tiles(16, 32, 4, 2, 3),  # 4.4
 }
 
 

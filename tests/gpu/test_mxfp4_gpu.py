@@ -100,6 +100,7 @@ DECODE_VARIANTS = {  # benchmarks/moe.py --sweep split_k,decode16 times these
     "a_bn64_g4_w4_s8": moe_mxfp4.Tiles(16, 64, 4, 4, 3, split_k=8, weights_as_a=True),
     "bn64_g4_w4_pf": moe_mxfp4.Tiles(16, 64, 4, 4, 3, prefetch_scales=True),
     "bn32_g4_w4_s8_pf": moe_mxfp4.Tiles(16, 32, 4, 4, 3, split_k=8, prefetch_scales=True),
+    "bn16_g4_w1_pf": moe_mxfp4.Tiles(16, 16, 4, 1, 3, prefetch_scales=True),
 }
 
 
