@@ -236,7 +236,7 @@ def test_tile_options_match_oracle(seed, n_tokens, tiles):
         ew = packed_experts(rng, E, D, I, fmt)
         got, _ = _run(jnp.asarray(x), ids, w, ew, "interpret", tiles=tiles)
         err = rel_err(got, oracle(x, ids, w, ew))
-        assert err < 4e-3, f"weights as A {fmt} T={n_tokens}: {err:.2e} (seed={seed})"
+        assert err < 4e-3, f"{tiles} {fmt} T={n_tokens}: {err:.2e} (seed={seed})"
 
 
 def test_split_k_lowers_to_triton():
