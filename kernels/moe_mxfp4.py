@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import moe_tiles
+from . import dispatch, moe_tiles
 from .mxfp4 import BLOCK, SCALE_NAN, ExpertWeights
 
 _HALF = BLOCK // 2
@@ -85,6 +85,13 @@ def choose_tiles(n_pairs: int, n_experts: int, intermediate: int = 0) -> Tiles:
     if rows <= 48:
         return Tiles(block_m=32, block_n=64, max_groups=4, num_stages=3)
     return Tiles(block_m=64, block_n=64, max_groups=4, num_stages=3)
+
+
+def _ptx(interpret: bool) -> bool:
+    """Whether the kernels convert with the PTX blocks: compiled (not interpret mode) for NVIDIA GPUs. ROCm and
+    vendor plugins whose Triton takes Pallas' lowering (MUSA, `dispatch.KernelPolicy`) get the jnp form. A CPU
+    process reaches a compiled lowering only by exporting for CUDA (tests/triton_lowering.py, triton_report.py)."""
+    return not interpret and dispatch.canonical_platform(dispatch.current_platform()) in ("cuda", "cpu")
 
 
 def _group_tile(groups: int, limit: int) -> int:
@@ -294,7 +301,7 @@ def _matmul(x_rows, row_scale, tile_expert, tile_slot, weights, *, fmt, gated, n
     col_tiles = pl.cdiv(n_out, tiles.block_n)
     kernel = functools.partial(_matmul_kernel, fmt=fmt, gated=gated, bm=tiles.block_m, bn=tiles.block_n, gk=gk,
                                k_steps=kh // _HALF // gk // split, col_tiles=col_tiles, n_valid=n_valid,
-                               n_out=n_out, split=split, asm=not interpret,
+                               n_out=n_out, split=split, asm=_ptx(interpret),
                                swap=tiles.weights_as_a, prefetch=tiles.prefetch_scales)
     flat = [a for w in weights for a in w if a is not None]
     grid = (n_rows // tiles.block_m, parity * col_tiles)
@@ -491,7 +498,7 @@ def convert(ws: jax.Array, need: jax.Array, slot_expert: jax.Array, blocks: jax.
     n_slots, n_rows, groups = ws.shape[:3]
     gb = _group_tile(groups, max_groups)
     kernel = functools.partial(_convert_kernel, fmt=jnp.dtype(ws.dtype).name, br=block_rows, gb=gb, n_rows=n_rows,
-                               asm=not interpret)
+                               asm=_ptx(interpret))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(ws.shape, ws.dtype),

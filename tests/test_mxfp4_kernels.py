@@ -296,3 +296,24 @@ def test_conversion_ptx_matches_jnp(which):
         r0, r1 = _run_ptx(ptx, int.from_bytes(bytes(bytes4), "little"), 2)
         got = [r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16]
         assert got == [int(e) for e in expect], f"{which} {list(bytes4)}: {got} != {list(expect)}"
+
+
+@pytest.mark.parametrize("platform,ptx", [("cpu", True), ("gpu", True), ("musa", False)])
+def test_ptx_conversion_only_for_nvidia(monkeypatch, platform, ptx):
+    """The PTX conversion blocks go into the kernels compiled for NVIDIA GPUs only: a vendor plugin's Triton (MUSA,
+    through a KernelPolicy) or ROCm gets the jnp form (here: the lowering traced under each platform)."""
+    from dayzero.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "current_platform", lambda: platform)
+    monkeypatch.setattr(dispatch, "canonical_platform", lambda p: "cuda" if p == "gpu" else p)
+    seen = []
+    for name in ("_nibbles_to_f16", "_e4m3_to_f16"):
+        real = getattr(moe_mxfp4, name)
+        monkeypatch.setattr(moe_mxfp4, name, lambda b, asm=False, real=real: seen.append(asm) or real(b, asm))
+    n_experts, hidden, inter, top_k = 4, 64, 32, 2
+    s = jax.ShapeDtypeStruct
+    args = (s((3, hidden), jnp.bfloat16), s((3, top_k), jnp.int32), s((3, top_k), jnp.float32))
+    for fmt in ("mxfp4", "float8_e4m3fn"):
+        fused = lambda x, i, w, ew: moe.moe_experts_packed(x, i, w, ew, tiles=SMALL, impl="pallas")[0]  # noqa: E731
+        lower_for_cuda(fused, *args, _specs(n_experts, hidden, inter, fmt))
+    assert seen and set(seen) == {ptx}, (platform, seen)
