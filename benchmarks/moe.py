@@ -18,7 +18,8 @@ Variants, on the same weights (random MXFP4; the others converted from it) and t
   resident  staged, calling the same layer again: resident conversions reused (hit rate reported; first and last)
   online    what the model runs (MXFP4Execution "auto": fused below `workspace_min_rows` rows per expert, staged at
             and above)
-  kernels   the fused variant's two Pallas kernels alone (routing, gathers and the combine left out; <= 16 tokens)
+  kernels   the fused variant's two Pallas kernels alone (routing, gathers and the combine left out; <= 16 tokens;
+            with split-K tiles their partial sums reduced per pair)
 Device time per call: `iters` calls chained inside one jit (each call's input depends on the previous output), median
 of 5 runs. The HBM copy bandwidth measured in the same run is the roofline: decode must stream the active experts'
 MXFP4 bytes (4.25 bits per weight); the bandwidth figures divide those bytes by the whole layer's time and by the
@@ -170,9 +171,12 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
     if n_tokens <= 16 and "kernels" in variants:  # the two fused kernels alone (schedule and activations prepared outside the loop)
         tiles = moe_mxfp4.choose_tiles(ids.size, n_experts, inter)
         plan = moe_mxfp4.plan(x, ids, ew, None, n_experts, tiles)
+        # split-K tiles: the kernels and their partial sums per pair (expert_rows would add a scatter into rows that
+        # the layer does not run)
+        kernels = moe_mxfp4.expert_pairs if moe_mxfp4._split_k(ew, tiles) else moe_mxfp4.expert_rows
         seconds["fused_kernels"] = attempt("kernels", lambda: per_call(
-            lambda rows, i, e: rows + (1e-3 * moe_mxfp4.expert_rows(plan._replace(x_rows=rows), e, jnp.bfloat16, tiles,
-                                                                    impl == "interpret")[0, 0]).astype(rows.dtype),
+            lambda rows, i, e: rows + (1e-3 * kernels(plan._replace(x_rows=rows), e, jnp.bfloat16, tiles,
+                                                      impl == "interpret")[0, 0]).astype(rows.dtype),
             plan.x_rows, iters, ew)[0])
     seconds["online"] = seconds.get("staged") if auto else seconds.get("fused")
     res["online_mode"] = "staged" if auto else "fused"
