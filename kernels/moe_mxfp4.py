@@ -261,12 +261,11 @@ def _matmul_kernel(te_ref, ts_ref, rs_ref, x_ref, *refs, fmt, gated, bm, bn, gk,
             for i, (w, acc) in enumerate(zip(wrefs, accs)):
                 lo, hi, factor = _tile(fmt, w[0], w[1] if per == 2 else None, slot, expert, c0, p, g0, gk, bn, wmask,
                                        asm, s_now[i] if prefetch_now else None)
-                if swap:  # [bn, bm]
-                    d = _dot_t(lo, xl) + _dot_t(hi, xh)
-                    out.append(acc + (d if factor is None else d * factor[:, None]))
-                else:  # [bm, bn]
-                    d = _dot_t(xl, lo) + _dot_t(xh, hi)
-                    out.append(acc + (d if factor is None else d * factor[None, :]))
+                # [bn, bm] with the weights as the A operand, else [bm, bn]
+                d = _dot_t(lo, xl) + _dot_t(hi, xh) if swap else _dot_t(xl, lo) + _dot_t(xh, hi)
+                if factor is not None:
+                    d = d * (factor[:, None] if swap else factor[None, :])
+                out.append(acc + d)
             return tuple(out), (s_next if prefetch_now else s_now)
 
         shape = (bn, bm) if swap else (bm, bn)
@@ -390,36 +389,38 @@ def _split_k(ew: ExpertWeights, tiles: Tiles) -> bool:
     return tiles.split_k > 1 and max(_k_split(ew.gate.shape[2], tiles)[1], _k_split(ew.down.shape[2], tiles)[1]) > 1
 
 
+def _gate_up(p: Plan, ew: ExpertWeights, out_dtype, common: dict, row_valid=None) -> jax.Array:
+    """The gate/up kernel over the plan's rows (`_matmul`: SwiGLU applied, or float32 partial sums with row_valid)."""
+    return _matmul(p.x_rows, p.x_scale, p.sched.tile_expert, p.tile_slot, _views(ew)[0], gated=True,
+                   n_valid=ew.intermediate_size // 2, n_out=ew.down.shape[2] * _HALF, parity=2, out_dtype=out_dtype,
+                   row_valid=row_valid, **common)
+
+
+def _down(p: Plan, ew: ExpertWeights, h: jax.Array, common: dict, row_valid=None) -> jax.Array:
+    """The down kernel over the hidden rows h [R, 2, I/2] (float32 out; partial sums with row_valid)."""
+    hk, hs = mma_operand(h, _mma_dtype(ew))
+    return _matmul(hk, hs, p.sched.tile_expert, p.tile_slot, _views(ew)[1], gated=False, n_valid=ew.hidden_size,
+                   n_out=ew.hidden_size, parity=1, out_dtype=jnp.float32, row_valid=row_valid, **common)
+
+
 def expert_pairs(p: Plan, ew: ExpertWeights, hidden_dtype, tiles: Tiles, interpret: bool = False) -> jax.Array:
     """The split-K path (`Tiles.split_k`): the two kernels with their K split, the partial sums reduced over the
     pairs' rows only -> per-pair outputs [T * k, D] float32 (pairs in topk_ids order)."""
-    gate_up, down = _views(ew)
     common = dict(fmt=ew.fmt, tiles=tiles, interpret=interpret)
     rows = p.sched.row_of_pair.reshape(-1)
     n_pairs, n_rows = rows.shape[0], p.x_rows.shape[0]
     row_valid = (p.sched.token_of_row < p.sched.row_of_pair.shape[0]).astype(jnp.int32)
-    n_half = ew.down.shape[2] * _HALF
     if _k_split(ew.gate.shape[2], tiles)[1] > 1:
-        part = _matmul(p.x_rows, p.x_scale, p.sched.tile_expert, p.tile_slot, gate_up, gated=True,
-                       n_valid=ew.intermediate_size // 2, n_out=n_half, parity=2, out_dtype=jnp.float32,
-                       row_valid=row_valid, **common)
-        gu = jnp.sum(part[:, rows], axis=0)  # [P, 2, parity, n_half]
+        gu = jnp.sum(_gate_up(p, ew, jnp.float32, common, row_valid)[:, rows], axis=0)  # [P, 2, parity, I/2]
         g, u = gu[:, 0], gu[:, 1]
         h_pairs = (g / (1.0 + jnp.exp(-g)) * u).astype(hidden_dtype)
         pair_of_row = jnp.full((n_rows,), n_pairs, jnp.int32).at[rows].set(jnp.arange(n_pairs, dtype=jnp.int32))
         h = jnp.concatenate([h_pairs, jnp.zeros((1,) + h_pairs.shape[1:], hidden_dtype)])[pair_of_row]
     else:
-        h = _matmul(p.x_rows, p.x_scale, p.sched.tile_expert, p.tile_slot, gate_up, gated=True,
-                    n_valid=ew.intermediate_size // 2, n_out=n_half, parity=2, out_dtype=hidden_dtype, **common)
-    hk, hs = mma_operand(h, _mma_dtype(ew))
-    hidden = ew.hidden_size
+        h = _gate_up(p, ew, hidden_dtype, common)
     if _k_split(ew.down.shape[2], tiles)[1] > 1:
-        part = _matmul(hk, hs, p.sched.tile_expert, p.tile_slot, down, gated=False, n_valid=hidden, n_out=hidden,
-                       parity=1, out_dtype=jnp.float32, row_valid=row_valid, **common)
-        return jnp.sum(part[:, rows, 0, 0], axis=0)
-    out = _matmul(hk, hs, p.sched.tile_expert, p.tile_slot, down, gated=False, n_valid=hidden, n_out=hidden,
-                  parity=1, out_dtype=jnp.float32, **common)
-    return out[rows, 0]
+        return jnp.sum(_down(p, ew, h, common, row_valid)[:, rows, 0, 0], axis=0)
+    return _down(p, ew, h, common)[rows, 0]
 
 
 def expert_rows(p: Plan, ew: ExpertWeights, hidden_dtype, tiles: Tiles, interpret: bool = False) -> jax.Array:
@@ -429,16 +430,8 @@ def expert_rows(p: Plan, ew: ExpertWeights, hidden_dtype, tiles: Tiles, interpre
         pairs = expert_pairs(p, ew, hidden_dtype, tiles, interpret)
         rows = p.sched.row_of_pair.reshape(-1)
         return jnp.zeros((p.x_rows.shape[0], pairs.shape[1]), jnp.float32).at[rows].set(pairs)
-    gate_up, down = _views(ew)
     common = dict(fmt=ew.fmt, tiles=tiles, interpret=interpret)
-    hidden = ew.hidden_size
-    h = _matmul(p.x_rows, p.x_scale, p.sched.tile_expert, p.tile_slot, gate_up, gated=True,
-                n_valid=ew.intermediate_size // 2, n_out=ew.down.shape[2] * _HALF, parity=2, out_dtype=hidden_dtype,
-                **common)
-    hk, hs = mma_operand(h, _mma_dtype(ew))
-    out = _matmul(hk, hs, p.sched.tile_expert, p.tile_slot, down, gated=False, n_valid=hidden, n_out=hidden,
-                  parity=1, out_dtype=jnp.float32, **common)
-    return out[:, 0, :]
+    return _down(p, ew, _gate_up(p, ew, hidden_dtype, common), common)[:, 0, :]
 
 
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ew: ExpertWeights,
