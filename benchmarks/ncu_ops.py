@@ -1,0 +1,93 @@
+"""One kernel-bearing op at a benchmark's shape, run a few times: the program that Nsight Compute (`ncu`) profiles.
+
+    ncu --clock-control none -k regex:kda_chunk -c 3 --set full -o kda python3 benchmarks/ncu_ops.py kda
+    ncu --clock-control none -k regex:moe_ -c 4 --set full -o moe python3 benchmarks/ncu_ops.py moe --shape deepseek --tokens 16
+
+Ops (shapes and inputs as in benchmarks/kda.py and benchmarks/moe.py):
+  kda   chunk_kda at B1 H32 D128 bf16, T `--tokens` (default 8192): kernels kda_chunk_akk, kda_chunk_wy, kda_chunk_state
+  moe   the fused MXFP4 layer (`--shape` medium or deepseek, `--tokens`): kernels moe_gate_up[_split_k], moe_down[...]
+`--tuning field=value,...` overrides KdaTuning fields (kda). The first call compiles; `--calls` calls run in all,
+so `ncu -c` with the kernels of one call profiles them once compiled (Triton's compile launches nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+
+def _tuning(spec: str | None):
+    from dayzero.kernels.kda import pallas
+
+    fields = {f.name: f.type for f in dataclasses.fields(pallas.KdaTuning)}
+    overrides = {}
+    for item in filter(None, (spec or "").split(",")):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--tuning: KdaTuning has no field {name!r} (fields: {', '.join(fields)})")
+        kind = type(getattr(pallas.DEFAULT_TUNING, name))
+        overrides[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return dataclasses.replace(pallas.DEFAULT_TUNING, **overrides)
+
+
+def run_kda(tokens: int, calls: int, tuning_spec: str | None) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from dayzero.kernels.kda import pallas
+
+    heads, dim = 32, 128
+    ks = jax.random.split(jax.random.key(tokens), 6)
+    norm = lambda a: a / jnp.linalg.norm(a, axis=-1, keepdims=True)
+    shape = (1, tokens, heads, dim)
+    q = norm(jax.random.normal(ks[0], shape)).astype(jnp.bfloat16)
+    k = norm(jax.random.normal(ks[1], shape)).astype(jnp.bfloat16)
+    v = jax.random.normal(ks[2], shape, jnp.bfloat16)
+    g = -jax.random.uniform(ks[3], shape, jnp.float32) * 0.1
+    beta = jax.random.uniform(ks[4], shape[:3], jnp.bfloat16)
+    h0 = jax.random.normal(ks[5], (1, heads, dim, dim), jnp.float32)
+    tuning = _tuning(tuning_spec)
+    fn = jax.jit(lambda *a: pallas.chunk_kda(*a, initial_state=h0, output_final_state=True, tuning=tuning))
+    for _ in range(calls):
+        out = jax.block_until_ready(fn(q, k, v, g, beta))
+    print(f"kda T{tokens} {tuning}: |o| {float(jnp.linalg.norm(out[0].astype(jnp.float32))):.4g}")
+
+
+def run_moe(shape: str, tokens: int, calls: int) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from moe import SHAPES, routing  # benchmarks/moe.py
+
+    from dayzero.kernels import moe, mxfp4
+
+    n_experts, top_k, hidden, inter = SHAPES[shape]
+    ew = mxfp4.random_experts(jax.random.key(0), n_experts, hidden, inter)
+    ids, w = routing(jax.random.key(tokens), tokens, n_experts, top_k)
+    x = jax.random.normal(jax.random.key(1), (tokens, hidden), jnp.bfloat16)
+    fn = jax.jit(lambda x, e: moe.moe_experts_packed(x, ids, w, e, impl="pallas")[0])
+    for _ in range(calls):
+        y = jax.block_until_ready(fn(x, ew))
+    print(f"moe {shape} T{tokens}: |y| {float(jnp.linalg.norm(y.astype(jnp.float32))):.4g}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("op", choices=("kda", "moe"))
+    parser.add_argument("--tokens", type=int)
+    parser.add_argument("--shape", default="deepseek", help="moe: medium or deepseek")
+    parser.add_argument("--calls", type=int, default=2)
+    parser.add_argument("--tuning", help="kda: KdaTuning overrides, e.g. intra_block_k=64,intra_warps=8")
+    args = parser.parse_args(argv)
+    if args.op == "kda":
+        run_kda(args.tokens or 8192, args.calls, args.tuning)
+    else:
+        run_moe(args.shape, args.tokens or 16, args.calls)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
