@@ -106,9 +106,9 @@ def kda_cases() -> dict:
 
     dq, dg, dbeta = S((64, 1, H, D), jnp.bfloat16), S((64, 1, H, D), jnp.float32), S((64, 1, H), jnp.bfloat16)
     pool, slots = S((1, 64, H, D, D), jnp.float32), S((64,), jnp.int32)
-    two_products = pallas.KdaTuning(intra_one_product=False)
+    levels_apart = pallas.KdaTuning(intra_level_group=1)
     return {"chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
-            "chunk_kda B1 T8192 two_products": (chunk(two_products), (q, q, q, g, beta, state)),
+            "chunk_kda B1 T8192 one level per pass": (chunk(levels_apart), (q, q, q, g, beta, state)),
             "decode slots B64": (pallas.fused_recurrent_kda_slots, (dq, dq, dq, dg, dbeta, pool, slots))}
 
 

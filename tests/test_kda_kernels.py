@@ -20,13 +20,14 @@ from triton_lowering import count_triton_kernels
 F32 = 2e-5  # interpret mode computes in float32 throughout
 
 
-# Prefill kernel 1 variants (KdaTuning.intra_variant); the split one over 16-channel slices so that its channel loop
-# runs more than once at the tests' head dims, with bf16 products for bf16 inputs (f32 inputs keep f32 products);
-# "split" has the default one product per level, "split_two_products" one each for A_kk and A_qk.
+# Prefill kernel 1 variants (KdaTuning.intra_variant); the split one over 16-channel slices so that its channel loops
+# run more than once at the tests' head dims, with bf16 products for bf16 inputs (f32 inputs keep f32 products);
+# "split" has the default three pair levels per pass, "split_levels_apart" one level per pass and a 16-channel
+# first pass.
 TUNINGS = {"fused": kda_pallas.KdaTuning(intra_variant="fused"),
            "split": kda_pallas.KdaTuning(intra_variant="split", intra_block_k=16, intra_bf16_dots=True),
-           "split_two_products": kda_pallas.KdaTuning(intra_variant="split", intra_block_k=16, intra_bf16_dots=True,
-                                                      intra_one_product=False)}
+           "split_levels_apart": kda_pallas.KdaTuning(intra_variant="split", intra_block_k=16, intra_bf16_dots=True,
+                                                      intra_level_group=1, intra_prologue_block_k=16)}
 variants = pytest.mark.parametrize("variant", list(TUNINGS))
 default_variant = pytest.mark.parametrize("variant", ["split"])  # the default; the others are checked above
 

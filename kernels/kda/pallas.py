@@ -12,8 +12,9 @@ Prefill (`chunk_kda`), chunks of C = 64 tokens:
      diagonal ones take exp(G_t - G_s) element by element for s <= t only: no positive cumulative log-decay is
      ever exponentiated, so strong decays underflow to 0 instead of overflowing.
      By default (`KdaTuning.intra_variant="split"`) two kernels without serial loops replace it: `_akk_kernel`
-     (A_kk and A_qk of a chunk as six masked [64, 64] products, one per "pair level", see `_level_exponent`, plus
-     the decayed q, k) and `_wy_kernel` (the block solve and w, u), A_kk passing through HBM in f32.
+     (A_kk and A_qk of a chunk as six masked [64, 64] products, one per "pair level", their exponents from sums of
+     g within 16-token sub-chunks, plus the decayed q, k) and `_wy_kernel` (the block solve and w, u), A_kk passing
+     through HBM in f32.
   2. `_state_kernel`, one program per (row, head, V block), sequential over chunks: v' = u - w S,
      o = (q exp(G)) S + A_qk v', S <- exp(G_C) S + (k exp(G_C - G))^T v'. Optionally writes S after every chunk.
 Decode (`fused_recurrent_kda`, `fused_recurrent_kda_slots`): one program per (row, head, V block) holding its
@@ -22,9 +23,9 @@ the slot variant reads and writes the state pool in place by slot index.
 
 Rows may have different lengths (`lengths` [B]): tokens at or past a row's length leave its state unchanged and
 produce zeros. Head dims that are not powers of two >= 16 are zero-padded (padded channels change nothing).
-Measured on the H200 (benchmarks/RESULTS.md, NOTES_kda.md): chunk_kda 1.26-1.30 ms at B1 T8192 H32 D128 (kernel 1a
-0.84-0.87 ms of it, 1b 0.20, the state pass ~0.24) against fla's 1.02 ms; the decode step's kernel 3.6 TB/s of
-state traffic at B64 (profiler).
+Measured on the H200 (benchmarks/RESULTS.md, NOTES_kda.md): chunk_kda 0.92-0.93 ms at B1 T8192 H32 D128 (kernel 1a
+0.55 ms of it, 1b 0.19, the state pass 0.185) against fla's 1.01 ms in the same runs; the decode step's kernel
+3.54-3.6 TB/s of state traffic at B64 (profiler).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from .. import dispatch
 from .reference import l2norm as _l2norm_ref
 
 CHUNK = 64
@@ -230,107 +232,162 @@ def _intra_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 _LEVELS = (32, 16, 8, 4, 2, 1)
 
 
-def _level_exponent(g, h):
-    """Per-row log-decays of level h relative to the boundary between the two h-blocks of each pair.
-
-    g [C, W] (per-token log-decays, <= 0). Row t of an odd h-block gets sum_{j = block start .. t} g_j (= G_t - G_ref),
-    row s of an even h-block gets sum_{j = s + 1 .. block end} g_j (= G_ref - G_s), G_ref the cumulative log-decay at
-    the end of the even block: for a pair (t, s) of level h, exp(row t) * exp(row s) = exp(G_t - G_s) and both factors
-    are sums of g's, never a positive exponent. Segmented sums by reshaping to [C / h, h, W], no gather.
-    """
-    rows, width = g.shape
-    if h == 1:
-        odd = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) & 1
-        return jnp.where(odd == 1, g, 0.0)
-    blocks = g.reshape(rows // h, h, width)
-    inclusive = jnp.cumsum(blocks, axis=1)
-    total = jnp.sum(blocks, axis=1, keepdims=True)
-    odd = jax.lax.broadcasted_iota(jnp.int32, (rows // h, 1, 1), 0) & 1
-    return jnp.where(odd == 1, inclusive, total - inclusive).reshape(rows, width)
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+_EX2_PTX = "ex2.approx.ftz.f32 $0, $1;"
 
 
-def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, kd_ref, x_ref, gl_ref, *, scale,
-                l2norm, precision, block_k, dot_dtype, one_product):
-    """One chunk, all 64 rows at once, over slices of `block_k` channels (a loop Triton keeps as a loop).
+def _exp2(x, asm: bool):
+    """2^x for f32 x; `asm`: one MUFU instruction (PTX ex2.approx.ftz, max relative error ~2^-22; subnormal results
+    flush to 0), where libdevice's expf takes ~8 instructions per element."""
+    if asm:
+        return pltriton.elementwise_inline_asm(_EX2_PTX, args=[x], constraints="=r,r", pack=1,
+                                               result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+    return jnp.exp2(x)
 
-    For each level h the chunk's keys and queries are scaled by exp(level exponent) (one exp per element and level)
-    and one [64, 64] product per level, masked to the level's pairs, accumulates A_kk and A_qk: six levels cover every
-    pair s < t, the diagonal of A_qk is q_t . k_t. Writes A_kk (beta-scaled, strictly lower, f32), A_qk, q exp(G),
-    k exp(G_C - G), G_C and x = beta k exp(G) (the right-hand side of w, rounded to the input dtype as fla does);
-    kernel 1b reads A_kk back by 16 x 16 blocks. Products on `dot_dtype` operands (f32: tf32 on the GPU for 16-bit
-    inputs, exact for f32 inputs; or bf16).
 
-    `one_product`: one product and one [64, 64] accumulator per level instead of two of each. A level's pairs (t, s)
-    have t in an odd h-block and s in the even one before it, so in kf . Y^T with Y = qf on odd-block rows and kf on
-    even-block rows, entry (t, s) (t > s) is kf_t . kf_s = A_kk[t, s] and entry (s, t) is kf_s . qf_t = A_qk[t, s]:
-    A_kk fills the lower triangle and A_qk, transposed, the upper; the same dot products, half the MMAs and
-    accumulator registers.
+def _ptx(interpret: bool) -> bool:
+    """Whether the kernels use PTX blocks: compiled (not interpret mode) for NVIDIA GPUs (a CPU process reaches a
+    compiled lowering only when exporting for CUDA, as tests/triton_lowering.py and triton_report.py do)."""
+    return not interpret and dispatch.canonical_platform(dispatch.current_platform()) in ("cuda", "cpu")
+
+
+def _level_exponent_from_local(gs_ref, local, cols, h, row, rows, odd):
+    """Level h's exponents [C, BK] from the sub-chunk sums `local` (= gs_ref[:, cols]: sum of g from the row's
+    16-token sub-chunk start to the row): G_t - G_ref on rows of odd h-blocks, G_ref - G_s on rows of even ones,
+    G_ref the cumulative log-decay at the end of the even block. Each is a sum of g over at most two sub-chunks, so
+    it loses ~ulp of those sums, not of the chunk's cumulative G (what a difference of chunk cumulative sums loses,
+    and what the last tokens of strongly decaying chunks feel)."""
+    if h < SUB:  # both rows and the reference in one sub-chunk
+        ref = gs_ref[(rows & ~(2 * h - 1)) + (h - 1), cols]
+        return jnp.where(odd, local - ref, ref - local)
+    block_end = gs_ref[rows | (SUB - 1), cols]  # the sum over the row's whole sub-chunk
+    if h == SUB:  # the reference ends the sub-chunk before t's: G_t - G_ref = local_t
+        return jnp.where(odd, local, block_end - local)
+    assert h == 2 * SUB == CHUNK // 2, h
+    # reference: the end of sub-chunk 1; t in sub-chunk 3 adds sub-chunk 2's sum, s in sub-chunk 0 adds sub-chunk 1's
+    sub1, sub2 = gs_ref[pl.ds(2 * SUB - 1, 1), cols], gs_ref[pl.ds(3 * SUB - 1, 1), cols]
+    return jnp.where(odd, local + jnp.where(row >= 3 * SUB, sub2, 0.0),
+                     block_end - local + jnp.where(row < SUB, sub1, 0.0))
+
+
+def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, kd_ref, x_ref, gl_ref, gs_ref, *, scale,
+                l2norm, precision, block_k, prologue_block_k, level_group, dot_dtype, asm, barrier):
+    """Kernel 1a, one chunk, all 64 rows at once: A_kk (beta-scaled, strictly lower, f32), A_qk, q exp(G),
+    k exp(G_C - G), x = beta k exp(G) (the right-hand side of w, rounded to the input dtype as fla does) and G_C.
+
+    1. Over slices of `prologue_block_k` channels: the sums of g (in base 2: g log2 e) within each 16-token sub-chunk
+       up to each row, stored to the scratch output `gs_ref` [C, K] f32; from them and the sub-chunks' totals G,
+       G_C - G and G_C, the decayed outputs, and diag(A_qk) = q . k.
+    2. A barrier (the loads by index below read rows other threads stored), then the pair levels h of `_LEVELS`,
+       over slices of `block_k` channels: rows of odd h-blocks take G_t - G_ref, rows of even blocks G_ref - G_s
+       (`_level_exponent_from_local`; both sums of g <= 0: no positive log-decay is exponentiated), f = 2^exponent
+       (one MUFU op), kf = k f. A level's pairs (t, s) have t in an odd h-block and s in the even one before it, so in
+       kf . Y^T with Y = q f on odd-block rows and kf on even-block rows, entry (t, s) (t > s) is A_kk[t, s] and
+       entry (s, t) is A_qk[t, s]: one product per level and slice, accumulated in the MMA's own accumulator and
+       masked to the level's pairs once per level. `level_group` levels share one pass over the slices (their q, k
+       and sums loads; one accumulator each).
+    3. The per-row factors (scale, l2 norm, length mask) are applied to the [C, C] result once, not to each operand:
+       entry (i, j) below the diagonal is k_i . k_j (factor k_mul_i k_mul_j), above it k_i . q_j (k_mul_i q_mul_j).
+    Products on `dot_dtype` operands (f32: tf32 on the GPU for 16-bit inputs, exact for f32 inputs; or bf16).
     """
     chunk = pl.program_id(1)
     key_dim = q_ref.shape[-1]
     n_k = key_dim // block_k
     io_dtype = qg_ref.dtype
     row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0)
-    live = chunk * CHUNK + row < len_ref[0]  # [C, 1]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+    live = chunk * CHUNK + rows < len_ref[0]  # [C]
 
-    def cols(kb):
-        return pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+    def cols(kb, width=block_k):
+        return pl.ds(pl.multiple_of(kb * width, width), width)
 
-    def load(ref, kb):
-        return ref[:, cols(kb)].astype(jnp.float32)
+    def load(ref, kb, width=block_k):
+        return ref[:, cols(kb, width)].astype(jnp.float32)
 
-    q_mul = jnp.where(live, scale, 0.0)  # [C, 1]: scale, l2 norm and the length mask in one factor per row
+    q_mul = jnp.where(live, scale, 0.0)  # [C]: scale, l2 norm and the length mask, one factor per row
     k_mul = jnp.where(live, 1.0, 0.0)
-    beta = jnp.where(live, b_ref[...].astype(jnp.float32)[:, None], 0.0)
     if l2norm:
         def sum_squares(kb, acc):
             q, k = load(q_ref, kb), load(k_ref, kb)
-            return (acc[0] + jnp.sum(q * q, axis=1, keepdims=True), acc[1] + jnp.sum(k * k, axis=1, keepdims=True))
+            return acc[0] + jnp.sum(q * q, axis=1), acc[1] + jnp.sum(k * k, axis=1)
 
-        zero = jnp.zeros((CHUNK, 1), jnp.float32)
+        zero = jnp.zeros((CHUNK,), jnp.float32)
         q_sq, k_sq = jax.lax.fori_loop(0, n_k, sum_squares, (zero, zero))
         q_mul = q_mul * jax.lax.rsqrt(q_sq + _EPS)
         k_mul = k_mul * jax.lax.rsqrt(k_sq + _EPS)
+    beta = jnp.where(live, b_ref[...].astype(jnp.float32), 0.0)
+
+    pk = prologue_block_k
+
+    n_sub = CHUNK // SUB
+    sub = jax.lax.broadcasted_iota(jnp.int32, (n_sub, 1, 1), 0)
+    pos = jax.lax.broadcasted_iota(jnp.int32, (1, SUB, 1), 1)
+
+    def store_outputs(kb, q, k, cum, remaining, last, diag):
+        """The slice's decayed outputs from G (cum), G_C - G (remaining) and G_C (last), base 2; diag += q . k."""
+        decay = _exp2(cum, asm)
+        qg_ref[:, cols(kb, pk)] = (q * decay).astype(io_dtype)
+        x_ref[:, cols(kb, pk)] = (beta[:, None] * k * decay).astype(io_dtype)
+        kd_ref[:, cols(kb, pk)] = (k * _exp2(remaining, asm)).astype(io_dtype)
+        gl_ref[cols(kb, pk)] = last * _LN2
+        return diag + jnp.sum(q * k, axis=1)
+
+    def prologue(kb, diag):
+        q = load(q_ref, kb, pk) * q_mul[:, None]
+        k = load(k_ref, kb, pk) * k_mul[:, None]
+        g = jnp.where(live[:, None], load(g_ref, kb, pk), 0.0) * _LOG2E  # base-2 log-decays
+        # G and G_C - G from sums within 16-token sub-chunks and the sub-chunks' totals: G_C - G_t computed as
+        # G_C minus a cumulative sum loses ~ulp(|G_C|) (the decay of the chunk's last tokens, which the state
+        # update weighs most); this way it loses ~ulp of one sub-chunk's sum
+        blocks = g.reshape(n_sub, SUB, pk)
+        inclusive = jnp.cumsum(blocks, axis=1)
+        # each sub-chunk's total taken from the scan's own last row (a masked sum: exact), so that G_C - G is
+        # exactly 0 on the chunk's last token and the same numbers on every row (a separate sum rounds otherwise)
+        totals = jnp.sum(jnp.where(pos == SUB - 1, inclusive, 0.0), axis=1, keepdims=True)  # [n_sub, 1, BK]
+        t = [jnp.sum(jnp.where(sub == i, totals, 0.0), axis=0, keepdims=True) for i in range(n_sub)]  # [1, 1, BK]
+        before, after = jnp.zeros_like(totals), jnp.zeros_like(totals)
+        for i in range(1, n_sub):
+            before = jnp.where(sub == i, sum(t[:i]), before)
+            after = jnp.where(sub == n_sub - 1 - i, sum(t[n_sub - i:]), after)
+        cum = (before + inclusive).reshape(CHUNK, pk)  # G within the chunk
+        remaining = (totals - inclusive + after).reshape(CHUNK, pk)  # G_C - G
+        last = sum(t).reshape(pk)  # G_C
+        gs_ref[:, cols(kb, pk)] = inclusive.reshape(CHUNK, pk)  # the levels' exponents come from these sums
+        return store_outputs(kb, q, k, cum, remaining, last, diag)
+
+    diag = jax.lax.fori_loop(0, key_dim // pk, prologue, jnp.zeros((CHUNK,), jnp.float32))
+    if barrier:
+        pltriton.debug_barrier()
 
     r = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     c = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
-
-    def body(kb, carry):
-        a_kk, a_qk, diag = carry
-        q = load(q_ref, kb) * q_mul
-        k = load(k_ref, kb) * k_mul
-        g = jnp.where(live, load(g_ref, kb), 0.0)
-        differ = r ^ c
-        for h in _LEVELS:
-            f = jnp.exp(_level_exponent(g, h))
-            kf, qf = (k * f).astype(dot_dtype), (q * f).astype(dot_dtype)
-            pairs = (differ >= h) & (differ < 2 * h)
-            if one_product:  # a_kk holds A_kk below the diagonal and A_qk^T above it (a_qk unused)
-                odd = (row & h) != 0  # [C, 1]: rows of odd h-blocks
-                a_kk = a_kk + jnp.where(pairs, _mm_nt(kf, jnp.where(odd, qf, kf), precision), 0.0)
-                continue
-            a_kk = a_kk + jnp.where(pairs, _mm_nt(kf, kf, precision), 0.0)
-            a_qk = a_qk + jnp.where(pairs, _mm_nt(qf, kf, precision), 0.0)
-        # G and its last row only after the levels: computed before them, they stay live across the six products
-        # (chunk_kda T8192 1.63 against 1.30 ms on the H200, 2026-12-01)
-        cum = jnp.cumsum(g, axis=0)  # G within the chunk
-        g_last = jnp.sum(g, axis=0)
-        diag = diag + jnp.sum(q * k, axis=1, keepdims=True)
-        decay = jnp.exp(cum)
-        qg_ref[:, cols(kb)] = (q * decay).astype(io_dtype)
-        x_ref[:, cols(kb)] = (beta * k * decay).astype(io_dtype)
-        kd_ref[:, cols(kb)] = (k * jnp.exp(g_last[None, :] - cum)).astype(io_dtype)
-        gl_ref[cols(kb)] = g_last
-        return a_kk, a_qk, diag
-
+    differ = r ^ c
     zeros = jnp.zeros((CHUNK, CHUNK), jnp.float32)
-    a_kk, a_qk, diag = jax.lax.fori_loop(0, n_k, body, (zeros, jnp.zeros((1, 1), jnp.float32) if one_product else zeros,
-                                                        jnp.zeros((CHUNK, 1), jnp.float32)))
-    if one_product:
-        a_qk = a_kk.T
-    lower = r > c  # the levels' products also fill mirrored pairs (s > t): dropped here
-    akk_ref[...] = jnp.where(lower, beta * a_kk, 0.0)
-    aqk_ref[...] = (jnp.where(lower, a_qk, 0.0) + jnp.where(r == c, diag, 0.0)).astype(aqk_ref.dtype)
+    total = zeros
+    for first in range(0, len(_LEVELS), level_group):
+        levels = _LEVELS[first:first + level_group]
+
+        def level(kb, accs, levels=levels):
+            q, k = load(q_ref, kb), load(k_ref, kb)
+            local = gs_ref[:, cols(kb)]  # sums of g within each 16-token sub-chunk, up to and including the row
+            out = []
+            for h, acc in zip(levels, accs):
+                odd = (row & h) != 0  # [C, 1]: rows of odd h-blocks
+                f = _exp2(_level_exponent_from_local(gs_ref, local, cols(kb), h, row, rows, odd), asm)
+                kf = k * f
+                out.append(acc + _mm_nt(kf.astype(dot_dtype), jnp.where(odd, q * f, kf).astype(dot_dtype),
+                                        precision))
+            return tuple(out)
+
+        accs = jax.lax.fori_loop(0, n_k, level, tuple(zeros for _ in levels))
+        for h, acc in zip(levels, accs):
+            total = total + jnp.where((differ >= h) & (differ < 2 * h), acc, 0.0)
+    lower = r > c
+    scaled = total * k_mul[:, None]
+    akk_ref[...] = jnp.where(lower, (beta * k_mul)[:, None] * total * k_mul[None, :], 0.0)
+    upper = scaled * q_mul[None, :]  # (s, t), s < t: A_qk[t, s]
+    aqk_ref[...] = (jnp.where(lower, upper.T, 0.0) + jnp.where(r == c, diag[:, None], 0.0)).astype(aqk_ref.dtype)
 
 
 def _wy_kernel(len_ref, x_ref, v_ref, b_ref, akk_ref, w_ref, u_ref, *, precision, dot_dtype):
@@ -383,7 +440,11 @@ def _state_kernel(*refs, n_chunks, precision, has_initial, chunk_states):
     row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
 
-    def body(c, state):
+    def body(c, carry):
+        state, g_last = carry
+        # the next chunk's log-decays loaded one chunk ahead: used elementwise, this load is outside Triton's
+        # pipeline, and waiting on it held each chunk (ncu, H200: the exp's first instruction was the top stall)
+        g_next = gl_ref[jnp.minimum(c + 1, n_chunks - 1), :]
         rows = pl.ds(pl.multiple_of(c * CHUNK, CHUNK), CHUNK)
         s_in = state.astype(io_dtype)
         v_new = u_ref[rows, :].astype(jnp.float32) - _mm(w_ref[rows, :], s_in, precision)
@@ -391,13 +452,12 @@ def _state_kernel(*refs, n_chunks, precision, has_initial, chunk_states):
         a_qk = jnp.where(row >= col, aqk_ref[rows, :], 0).astype(io_dtype)
         o = _mm(qg_ref[rows, :], s_in, precision) + _mm(a_qk, v_cast, precision)
         o_ref[rows, :] = o.astype(o_ref.dtype)
-        g_last = gl_ref[c, :]
         state = state * jnp.exp(g_last)[:, None] + _mm_tn(kd_ref[rows, :], v_cast, precision)
         if chunk_states:
             hc_ref[c, :, :] = state
-        return state
+        return state, g_next
 
-    state = jax.lax.fori_loop(0, n_chunks, body, state)
+    state, _ = jax.lax.fori_loop(0, n_chunks, body, (state, gl_ref[0, :]))
     hT_ref[...] = state
 
 
@@ -449,11 +509,12 @@ class KdaTuning:
     intra_block_k: int = 32
     wy_warps: int = 4
     intra_bf16_dots: bool = True
-    # Kernel 1a with one product and one accumulator per level (`_akk_kernel`'s one_product): the same dot products,
-    # half the MMAs and accumulator registers. H200, 2026-12-01 (fourth session, fla in the same run): 1a 0.741 ms
-    # against 0.875, chunk_kda T8192 1.173 ms against 1.298 (8 warps: 1.270); tests/gpu/test_kda_gpu.py passes with
-    # it in f32 and bf16 (benchmarks/NOTES_kda.md item 12).
-    intra_one_product: bool = True
+    # Kernel 1a (`_akk_kernel`): its first pass over slices of `intra_prologue_block_k` channels, and how many pair
+    # levels share one pass over the `intra_block_k`-channel slices. H200, 2026-12-01 (fifth session, fla in the same
+    # runs; NOTES_kda.md items 14-15): 64 channels and three levels per pass, chunk_kda T8192 0.918-0.931 ms against
+    # 0.978-1.008 for 32 or 128 channels and one level per pass; six levels per pass 1.12 ms (spills).
+    intra_prologue_block_k: int = 64
+    intra_level_group: int = 3
 
 
 DEFAULT_TUNING = KdaTuning()
@@ -521,19 +582,31 @@ def chunk_akk(q, k, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=
     io_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
     precision, dot_dtype, block_k, warps = _split_settings(io_dtype, tuning)
     chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
-    return pl.pallas_call(
-        functools.partial(_akk_kernel, scale=scale, l2norm=l2norm, precision=precision,
-                          block_k=min(block_k, kp), dot_dtype=dot_dtype, one_product=tuning.intra_one_product),
+    settings = dict(scale=scale, l2norm=l2norm, precision=precision, block_k=min(block_k, kp), dot_dtype=dot_dtype)
+    out_specs = [chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(kp), chunk_spec(kp), chunk_spec(kp),
+                 pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, kp), lambda b, c, h: (b, c, h, 0))]
+    out_shape = [shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
+                 jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)]
+    prologue_k = min(tuning.intra_prologue_block_k or kp, kp)
+    if kp % prologue_k or not 1 <= tuning.intra_level_group <= len(_LEVELS):
+        raise ValueError(f"KdaTuning: intra_prologue_block_k {tuning.intra_prologue_block_k} must divide the padded "
+                         f"key dim {kp}; intra_level_group {tuning.intra_level_group} must be 1..{len(_LEVELS)}")
+    # the barrier has no meaning (and no interpreter rule) in interpret mode, where a program runs as one thread
+    kernel = functools.partial(_akk_kernel, asm=_ptx(interpret), barrier=not interpret, prologue_block_k=prologue_k,
+                               level_group=tuning.intra_level_group, **settings)
+    out_specs.append(chunk_spec(kp))  # scratch: the sums of g within each sub-chunk, read back by index
+    out_shape.append(shape(kp, jnp.float32))
+    outs = pl.pallas_call(
+        kernel,
         grid=(batch, n_chunks, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(kp), chunk_spec(kp), beta_spec],
-        out_specs=[chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(kp), chunk_spec(kp), chunk_spec(kp),
-                   pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, kp), lambda b, c, h: (b, c, h, 0))],
-        out_shape=[shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
-                   jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=_params(warps, tuning.intra_stages),
         interpret=interpret,
         name="kda_chunk_akk",
     )(lengths, q, k, g, beta)
+    return tuple(outs[:6])
 
 
 def chunk_wy(x, v, beta, a_kk, lengths, *, interpret=False, tuning=DEFAULT_TUNING):

@@ -85,19 +85,20 @@ def test_recurrent_kernels_on_gpu(dtype, tol, v_fastest):
     assert np.array_equal(np.asarray(pool2[0]), np.asarray(pool[0]))
 
 
-@pytest.mark.parametrize("block_k,warps,one_product", [(32, 4, False), (64, 8, False), (32, 4, True)])
+@pytest.mark.parametrize("block_k,warps,level_group", [(32, 4, 3), (64, 8, 3), (16, 4, 3), (32, 4, 1)])
 @pytest.mark.parametrize("dtype,tol,g_max", [(jnp.float32, 1e-5, 2.0), (jnp.bfloat16, 2e-2, 2.0),
                                              (jnp.float32, 1e-4, 8.0)])
-def test_split_intra_variant_on_gpu(dtype, tol, g_max, block_k, warps, one_product):
+def test_split_intra_variant_on_gpu(dtype, tol, g_max, block_k, warps, level_group):
     """Kernel 1 split in two (A blocks by levels, then the block solve and WY products) against the reference:
-    f32, bf16, and strong decays (-60 on a third of the channels), at the default channel slice and a wider one."""
+    f32, bf16, and strong decays (-60 on a third of the channels), at the default channel slice and others, with
+    three levels per pass (the default) and one."""
     B, T, H, K, V = 2, 333, 4, 128, 128
     q, k, v, g, beta, h0 = _inputs(_seed(), B, T, H, K, V, dtype, g_max=g_max)
     if g_max > 2.0:
         g = jnp.where(jax.random.uniform(jax.random.key(1), g.shape) < 0.3, -60.0, g)
     lengths = jnp.array([T, 190], jnp.int32)
     tuning = kda_pallas.KdaTuning(intra_variant="split", intra_block_k=block_k, intra_warps=warps,
-                                  intra_one_product=one_product)
+                                  intra_level_group=level_group)
     o, s = kda_pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                 use_qk_l2norm_in_kernel=True, lengths=lengths, tuning=tuning)
     with jax.default_matmul_precision("highest"):
