@@ -1,7 +1,8 @@
 """One kernel-bearing op at a benchmark's shape, run a few times: the program that Nsight Compute (`ncu`) profiles.
 
     ncu --clock-control none -k regex:kda_chunk -c 3 --set full -o kda python3 benchmarks/ncu_ops.py kda
-    ncu --clock-control none -k regex:moe_ -c 4 --set full -o moe python3 benchmarks/ncu_ops.py moe --shape deepseek --tokens 16
+    ncu --clock-control none -k "regex:moe_(gate|down)" -c 2 --set full -o moe \
+        python3 benchmarks/ncu_ops.py moe --shape deepseek --tokens 16
 
 Ops (shapes and inputs as in benchmarks/kda.py and benchmarks/moe.py):
   kda   chunk_kda at B1 H32 D128 bf16, T `--tokens` (default 8192): kernels kda_chunk_akk, kda_chunk_wy, kda_chunk_state

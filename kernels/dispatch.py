@@ -207,6 +207,13 @@ _COMPILER_OPTIONS: Mapping[str, Mapping[str, object]] = MappingProxyType(
     {"cuda": _NO_DOT_STRENGTH_REDUCTION, "rocm": _NO_DOT_STRENGTH_REDUCTION})
 
 
+def nvidia_ptx(interpret: bool) -> bool:
+    """Whether a Pallas kernel may carry inline PTX: compiled (not interpret mode) for NVIDIA GPUs. ROCm and vendor
+    plugins whose Triton takes Pallas' lowering (MUSA, `KernelPolicy`) get the kernels' jnp forms. A CPU process
+    reaches a compiled lowering only by exporting for CUDA (tests/triton_lowering.py, benchmarks/triton_report.py)."""
+    return not interpret and canonical_platform(current_platform()) in ("cuda", "cpu")
+
+
 def compiler_options(platform: str | None = None) -> dict[str, object]:
     """XLA compile options for dayzero's model functions on `platform` (default: `current_platform()`); empty
     where none apply (XLA rejects another backend's options, so they are per platform)."""

@@ -87,13 +87,6 @@ def choose_tiles(n_pairs: int, n_experts: int, intermediate: int = 0) -> Tiles:
     return Tiles(block_m=64, block_n=64, max_groups=4, num_stages=3)
 
 
-def _ptx(interpret: bool) -> bool:
-    """Whether the kernels convert with the PTX blocks: compiled (not interpret mode) for NVIDIA GPUs. ROCm and
-    vendor plugins whose Triton takes Pallas' lowering (MUSA, `dispatch.KernelPolicy`) get the jnp form. A CPU
-    process reaches a compiled lowering only by exporting for CUDA (tests/triton_lowering.py, triton_report.py)."""
-    return not interpret and dispatch.canonical_platform(dispatch.current_platform()) in ("cuda", "cpu")
-
-
 def _group_tile(groups: int, limit: int) -> int:
     """Largest power of two <= limit dividing `groups`."""
     g = 1
@@ -300,7 +293,7 @@ def _matmul(x_rows, row_scale, tile_expert, tile_slot, weights, *, fmt, gated, n
     col_tiles = pl.cdiv(n_out, tiles.block_n)
     kernel = functools.partial(_matmul_kernel, fmt=fmt, gated=gated, bm=tiles.block_m, bn=tiles.block_n, gk=gk,
                                k_steps=kh // _HALF // gk // split, col_tiles=col_tiles, n_valid=n_valid,
-                               n_out=n_out, split=split, asm=_ptx(interpret),
+                               n_out=n_out, split=split, asm=dispatch.nvidia_ptx(interpret),
                                swap=tiles.weights_as_a, prefetch=tiles.prefetch_scales)
     flat = [a for w in weights for a in w if a is not None]
     grid = (n_rows // tiles.block_m, parity * col_tiles)
@@ -491,7 +484,7 @@ def convert(ws: jax.Array, need: jax.Array, slot_expert: jax.Array, blocks: jax.
     n_slots, n_rows, groups = ws.shape[:3]
     gb = _group_tile(groups, max_groups)
     kernel = functools.partial(_convert_kernel, fmt=jnp.dtype(ws.dtype).name, br=block_rows, gb=gb, n_rows=n_rows,
-                               asm=_ptx(interpret))
+                               asm=dispatch.nvidia_ptx(interpret))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(ws.shape, ws.dtype),

@@ -231,7 +231,6 @@ def _intra_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, b_ref,
 # first differ, i.e. h <= t ^ s < 2h: s lies in the even h-block just before t's odd one, inside one 2h-block.
 _LEVELS = (32, 16, 8, 4, 2, 1)
 
-
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 _EX2_PTX = "ex2.approx.ftz.f32 $0, $1;"
@@ -244,12 +243,6 @@ def _exp2(x, asm: bool):
         return pltriton.elementwise_inline_asm(_EX2_PTX, args=[x], constraints="=r,r", pack=1,
                                                result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
     return jnp.exp2(x)
-
-
-def _ptx(interpret: bool) -> bool:
-    """Whether the kernels use PTX blocks: compiled (not interpret mode) for NVIDIA GPUs (a CPU process reaches a
-    compiled lowering only when exporting for CUDA, as tests/triton_lowering.py and triton_report.py do)."""
-    return not interpret and dispatch.canonical_platform(dispatch.current_platform()) in ("cuda", "cpu")
 
 
 def _level_exponent_from_local(gs_ref, local, cols, h, row, rows, odd):
@@ -592,8 +585,8 @@ def chunk_akk(q, k, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=
         raise ValueError(f"KdaTuning: intra_prologue_block_k {tuning.intra_prologue_block_k} must divide the padded "
                          f"key dim {kp}; intra_level_group {tuning.intra_level_group} must be 1..{len(_LEVELS)}")
     # the barrier has no meaning (and no interpreter rule) in interpret mode, where a program runs as one thread
-    kernel = functools.partial(_akk_kernel, asm=_ptx(interpret), barrier=not interpret, prologue_block_k=prologue_k,
-                               level_group=tuning.intra_level_group, **settings)
+    kernel = functools.partial(_akk_kernel, asm=dispatch.nvidia_ptx(interpret), barrier=not interpret,
+                               prologue_block_k=prologue_k, level_group=tuning.intra_level_group, **settings)
     out_specs.append(chunk_spec(kp))  # scratch: the sums of g within each sub-chunk, read back by index
     out_shape.append(shape(kp, jnp.float32))
     outs = pl.pallas_call(
