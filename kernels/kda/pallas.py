@@ -495,7 +495,7 @@ class KdaTuning:
     # intra_stages; kernel 1b: block solve and WY factors with wy_warps). `intra_bf16_dots`: the split variant's A
     # and WY products on bf16 operands for 16-bit inputs (fla's choice for WY) instead of tf32.
     # Defaults: the fastest measured on the H200 for bf16 (with today's kernel 1a, 2026-12-01: chunk_kda T8192
-    # 0.918-0.931 ms with 32 channels x 4 warps, against 1.03 ms for 64 x 8 warps, 1.29 for 16 channels; the fused
+    # 0.918-0.931 ms with 32 channels x 4 warps, against 1.03 ms for 64 x 8 warps; the fused
     # kernel 3.56 ms); float32 inputs run the split kernels with at most F32_INTRA_BLOCK_K channels and
     # F32_INTRA_WARPS warps, the setting that passed tests/gpu/test_kda_gpu.py.
     intra_variant: str = "split"
