@@ -317,15 +317,6 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
     sub = jax.lax.broadcasted_iota(jnp.int32, (n_sub, 1, 1), 0)
     pos = jax.lax.broadcasted_iota(jnp.int32, (1, SUB, 1), 1)
 
-    def store_outputs(kb, q, k, cum, remaining, last, diag):
-        """The slice's decayed outputs from G (cum), G_C - G (remaining) and G_C (last), base 2; diag += q . k."""
-        decay = _exp2(cum, asm)
-        qg_ref[:, cols(kb, pk)] = (q * decay).astype(io_dtype)
-        x_ref[:, cols(kb, pk)] = (beta[:, None] * k * decay).astype(io_dtype)
-        kd_ref[:, cols(kb, pk)] = (k * _exp2(remaining, asm)).astype(io_dtype)
-        gl_ref[cols(kb, pk)] = last * _LN2
-        return diag + jnp.sum(q * k, axis=1)
-
     def prologue(kb, diag):
         q = load(q_ref, kb, pk) * q_mul[:, None]
         k = load(k_ref, kb, pk) * k_mul[:, None]
@@ -347,7 +338,12 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
         remaining = (totals - inclusive + after).reshape(CHUNK, pk)  # G_C - G
         last = sum(t).reshape(pk)  # G_C
         gs_ref[:, cols(kb, pk)] = inclusive.reshape(CHUNK, pk)  # the levels' exponents come from these sums
-        return store_outputs(kb, q, k, cum, remaining, last, diag)
+        decay = _exp2(cum, asm)
+        qg_ref[:, cols(kb, pk)] = (q * decay).astype(io_dtype)
+        x_ref[:, cols(kb, pk)] = (beta[:, None] * k * decay).astype(io_dtype)
+        kd_ref[:, cols(kb, pk)] = (k * _exp2(remaining, asm)).astype(io_dtype)
+        gl_ref[cols(kb, pk)] = last * _LN2
+        return diag + jnp.sum(q * k, axis=1)
 
     diag = jax.lax.fori_loop(0, key_dim // pk, prologue, jnp.zeros((CHUNK,), jnp.float32))
     if barrier:
@@ -502,10 +498,11 @@ class KdaTuning:
     intra_block_k: int = 32
     wy_warps: int = 4
     intra_bf16_dots: bool = True
-    # Kernel 1a (`_akk_kernel`): its first pass over slices of `intra_prologue_block_k` channels, and how many pair
-    # levels share one pass over the `intra_block_k`-channel slices. H200, 2026-12-01 (fifth session, fla in the same
-    # runs; NOTES_kda.md items 14-15): 64 channels and three levels per pass, chunk_kda T8192 0.918-0.931 ms against
-    # 0.978-1.008 for 32 or 128 channels and one level per pass; six levels per pass 1.12 ms (spills).
+    # Kernel 1a (`_akk_kernel`): its first pass over slices of `intra_prologue_block_k` channels (0: all of K), and how
+    # many pair levels share one pass over the `intra_block_k`-channel slices. H200, 2026-12-01 (fifth session, fla
+    # in the same runs; NOTES_kda.md items 14-15): 64 channels and three levels per pass, chunk_kda T8192
+    # 0.918-0.931 ms against 0.978-1.008 for 32 or 128 channels and one level per pass; six levels per pass 1.12 ms
+    # (spills).
     intra_prologue_block_k: int = 64
     intra_level_group: int = 3
 
@@ -575,26 +572,24 @@ def chunk_akk(q, k, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=
     io_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
     precision, dot_dtype, block_k, warps = _split_settings(io_dtype, tuning)
     chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
-    settings = dict(scale=scale, l2norm=l2norm, precision=precision, block_k=min(block_k, kp), dot_dtype=dot_dtype)
-    out_specs = [chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(kp), chunk_spec(kp), chunk_spec(kp),
-                 pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, kp), lambda b, c, h: (b, c, h, 0))]
-    out_shape = [shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
-                 jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32)]
     prologue_k = min(tuning.intra_prologue_block_k or kp, kp)
     if kp % prologue_k or not 1 <= tuning.intra_level_group <= len(_LEVELS):
         raise ValueError(f"KdaTuning: intra_prologue_block_k {tuning.intra_prologue_block_k} must divide the padded "
                          f"key dim {kp}; intra_level_group {tuning.intra_level_group} must be 1..{len(_LEVELS)}")
     # the barrier has no meaning (and no interpreter rule) in interpret mode, where a program runs as one thread
-    kernel = functools.partial(_akk_kernel, asm=dispatch.nvidia_ptx(interpret), barrier=not interpret,
-                               prologue_block_k=prologue_k, level_group=tuning.intra_level_group, **settings)
-    out_specs.append(chunk_spec(kp))  # scratch: the sums of g within each sub-chunk, read back by index
-    out_shape.append(shape(kp, jnp.float32))
+    kernel = functools.partial(_akk_kernel, scale=scale, l2norm=l2norm, precision=precision, block_k=min(block_k, kp),
+                               prologue_block_k=prologue_k, level_group=tuning.intra_level_group, dot_dtype=dot_dtype,
+                               asm=dispatch.nvidia_ptx(interpret), barrier=not interpret)
     outs = pl.pallas_call(
         kernel,
         grid=(batch, n_chunks, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(kp), chunk_spec(kp), beta_spec],
-        out_specs=out_specs,
-        out_shape=out_shape,
+        # the last output is scratch: the sums of g within each sub-chunk, read back by index (dropped below)
+        out_specs=[chunk_spec(CHUNK), chunk_spec(CHUNK), chunk_spec(kp), chunk_spec(kp), chunk_spec(kp),
+                   pl.BlockSpec((pl.squeezed, pl.squeezed, pl.squeezed, kp), lambda b, c, h: (b, c, h, 0)),
+                   chunk_spec(kp)],
+        out_shape=[shape(CHUNK, jnp.float32), shape(CHUNK), shape(kp), shape(kp), shape(kp),
+                   jax.ShapeDtypeStruct((batch, n_chunks, heads, kp), jnp.float32), shape(kp, jnp.float32)],
         compiler_params=_params(warps, tuning.intra_stages),
         interpret=interpret,
         name="kda_chunk_akk",
