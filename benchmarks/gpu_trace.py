@@ -45,6 +45,16 @@ def kernel_time_split(kernels: list[dict], name_contains: str) -> dict:
             "mean_us": round(sum(durations) / len(durations), 2), "span_per_kernel_us": round(span / len(chosen), 2)}
 
 
+def per_kernel_us(kernels: list[dict], calls: int, top: int = 10) -> dict:
+    """Kernel time per call of a traced function run `calls` times: {kernel name: us}, the `top` longest, longest
+    first (names cut to 60 characters)."""
+    totals: dict[str, float] = {}
+    for e in kernels:
+        totals[e["name"][:60]] = totals.get(e["name"][:60], 0.0) + e["dur"]
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {name: round(total / calls, 2) for name, total in ranked}
+
+
 def busy_summary(kernels: list[dict]) -> dict:
     """How busy the GPU was over the traced kernels: span (first start to last end), busy time (union of kernel
     intervals), idle share, and kernel time and count by the XLA module that launched them (the kernel event's

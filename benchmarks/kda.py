@@ -8,7 +8,8 @@ Prefill: chunk_kda at B1 H32 D128 bf16, T 8192 and 32768 (inputs as ../shared/an
 [-0.1, 0] f32, initial state, final state out). At T8192 every entry of --intra-variants (a KdaTuning: the
 intra_variant name, then optional `field=value` overrides of KdaTuning fields) is compiled (compile seconds
 reported), checked against the reference, and timed twice: prefill kernel 1 alone (`chunk_intra`) and the whole
-chunk_kda; T32768 runs the fastest. Decode: one token per row at B1 and B64, device time per step from 50 steps
+chunk_kda, whose kernels the profiler also times one by one (`*_kernels_us`; fla's by torch.profiler); T32768 runs
+the fastest. Decode: one token per row at B1 and B64, device time per step from 50 steps
 unrolled inside one jitted function (the state pool updated in place), the effective state bandwidth (state
 read + written, f32), and the same 50 kernels as the profiler times them (median kernel, and the span per kernel
 with launch gaps; the best median gives `decode_B*_kernel_*`). Prints a table and, when a GPU ran it, appends a
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from gpu_trace import gpu_kernels, kernel_time_split, traced_events  # benchmarks/gpu_trace.py
+from gpu_trace import gpu_kernels, kernel_time_split, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 
 H, D = 32, 128
@@ -69,6 +70,11 @@ def measure_fla() -> dict:
         for _ in range(3):
             run()
         res[f"chunk_T{T}_ms"] = round(statistics.median(event_ms(run, 20) for _ in range(5)), 4)
+        if T == PREFILL_T[0]:
+            try:
+                res[f"chunk_T{T}_kernels_us"] = torch_kernel_us(run)
+            except Exception as exc:  # noqa: BLE001 - the breakdown is extra: keep the timings
+                res[f"chunk_T{T}_kernels_error"] = repr(exc)[:200]
     for B in DECODE_B:
         q, k, v, g, beta, h0 = inputs(B, 1, True)
         run = lambda: fused_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
@@ -98,6 +104,24 @@ def measure_fla() -> dict:
         except Exception as exc:  # noqa: BLE001 - report, keep the rest of the figures
             res[f"decode_B{B}_graph_error"] = repr(exc)[:200]
     return res
+
+
+def torch_kernel_us(fn, calls: int = 10, top: int = 10) -> dict:
+    """GPU time per call of `fn` by kernel (torch.profiler): {kernel name: us}, the `top` longest."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if us:
+            totals[event.key[:60]] = totals.get(event.key[:60], 0.0) + us
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return {name: round(us / calls, 2) for name, us in ranked}
 
 
 def run_peer() -> dict:
@@ -209,6 +233,10 @@ def measure_dayzero(tunings: dict, decode: bool = True, res: dict | None = None)
                 res[f"chunk_T{T}_{name}_rel_err_vs_reference"] = [round(rel(o, o_r), 5), round(rel(s, s_r), 5)]
             ms = timed(fn, q, k, v, g, beta, h0) * 1e3
             res[f"chunk_T{T}_{name}_ms"] = round(ms, 4)
+            if first:  # kernel by kernel, as the profiler times them
+                calls = 10
+                events = traced_events(lambda: [jax.block_until_ready(fn(q, k, v, g, beta, h0)) for _ in range(calls)])
+                res[f"chunk_T{T}_{name}_kernels_us"] = per_kernel_us(gpu_kernels(events), calls)
             print(f"  chunk_kda T{T} {name}: {ms:.4f} ms"
                   + (f" (kernel 1 {res[f'intra_T{T}_{name}_ms']} ms)" if first else ""), flush=True)
             if best is None or ms < best:

@@ -59,14 +59,27 @@ def capture_kernels(fn, *args) -> list[dict]:
 def compile_report(ir: str, num_warps: int, num_stages: int, sass_path: str | None = None) -> dict:
     """Build one kernel's Triton IR for sm_90; ptxas' registers / spill bytes / stack and Triton's shared memory."""
     import triton
+    from triton._C.libtriton import ir as triton_ir
     from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
 
+    target = GPUTarget("cuda", 90, 32)
     with tempfile.TemporaryDirectory() as tmp:
         source = os.path.join(tmp, "kernel.ttir")
         with open(source, "w") as f:
             f.write(ir)
-        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": num_warps, "num_stages": num_stages})
+        # triton.compile skips the TTIR stage's passes for an IR file; the GPU build runs them (among them the
+        # combine pass that folds `acc + dot(a, b, 0)` into the MMA's accumulator), so run them here first
+        backend = make_backend(target)
+        context = triton_ir.context()
+        triton_ir.load_dialects(context)
+        backend.load_dialects(context)
+        module = triton_ir.parse_mlir_module(source, context)
+        module.context = context
+        type(backend).make_ttir(module, {}, None, target.arch)
+        with open(source, "w") as f:
+            f.write(str(module))
+        kernel = triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
             f.write(kernel.asm["ptx"])
@@ -109,6 +122,8 @@ def kda_cases() -> dict:
     levels_apart = pallas.KdaTuning(intra_level_group=1)
     return {"chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
             "chunk_kda B1 T8192 one level per pass": (chunk(levels_apart), (q, q, q, g, beta, state)),
+            "chunk_kda B1 T8192 IEEE inverse": (chunk(pallas.KdaTuning(wy_inverse="ieee", wy_warps=4)),
+                                                (q, q, q, g, beta, state)),
             "decode slots B64": (pallas.fused_recurrent_kda_slots, (dq, dq, dq, dg, dbeta, pool, slots))}
 
 

@@ -64,24 +64,25 @@ class Tiles:
     prefetch_scales: bool = False
 
 
-# Layer calls of at most this many token-expert pairs take split-K tiles (32 or 64 columns x 4 groups x 8 K splits,
-# `choose_tiles`). On the
-# H200 (benchmarks/moe.py --sweep split_k, 2026-12-01) the medium layer at 1 token ran 42.6 us with them against
-# 52.1 us for the 16-row tiles without splits; tests/gpu/test_mxfp4_gpu.py::test_split_k_decode_tiles passed on the
-# H200 (2026-12-01, fourth session). 8: one decode token's top-k (medium top-6, DeepSeek top-8).
+# Layer calls of at most this many token-expert pairs take split-K tiles (64 columns x 4 groups x 8 K splits,
+# `choose_tiles`). On the H200 (benchmarks/moe.py --sweep split_k, 2026-12-01) the medium layer at 1 token ran
+# 42.6 us with split-K tiles against 52.1 us for the 16-row tiles without splits;
+# tests/gpu/test_mxfp4_gpu.py::test_split_k_decode_tiles passed on the H200 (2026-12-01, fourth and sixth sessions).
+# 8: one decode token's top-k (medium top-6, DeepSeek top-8).
 SPLIT_K_MAX_PAIRS = 8
 
 
-def choose_tiles(n_pairs: int, n_experts: int, intermediate: int = 0) -> Tiles:
+def choose_tiles(n_pairs: int, n_experts: int) -> Tiles:
     """Tiles for a layer call of `n_pairs` token-expert pairs: 16-row tiles for decode-sized batches (the weights
-    are read once per tile; fewer wasted rows), 64-row tiles once experts see many tokens (prefill). `intermediate`
-    (the experts' width) picks the split-K column tile: 64 columns from 2048 on (DeepSeek's 2048: 189 us against
-    226 us for 32 at one token on the H200, 2026-12-01), 32 below (the medium layer's 768: 45.1 against 47.4 us)."""
+    are read once per tile; fewer wasted rows), 64-row tiles once experts see many tokens (prefill). Decode tiles
+    (split-K at one token, 16 rows) load each K step's scales one step ahead: on the H200 (benchmarks/moe.py
+    --sweep, 2026-12-01, sixth session) one token took 38.5 / 183 us (medium / DeepSeek-size layer) against 44.4 /
+    196 us for the best tiles without it, 16 tokens 146.6 / 1669 us against 170.5 / 1710."""
     rows = n_pairs / max(1, min(n_experts, n_pairs))
     if n_pairs <= SPLIT_K_MAX_PAIRS:  # one token's experts: split K so enough programs stream the weights
-        return Tiles(block_m=16, block_n=64 if intermediate >= 2048 else 32, max_groups=4, num_stages=3, split_k=8)
+        return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3, split_k=8, prefetch_scales=True)
     if rows <= 16:
-        return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3)
+        return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3, prefetch_scales=True)
     if rows <= 48:
         return Tiles(block_m=32, block_n=64, max_groups=4, num_stages=3)
     return Tiles(block_m=64, block_n=64, max_groups=4, num_stages=3)
@@ -439,7 +440,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
         raise ValueError(f"the experts' intermediate size ({ew.intermediate_size}) must be even")
     if n_experts is None:
         n_experts = slot_of_expert.shape[0] if slot_of_expert is not None else ew.gate.shape[0]
-    tiles = tiles or choose_tiles(topk_ids.size, n_experts, ew.intermediate_size)
+    tiles = tiles or choose_tiles(topk_ids.size, n_experts)
     p = plan(x, topk_ids, ew, slot_of_expert, n_experts, tiles)
     if _split_k(ew, tiles):
         pairs = expert_pairs(p, ew, x.dtype, tiles, interpret).reshape(*topk_ids.shape, -1)

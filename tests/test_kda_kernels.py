@@ -179,7 +179,8 @@ def test_kernels_lower_to_triton(shape):
     for tuning, kernels in ((kda_pallas.KdaTuning(intra_variant="fused"), 2),
                             (kda_pallas.KdaTuning(intra_variant="split"), 3),
                             (kda_pallas.KdaTuning(intra_variant="split", intra_block_k=64, intra_bf16_dots=True), 3),
-                            (TUNINGS["split"], 3)):
+                            (TUNINGS["split"], 3),
+                            (kda_pallas.KdaTuning(wy_inverse="ieee", wy_warps=4), 3)):  # kernel 1b's two inverses
         assert count_triton_kernels(lambda *a: chunk(*a, tuning), *args, state) == kernels, tuning
     for v_fastest in (False, True):
         tuning = kda_pallas.KdaTuning(decode_v_fastest=v_fastest)
@@ -189,3 +190,13 @@ def test_kernels_lower_to_triton(shape):
             slots = jax.ShapeDtypeStruct((B,), jnp.int32)
             slot_fn = lambda *a: kda_pallas.fused_recurrent_kda_slots(*a, layer=2, tuning=tuning)
             assert count_triton_kernels(slot_fn, *_shapes(B, 1, H, K, V), pool, slots) == 1
+
+
+def test_bad_tunings_are_named():
+    """A KdaTuning the kernels cannot run says which field is wrong (the check runs before any kernel)."""
+    q = jnp.zeros((1, 64, 1, 32), jnp.bfloat16)
+    v, g, beta = q, q.astype(jnp.float32), jnp.zeros((1, 64, 1), jnp.bfloat16)
+    for bad, field in ((kda_pallas.KdaTuning(wy_inverse="fp8"), "wy_inverse"),
+                       (kda_pallas.KdaTuning(intra_level_group=7), "intra_level_group")):
+        with pytest.raises(ValueError, match=field):
+            kda_pallas.chunk_kda(q, q, v, g, beta, interpret=True, tuning=bad)

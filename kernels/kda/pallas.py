@@ -82,36 +82,42 @@ def _rownorm(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _EPS)
 
 
-def _unit_lower_inverse(n):
+def _unit_lower_inverse(n, precision=jax.lax.Precision.HIGHEST):
     """(I + n)^-1 for strictly lower n [S, S] f32 (S a power of two): n is nilpotent (n^S = 0), so
     (I + n)^-1 = (I - n)(I + n^2)(I + n^4)...(I + n^(S/2)), a few small matmuls instead of S sequential row steps."""
     size = n.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (size, size), 1)
     eye = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
-    exact = jax.lax.Precision.HIGHEST
     inv = eye - n
     power = n
     width = 2
     while width < size:
-        power = _mm(power, power, exact)
-        inv = _mm(inv, eye + power, exact)
+        power = _mm(power, power, precision)
+        inv = _mm(inv, eye + power, precision)
         width *= 2
     return inv
 
 
-def _block_inverse(a, n_sub):
+# Precisions of the block inverse's f32 products (diagonal inverses, off-diagonal merges) by `KdaTuning.wy_inverse`:
+# IEEE FMAs on the CUDA cores, or tf32 tensor-core products (what fla's solve_tril uses where tf32 exists).
+_INVERSE_PRECISIONS = {"ieee": (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST),
+                       "tf32": (jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT)}
+
+
+def _block_inverse(a, n_sub, precisions=_INVERSE_PRECISIONS["ieee"]):
     """T = (I + A)^-1 for a strictly lower A given as 16 x 16 blocks {(i, j): A_ij, j <= i}: diagonal inverses by
-    nilpotent products, then T_ij = -T_ii sum_{j<=m<i} A_im T_mj. Returns the blocks {(i, j): T_ij, j <= i}."""
-    exact = jax.lax.Precision.HIGHEST
+    nilpotent products, then T_ij = -T_ii sum_{j<=m<i} A_im T_mj. Returns the blocks {(i, j): T_ij, j <= i}.
+    `precisions`: those of the diagonal inverses' products and of the merges'."""
+    diag, merge = precisions
     t = {}
     for i in range(n_sub):
-        t[i, i] = _unit_lower_inverse(a[i, i])
+        t[i, i] = _unit_lower_inverse(a[i, i], diag)
         for j in range(i - 1, -1, -1):
-            acc = _mm(a[i, j], t[j, j], exact)
+            acc = _mm(a[i, j], t[j, j], merge)
             for m in range(j + 1, i):
-                acc = acc + _mm(a[i, m], t[m, j], exact)
-            t[i, j] = -_mm(t[i, i], acc, exact)
+                acc = acc + _mm(a[i, m], t[m, j], merge)
+            t[i, j] = -_mm(t[i, i], acc, merge)
     return t
 
 
@@ -269,58 +275,65 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
     """Kernel 1a, one chunk, all 64 rows at once: A_kk (beta-scaled, strictly lower, f32), A_qk, q exp(G),
     k exp(G_C - G), x = beta k exp(G) (the right-hand side of w, rounded to the input dtype as fla does) and G_C.
 
-    1. Over slices of `prologue_block_k` channels: the sums of g (in base 2: g log2 e) within each 16-token sub-chunk
-       up to each row, stored to the scratch output `gs_ref` [C, K] f32; from them and the sub-chunks' totals G,
-       G_C - G and G_C, the decayed outputs, and diag(A_qk) = q . k.
-    2. A barrier (the loads by index below read rows other threads stored), then the pair levels h of `_LEVELS`,
-       over slices of `block_k` channels: rows of odd h-blocks take G_t - G_ref, rows of even blocks G_ref - G_s
-       (`_level_exponent_from_local`; both sums of g <= 0: no positive log-decay is exponentiated), f = 2^exponent
-       (one MUFU op), kf = k f. A level's pairs (t, s) have t in an odd h-block and s in the even one before it, so in
-       kf . Y^T with Y = q f on odd-block rows and kf on even-block rows, entry (t, s) (t > s) is A_kk[t, s] and
-       entry (s, t) is A_qk[t, s]: one product per level and slice, accumulated in the MMA's own accumulator and
-       masked to the level's pairs once per level. `level_group` levels share one pass over the slices (their q, k
-       and sums loads; one accumulator each).
-    3. The per-row factors (scale, l2 norm, length mask) are applied to the [C, C] result once, not to each operand:
-       entry (i, j) below the diagonal is k_i . k_j (factor k_mul_i k_mul_j), above it k_i . q_j (k_mul_i q_mul_j).
-    Products on `dot_dtype` operands (f32: tf32 on the GPU for 16-bit inputs, exact for f32 inputs; or bf16).
+    1. `_akk_first_pass`: the sums of g within 16-token sub-chunks (scratch output `gs_ref`), the decayed outputs,
+       G_C and diag(A_qk), with the per-row factors (scale, l2 norm, length mask).
+    2. A barrier (the loads by index below read rows other threads stored), then `_akk_levels`: A_kk and A_qk below
+       the diagonal by pair levels.
     """
+    live, beta, q_mul, k_mul = _akk_rows(len_ref, q_ref, k_ref, b_ref, scale=scale, l2norm=l2norm,
+                                         block_k=prologue_block_k)
+    diag = _akk_first_pass(q_ref, k_ref, g_ref, qg_ref, kd_ref, x_ref, gl_ref, gs_ref, live, beta, q_mul, k_mul,
+                           block_k=prologue_block_k, asm=asm)
+    if barrier:
+        pltriton.debug_barrier()
+    _akk_levels(q_ref, k_ref, gs_ref, akk_ref, aqk_ref, beta, q_mul, k_mul, diag, precision=precision,
+                block_k=block_k, level_group=level_group, dot_dtype=dot_dtype, asm=asm)
+
+
+def _load_cols(ref, kb, width):
+    return ref[:, pl.ds(pl.multiple_of(kb * width, width), width)].astype(jnp.float32)
+
+
+def _akk_rows(len_ref, q_ref, k_ref, b_ref, *, scale, l2norm, block_k):
+    """A chunk's per-row values [C] f32: live (bool), beta, and the factors of q (scale, l2 norm) and k (l2 norm),
+    all 0 on rows at or past the row's length. The l2 norms are summed over slices of `block_k` channels."""
     chunk = pl.program_id(1)
-    key_dim = q_ref.shape[-1]
-    n_k = key_dim // block_k
-    io_dtype = qg_ref.dtype
-    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0)
     rows = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
-    live = chunk * CHUNK + rows < len_ref[0]  # [C]
-
-    def cols(kb, width=block_k):
-        return pl.ds(pl.multiple_of(kb * width, width), width)
-
-    def load(ref, kb, width=block_k):
-        return ref[:, cols(kb, width)].astype(jnp.float32)
-
-    q_mul = jnp.where(live, scale, 0.0)  # [C]: scale, l2 norm and the length mask, one factor per row
+    live = chunk * CHUNK + rows < len_ref[0]
+    q_mul = jnp.where(live, scale, 0.0)
     k_mul = jnp.where(live, 1.0, 0.0)
     if l2norm:
         def sum_squares(kb, acc):
-            q, k = load(q_ref, kb), load(k_ref, kb)
+            q, k = _load_cols(q_ref, kb, block_k), _load_cols(k_ref, kb, block_k)
             return acc[0] + jnp.sum(q * q, axis=1), acc[1] + jnp.sum(k * k, axis=1)
 
         zero = jnp.zeros((CHUNK,), jnp.float32)
-        q_sq, k_sq = jax.lax.fori_loop(0, n_k, sum_squares, (zero, zero))
+        q_sq, k_sq = jax.lax.fori_loop(0, q_ref.shape[-1] // block_k, sum_squares, (zero, zero))
         q_mul = q_mul * jax.lax.rsqrt(q_sq + _EPS)
         k_mul = k_mul * jax.lax.rsqrt(k_sq + _EPS)
     beta = jnp.where(live, b_ref[...].astype(jnp.float32), 0.0)
+    return live, beta, q_mul, k_mul
 
-    pk = prologue_block_k
 
+def _akk_first_pass(q_ref, k_ref, g_ref, qg_ref, kd_ref, x_ref, gl_ref, gs_ref, live, beta, q_mul, k_mul, *, block_k,
+                    asm):
+    """Over slices of `block_k` channels: the sums of g (in base 2: g log2 e) within each 16-token sub-chunk up to
+    each row, stored to `gs_ref` [C, K] f32; from them and the sub-chunks' totals G, G_C - G and G_C, the decayed
+    outputs q exp(G), x = beta k exp(G), k exp(G_C - G) (input dtype) and G_C. Returns diag(A_qk) = q . k [C] (with
+    the row factors)."""
+    io_dtype = qg_ref.dtype
+    pk = block_k
     n_sub = CHUNK // SUB
     sub = jax.lax.broadcasted_iota(jnp.int32, (n_sub, 1, 1), 0)
     pos = jax.lax.broadcasted_iota(jnp.int32, (1, SUB, 1), 1)
 
-    def prologue(kb, diag):
-        q = load(q_ref, kb, pk) * q_mul[:, None]
-        k = load(k_ref, kb, pk) * k_mul[:, None]
-        g = jnp.where(live[:, None], load(g_ref, kb, pk), 0.0) * _LOG2E  # base-2 log-decays
+    def cols(kb):
+        return pl.ds(pl.multiple_of(kb * pk, pk), pk)
+
+    def body(kb, diag):
+        q = _load_cols(q_ref, kb, pk) * q_mul[:, None]
+        k = _load_cols(k_ref, kb, pk) * k_mul[:, None]
+        g = jnp.where(live[:, None], _load_cols(g_ref, kb, pk), 0.0) * _LOG2E  # base-2 log-decays
         # G and G_C - G from sums within 16-token sub-chunks and the sub-chunks' totals: G_C - G_t computed as
         # G_C minus a cumulative sum loses ~ulp(|G_C|) (the decay of the chunk's last tokens, which the state
         # update weighs most); this way it loses ~ulp of one sub-chunk's sum
@@ -337,17 +350,38 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
         cum = (before + inclusive).reshape(CHUNK, pk)  # G within the chunk
         remaining = (totals - inclusive + after).reshape(CHUNK, pk)  # G_C - G
         last = sum(t).reshape(pk)  # G_C
-        gs_ref[:, cols(kb, pk)] = inclusive.reshape(CHUNK, pk)  # the levels' exponents come from these sums
+        gs_ref[:, cols(kb)] = inclusive.reshape(CHUNK, pk)  # the levels' exponents come from these sums
         decay = _exp2(cum, asm)
-        qg_ref[:, cols(kb, pk)] = (q * decay).astype(io_dtype)
-        x_ref[:, cols(kb, pk)] = (beta[:, None] * k * decay).astype(io_dtype)
-        kd_ref[:, cols(kb, pk)] = (k * _exp2(remaining, asm)).astype(io_dtype)
-        gl_ref[cols(kb, pk)] = last * _LN2
+        qg_ref[:, cols(kb)] = (q * decay).astype(io_dtype)
+        x_ref[:, cols(kb)] = (beta[:, None] * k * decay).astype(io_dtype)
+        kd_ref[:, cols(kb)] = (k * _exp2(remaining, asm)).astype(io_dtype)
+        gl_ref[cols(kb)] = last * _LN2
         return diag + jnp.sum(q * k, axis=1)
 
-    diag = jax.lax.fori_loop(0, key_dim // pk, prologue, jnp.zeros((CHUNK,), jnp.float32))
-    if barrier:
-        pltriton.debug_barrier()
+    return jax.lax.fori_loop(0, q_ref.shape[-1] // pk, body, jnp.zeros((CHUNK,), jnp.float32))
+
+
+def _akk_levels(q_ref, k_ref, gs_ref, akk_ref, aqk_ref, beta, q_mul, k_mul, diag, *, precision, block_k, level_group,
+                dot_dtype, asm):
+    """A_kk (beta-scaled, strictly lower, f32) and A_qk of one chunk from q, k (raw) and the sub-chunk sums of g.
+
+    Over slices of `block_k` channels, the pair levels h of `_LEVELS`: rows of odd h-blocks take G_t - G_ref, rows of
+    even blocks G_ref - G_s (`_level_exponent_from_local`; both sums of g <= 0: no positive log-decay is
+    exponentiated), f = 2^exponent (one MUFU op), kf = k f. A level's pairs (t, s) have t in an odd h-block and s in
+    the even one before it, so in kf . Y^T with Y = q f on odd-block rows and kf on even-block rows, entry (t, s)
+    (t > s) is A_kk[t, s] and entry (s, t) is A_qk[t, s]: one product per level and slice, accumulated in the MMA's
+    own accumulator and masked to the level's pairs once per level. `level_group` levels share one pass over the
+    slices (their q, k and sums loads; one accumulator each). The per-row factors (scale, l2 norm, length mask) are
+    applied to the [C, C] result once, not to each operand: entry (i, j) below the diagonal is k_i . k_j (factor
+    k_mul_i k_mul_j), above it k_i . q_j (k_mul_i q_mul_j). Products on `dot_dtype` operands (f32: tf32 on the GPU
+    for 16-bit inputs, exact for f32 inputs; or bf16).
+    """
+    n_k = q_ref.shape[-1] // block_k
+    row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+
+    def cols(kb):
+        return pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
 
     r = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     c = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
@@ -358,7 +392,7 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
         levels = _LEVELS[first:first + level_group]
 
         def level(kb, accs, levels=levels):
-            q, k = load(q_ref, kb), load(k_ref, kb)
+            q, k = _load_cols(q_ref, kb, block_k), _load_cols(k_ref, kb, block_k)
             local = gs_ref[:, cols(kb)]  # sums of g within each 16-token sub-chunk, up to and including the row
             out = []
             for h, acc in zip(levels, accs):
@@ -379,16 +413,16 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
     aqk_ref[...] = (jnp.where(lower, upper.T, 0.0) + jnp.where(r == c, diag[:, None], 0.0)).astype(aqk_ref.dtype)
 
 
-def _wy_kernel(len_ref, x_ref, v_ref, b_ref, akk_ref, w_ref, u_ref, *, precision, dot_dtype):
-    """One chunk: T = (I + A_kk)^-1 from A_kk's 16 x 16 blocks (f32 throughout), then w = T x (x = beta k exp(G) from
-    kernel 1a) and u = T (beta v), products on `dot_dtype` operands."""
+def _wy_kernel(len_ref, x_ref, v_ref, b_ref, akk_ref, w_ref, u_ref, *, precision, dot_dtype, inverse_precisions):
+    """One chunk: T = (I + A_kk)^-1 from A_kk's 16 x 16 blocks (f32 operands; products at `inverse_precisions`), then
+    w = T x (x = beta k exp(G) from kernel 1a) and u = T (beta v), products on `dot_dtype` operands."""
     chunk = pl.program_id(1)
     length = len_ref[0]
     n_sub = CHUNK // SUB
     row16 = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
     io_dtype = w_ref.dtype
     blocks = {(i, j): akk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] for i in range(n_sub) for j in range(i + 1)}
-    t = _block_inverse(blocks, n_sub)
+    t = _block_inverse(blocks, n_sub, inverse_precisions)
 
     def rhs(j):  # x_j and beta_j v_j, [SUB, K] and [SUB, V], reloaded per use (cached) to keep few tiles live
         rows = pl.ds(j * SUB, SUB)
@@ -496,7 +530,7 @@ class KdaTuning:
     # F32_INTRA_WARPS warps, the setting that passed tests/gpu/test_kda_gpu.py.
     intra_variant: str = "split"
     intra_block_k: int = 32
-    wy_warps: int = 4
+    wy_warps: int = 2
     intra_bf16_dots: bool = True
     # Kernel 1a (`_akk_kernel`): its first pass over slices of `intra_prologue_block_k` channels (0: all of K), and how
     # many pair levels share one pass over the `intra_block_k`-channel slices. H200, 2026-12-01 (fifth session, fla
@@ -505,6 +539,11 @@ class KdaTuning:
     # (spills).
     intra_prologue_block_k: int = 64
     intra_level_group: int = 3
+    # Kernel 1b's block inverse for 16-bit inputs (`_INVERSE_PRECISIONS`): "tf32" (tensor-core products, as fla's
+    # solve_tril) or "ieee" (f32 FMAs); f32 inputs always take "ieee". H200, 2026-12-01 (sixth session, three runs
+    # beside fla): kernel 1b 166-168 us with tf32 at 2 warps (chunk_kda T8192 0.907-0.916 ms) against 183-185 us
+    # with ieee at 4 warps (0.925-0.934 ms); tf32 at 1 or 4 warps 191-201 / 169 us, ieee at 2 warps 198 us.
+    wy_inverse: str = "tf32"
 
 
 DEFAULT_TUNING = KdaTuning()
@@ -604,9 +643,12 @@ def chunk_wy(x, v, beta, a_kk, lengths, *, interpret=False, tuning=DEFAULT_TUNIN
     vp = v.shape[-1]
     io_dtype = x.dtype
     precision, dot_dtype, _, _ = _split_settings(io_dtype, tuning)
+    if tuning.wy_inverse not in _INVERSE_PRECISIONS:
+        raise ValueError(f"KdaTuning.wy_inverse {tuning.wy_inverse!r}: one of {', '.join(_INVERSE_PRECISIONS)}")
+    inverse = _INVERSE_PRECISIONS["ieee" if io_dtype == jnp.float32 else tuning.wy_inverse]
     chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
     return pl.pallas_call(
-        functools.partial(_wy_kernel, precision=precision, dot_dtype=dot_dtype),
+        functools.partial(_wy_kernel, precision=precision, dot_dtype=dot_dtype, inverse_precisions=inverse),
         grid=(batch, t_pad // CHUNK, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(vp), beta_spec, chunk_spec(CHUNK)],
         out_specs=[chunk_spec(kp), chunk_spec(vp)],

@@ -85,10 +85,15 @@ def test_recurrent_kernels_on_gpu(dtype, tol, v_fastest):
     assert np.array_equal(np.asarray(pool2[0]), np.asarray(pool[0]))
 
 
-@pytest.mark.parametrize("block_k,warps,level_group", [(32, 4, 3), (64, 8, 3), (16, 4, 3), (32, 4, 1)])
+SPLIT_TUNINGS = {  # kernel 1a's channel slices, warps and levels per pass, and its options
+    "default": {}, "64x8": dict(intra_block_k=64, intra_warps=8), "16x4": dict(intra_block_k=16),
+    "one_level": dict(intra_level_group=1)}
+
+
+@pytest.mark.parametrize("tuning_name", list(SPLIT_TUNINGS))
 @pytest.mark.parametrize("dtype,tol,g_max", [(jnp.float32, 1e-5, 2.0), (jnp.bfloat16, 2e-2, 2.0),
                                              (jnp.float32, 1e-4, 8.0)])
-def test_split_intra_variant_on_gpu(dtype, tol, g_max, block_k, warps, level_group):
+def test_split_intra_variant_on_gpu(dtype, tol, g_max, tuning_name):
     """Kernel 1 split in two (A blocks by levels, then the block solve and WY products) against the reference:
     f32, bf16, and strong decays (-60 on a third of the channels), at the default channel slice and others, with
     three levels per pass (the default) and one."""
@@ -97,11 +102,29 @@ def test_split_intra_variant_on_gpu(dtype, tol, g_max, block_k, warps, level_gro
     if g_max > 2.0:
         g = jnp.where(jax.random.uniform(jax.random.key(1), g.shape) < 0.3, -60.0, g)
     lengths = jnp.array([T, 190], jnp.int32)
-    tuning = kda_pallas.KdaTuning(intra_variant="split", intra_block_k=block_k, intra_warps=warps,
-                                  intra_level_group=level_group)
+    tuning = kda_pallas.KdaTuning(**SPLIT_TUNINGS[tuning_name])
     o, s = kda_pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                 use_qk_l2norm_in_kernel=True, lengths=lengths, tuning=tuning)
     with jax.default_matmul_precision("highest"):
         ref = kda_ref.chunk_kda(*(x.astype(jnp.float32) for x in (q, k, v, g, beta)), initial_state=h0,
                                 output_final_state=True, use_qk_l2norm_in_kernel=True, lengths=lengths)
     assert _rel(o, ref[0]) < tol and _rel(s, ref[1]) < tol
+
+
+@pytest.mark.parametrize("wy_inverse", ["ieee", "tf32"])
+@pytest.mark.parametrize("g_max", [2.0, 8.0])
+def test_wy_inverse_on_tf32_on_gpu(wy_inverse, g_max):
+    """Kernel 1b's block inverse on IEEE FMAs and on tf32 tensor-core products (bf16 inputs) against the reference,
+    with ordinary and strong decays (-60 on a third of the channels)."""
+    B, T, H, K, V = 2, 333, 4, 128, 128
+    q, k, v, g, beta, h0 = _inputs(_seed(), B, T, H, K, V, jnp.bfloat16, g_max=g_max)
+    if g_max > 2.0:
+        g = jnp.where(jax.random.uniform(jax.random.key(1), g.shape) < 0.3, -60.0, g)
+    lengths = jnp.array([T, 190], jnp.int32)
+    tuning = kda_pallas.KdaTuning(wy_inverse=wy_inverse)
+    o, s = kda_pallas.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True, lengths=lengths, tuning=tuning)
+    with jax.default_matmul_precision("highest"):
+        ref = kda_ref.chunk_kda(*(x.astype(jnp.float32) for x in (q, k, v, g, beta)), initial_state=h0,
+                                output_final_state=True, use_qk_l2norm_in_kernel=True, lengths=lengths)
+    assert _rel(o, ref[0]) < 2e-2 and _rel(s, ref[1]) < 2e-2

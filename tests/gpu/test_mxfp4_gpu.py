@@ -85,10 +85,10 @@ def _check_tiles(seed, shape, n_tokens, fmt, tiles, label):
                                                   ((256, 8, 7168, 2048), 1, "mxfp4"),
                                                   ((64, 6, 2048, 768), 1, "float8_e4m3fn")])
 def test_split_k_decode_tiles(seed, shape, n_tokens, fmt):
-    """The split-K tiles `choose_tiles` takes for one decode token (32 columns at the medium width, 64 at DeepSeek's);
-    at 3 tokens the medium shape's 32-column split-K tiles, forced."""
-    n_experts, top_k, _, inter = shape
-    tiles = moe_mxfp4.choose_tiles(top_k, n_experts, inter)
+    """The split-K tiles `choose_tiles` takes for one decode token (64 columns, scales one K step ahead); at 3 tokens
+    the same tiles, forced."""
+    n_experts, top_k, _, _ = shape
+    tiles = moe_mxfp4.choose_tiles(top_k, n_experts)
     assert tiles.split_k > 1
     _check_tiles(seed, shape, n_tokens, fmt, tiles, "split-K")
 
