@@ -169,7 +169,7 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
     if extras:
         timed("resident", "resident", lambda: staged(True))
     if n_tokens <= 16 and "kernels" in variants:  # the two fused kernels alone (schedule and activations prepared outside the loop)
-        tiles = moe_mxfp4.choose_tiles(ids.size, n_experts, inter)
+        tiles = moe_mxfp4.choose_tiles(ids.size, n_experts)
         plan = moe_mxfp4.plan(x, ids, ew, None, n_experts, tiles)
         # split-K tiles: the kernels and their partial sums per pair (expert_rows would add a scatter into rows that
         # the layer does not run)
