@@ -125,6 +125,12 @@ def test_bad_image_requests_fail_alone(model, tmp_path):
     assert sched.pool.num_free + sched.cache.num_cached_blocks == sched.pool.num_usable
 
 
+def _until_eos(tokens, eos_ids):
+    """The CLI has no ignore-eos flag: its greedy output ends at (and includes) the first of the model's eos ids."""
+    ends = [i for i, t in enumerate(tokens) if t in eos_ids]
+    return tokens[:ends[0] + 1] if ends else tokens
+
+
 def test_generate_cli_with_images(kimi_k25, model, tmp_path, capsys):
     """--prompt/--image with a tokenizer whose vocabulary has the placeholder, and a JSONL with image fields."""
     from tokenizers import AddedToken
@@ -146,7 +152,8 @@ def test_generate_cli_with_images(kimi_k25, model, tmp_path, capsys):
     assert main(["--model", str(path), "--prompt", "w4 w5 <|media_pad|> w6", "--image", image("gray_45x45"),
                  "--max-tokens", "3", "--output", str(out), *SMALL]) == 0
     row = json.loads(out.read_text())
-    assert row["token_ids"] == full_forward_greedy(model, [4, 5, IMAGE, 6], [image("gray_45x45")], 3)
+    eos = model.config.eos_token_ids
+    assert row["token_ids"] == _until_eos(full_forward_greedy(model, [4, 5, IMAGE, 6], [image("gray_45x45")], 3), eos)
     shutil.copy(image("gradient_37x53"), tmp_path / "picture.png")
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(x) for x in [
@@ -155,6 +162,7 @@ def test_generate_cli_with_images(kimi_k25, model, tmp_path, capsys):
     out = tmp_path / "ids.jsonl"
     assert main(["--model", str(path), "--input", str(src), "--output", str(out), *SMALL]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert rows[0]["token_ids"] == full_forward_greedy(model, [9, IMAGE, 10], [image("gradient_37x53")], 2)
+    assert rows[0]["token_ids"] == _until_eos(full_forward_greedy(model, [9, IMAGE, 10], [image("gradient_37x53")], 2),
+                                              eos)
     assert rows[1]["finish_reason"] == "error" and "absent.png" in rows[1]["error"]
     assert "rejected" in capsys.readouterr().err

@@ -23,9 +23,9 @@ the slot variant reads and writes the state pool in place by slot index.
 
 Rows may have different lengths (`lengths` [B]): tokens at or past a row's length leave its state unchanged and
 produce zeros. Head dims that are not powers of two >= 16 are zero-padded (padded channels change nothing).
-Measured on the H200 (benchmarks/RESULTS.md, NOTES_kda.md): chunk_kda 0.92-0.93 ms at B1 T8192 H32 D128 (kernel 1a
-0.55 ms of it, 1b 0.19, the state pass 0.185) against fla's 1.01 ms in the same runs; the decode step's kernel
-3.54-3.6 TB/s of state traffic at B64 (profiler).
+Measured on the H200 (benchmarks/RESULTS.md, NOTES_kda.md): chunk_kda 0.91-0.92 ms at B1 T8192 H32 D128 (kernels:
+1a 0.53 ms, 1b 0.17, the state pass 0.19) against fla's 0.99 ms of kernels in the same runs; the decode step's
+kernel 3.55-3.6 TB/s of state traffic at B64 (profiler).
 """
 
 from __future__ import annotations
@@ -541,7 +541,7 @@ class KdaTuning:
     intra_level_group: int = 3
     # Kernel 1b's block inverse for 16-bit inputs (`_INVERSE_PRECISIONS`): "tf32" (tensor-core products, as fla's
     # solve_tril) or "ieee" (f32 FMAs); f32 inputs always take "ieee". H200, 2026-12-01 (sixth session, three runs
-    # beside fla): kernel 1b 166-168 us with tf32 at 2 warps (chunk_kda T8192 0.907-0.916 ms) against 183-185 us
+    # beside fla): kernel 1b 166-169 us with tf32 at 2 warps (chunk_kda T8192 0.907-0.922 ms) against 183-185 us
     # with ieee at 4 warps (0.925-0.934 ms); tf32 at 1 or 4 warps 191-201 / 169 us, ieee at 2 warps 198 us.
     wy_inverse: str = "tf32"
 
