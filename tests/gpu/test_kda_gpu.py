@@ -85,7 +85,7 @@ def test_recurrent_kernels_on_gpu(dtype, tol, v_fastest):
     assert np.array_equal(np.asarray(pool2[0]), np.asarray(pool[0]))
 
 
-SPLIT_TUNINGS = {  # kernel 1a's channel slices, warps and levels per pass, and its options
+SPLIT_TUNINGS = {  # KdaTuning overrides: kernel 1a's channel slices, warps and levels per pass
     "default": {}, "64x8": dict(intra_block_k=64, intra_warps=8), "16x4": dict(intra_block_k=16),
     "one_level": dict(intra_level_group=1)}
 
@@ -113,7 +113,7 @@ def test_split_intra_variant_on_gpu(dtype, tol, g_max, tuning_name):
 
 @pytest.mark.parametrize("wy_inverse", ["ieee", "tf32"])
 @pytest.mark.parametrize("g_max", [2.0, 8.0])
-def test_wy_inverse_on_tf32_on_gpu(wy_inverse, g_max):
+def test_wy_inverse_precisions_on_gpu(wy_inverse, g_max):
     """Kernel 1b's block inverse on IEEE FMAs and on tf32 tensor-core products (bf16 inputs) against the reference,
     with ordinary and strong decays (-60 on a third of the channels)."""
     B, T, H, K, V = 2, 333, 4, 128, 128
