@@ -115,13 +115,9 @@ def torch_kernel_us(fn, calls: int = 10, top: int = 10) -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    totals = {}
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
-        if us:
-            totals[event.key[:60]] = totals.get(event.key[:60], 0.0) + us
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
-    return {name: round(us / calls, 2) for name, us in ranked}
+    events = [{"name": e.key, "dur": getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)}
+              for e in prof.key_averages()]
+    return per_kernel_us([e for e in events if e["dur"]], calls, top)
 
 
 def run_peer() -> dict:
@@ -138,24 +134,31 @@ def run_peer() -> dict:
 # ----------------------------------------------------------------------------------------------------- dayzero
 
 
-def parse_tunings(spec: str) -> dict:
-    """'fused,split:intra_block_k=64' -> {name: KdaTuning}: each entry an intra_variant plus `field=value` overrides."""
+def tuning_with(overrides, base=None):
+    """A KdaTuning: `base` (default: the kernels' defaults) with `field=value` overrides (an iterable of strings; bool
+    fields take 1/0, true/false or yes/no)."""
     import dataclasses
 
     from dayzero.kernels.kda import pallas
 
-    fields = {f.name: f.type for f in dataclasses.fields(pallas.KdaTuning)}
+    base = pallas.DEFAULT_TUNING if base is None else base
+    fields = {f.name for f in dataclasses.fields(pallas.KdaTuning)}
+    changes = {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key not in fields or not value:
+            raise SystemExit(f"bad KdaTuning override {item!r} (fields: {', '.join(sorted(fields))})")
+        kind = type(getattr(base, key))
+        changes[key] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
+    return dataclasses.replace(base, **changes)
+
+
+def parse_tunings(spec: str) -> dict:
+    """'fused,split:intra_block_k=64' -> {name: KdaTuning}: each entry an intra_variant plus `field=value` overrides."""
     tunings = {}
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         variant, *overrides = entry.split(":")
-        kwargs = {"intra_variant": variant}
-        for item in overrides:
-            key, _, value = item.partition("=")
-            if key not in fields or not value:
-                raise SystemExit(f"--intra-variants: bad override {item!r} (KdaTuning fields: {', '.join(fields)})")
-            kind = fields[key]
-            kwargs[key] = value if kind in (str, "str") else bool(int(value)) if kind in (bool, "bool") else int(value)
-        tunings[entry] = pallas.KdaTuning(**kwargs)
+        tunings[entry] = tuning_with([f"intra_variant={variant}", *overrides])
     return tunings
 
 

@@ -14,28 +14,15 @@ so `ncu -c` with the kernels of one call profiles them once compiled (Triton's c
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
-
-
-def _tuning(spec: str | None):
-    from dayzero.kernels.kda import pallas
-
-    fields = {f.name: f.type for f in dataclasses.fields(pallas.KdaTuning)}
-    overrides = {}
-    for item in filter(None, (spec or "").split(",")):
-        name, _, value = item.partition("=")
-        if name not in fields:
-            raise SystemExit(f"--tuning: KdaTuning has no field {name!r} (fields: {', '.join(fields)})")
-        kind = type(getattr(pallas.DEFAULT_TUNING, name))
-        overrides[name] = value.lower() in ("1", "true", "yes") if kind is bool else kind(value)
-    return dataclasses.replace(pallas.DEFAULT_TUNING, **overrides)
 
 
 def run_kda(tokens: int, calls: int, tuning_spec: str | None) -> None:
     import jax
     import jax.numpy as jnp
+
+    from kda import tuning_with  # benchmarks/kda.py
 
     from dayzero.kernels.kda import pallas
 
@@ -49,7 +36,7 @@ def run_kda(tokens: int, calls: int, tuning_spec: str | None) -> None:
     g = -jax.random.uniform(ks[3], shape, jnp.float32) * 0.1
     beta = jax.random.uniform(ks[4], shape[:3], jnp.bfloat16)
     h0 = jax.random.normal(ks[5], (1, heads, dim, dim), jnp.float32)
-    tuning = _tuning(tuning_spec)
+    tuning = tuning_with(filter(None, (tuning_spec or "").split(",")))
     fn = jax.jit(lambda *a: pallas.chunk_kda(*a, initial_state=h0, output_final_state=True, tuning=tuning))
     for _ in range(calls):
         out = jax.block_until_ready(fn(q, k, v, g, beta))

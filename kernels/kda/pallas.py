@@ -290,8 +290,13 @@ def _akk_kernel(len_ref, q_ref, k_ref, g_ref, b_ref, akk_ref, aqk_ref, qg_ref, k
                 block_k=block_k, level_group=level_group, dot_dtype=dot_dtype, asm=asm)
 
 
+def _cols(kb, width):
+    """Slice kb of `width` channels (an aligned dynamic slice)."""
+    return pl.ds(pl.multiple_of(kb * width, width), width)
+
+
 def _load_cols(ref, kb, width):
-    return ref[:, pl.ds(pl.multiple_of(kb * width, width), width)].astype(jnp.float32)
+    return ref[:, _cols(kb, width)].astype(jnp.float32)
 
 
 def _akk_rows(len_ref, q_ref, k_ref, b_ref, *, scale, l2norm, block_k):
@@ -327,8 +332,7 @@ def _akk_first_pass(q_ref, k_ref, g_ref, qg_ref, kd_ref, x_ref, gl_ref, gs_ref, 
     sub = jax.lax.broadcasted_iota(jnp.int32, (n_sub, 1, 1), 0)
     pos = jax.lax.broadcasted_iota(jnp.int32, (1, SUB, 1), 1)
 
-    def cols(kb):
-        return pl.ds(pl.multiple_of(kb * pk, pk), pk)
+    cols = functools.partial(_cols, width=pk)
 
     def body(kb, diag):
         q = _load_cols(q_ref, kb, pk) * q_mul[:, None]
@@ -380,8 +384,7 @@ def _akk_levels(q_ref, k_ref, gs_ref, akk_ref, aqk_ref, beta, q_mul, k_mul, diag
     row = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, 1), 0)
     rows = jax.lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
 
-    def cols(kb):
-        return pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+    cols = functools.partial(_cols, width=block_k)
 
     r = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 0)
     c = jax.lax.broadcasted_iota(jnp.int32, (CHUNK, CHUNK), 1)
