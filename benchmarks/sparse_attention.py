@@ -1,11 +1,14 @@
 """DeepSeek Sparse Attention kernels on the GPU, dense MLA attention beside them in the same run.
 
-    python3 benchmarks/sparse_attention.py [--results benchmarks/RESULTS.md] [--quick]
+    python3 benchmarks/sparse_attention.py [--results benchmarks/RESULTS.md] [--quick] [--heads 128,16]
+        [--batches 1,16] [--no-prefill] [--no-sweep]
 
-DeepSeek-V3.2 shapes, bf16: 128 heads of absorbed queries over the paged latent cache (kv_lora_rank 512 + rope 64,
-blocks of 64 tokens, scattered), indexer 64 heads x 128, top-k 2048, one layer. Measured:
+DeepSeek-V3.2 shapes, bf16: absorbed queries over the paged latent cache (kv_lora_rank 512 + rope 64, blocks of 64
+tokens, scattered), indexer 64 heads x 128, top-k 2048, one layer. The MLA decode runs at 128 query heads (V3.2 on
+one device: 242 FLOP per gathered latent byte, above the H200's ridge, so compute-bound) and at 16 (one rank of
+tensor parallelism 8, how V3.2 is served on an 8-GPU node: 30 FLOP per byte, bandwidth-bound). Measured:
 - decode, batch 1 and 16, contexts 8K / 32K / 128K / 512K: sparse MLA attention after selection (its gathered latent
-  bytes against the HBM copy bandwidth: flat in context by design), the indexer + top-k (exact bf16 keys, and FP8
+  bytes against the HBM copy bandwidth, and its TFLOP/s: flat in context by design), the indexer + top-k (exact bf16 keys, and FP8
   keys; their key bytes against the copy bandwidth), the score kernel alone, and dense MLA decode (the same kernel
   with every token selected); the context where sparse (indexer + top-k + attention) overtakes dense.
 - prefill, batch 1, 32K and 128K tokens: sparse MLA attention (each token its own 2048 keys) in TFLOP/s, dense
@@ -25,6 +28,7 @@ import statistics
 import sys
 import time
 
+from gpu_trace import gpu_kernels, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 
 HEADS, RANK, ROPE, IDX_HEADS, IDX_DIM, TOPK, BLOCK = 128, 512, 64, 64, 128, 2048, 64
@@ -44,19 +48,23 @@ def _tunings():
 
     # the default (first) is the fused variant (benchmarks/NOTES_dsa.md): two 64-head halves, many splits
     decode = {"fused_h64k32w8": SparseMLAConfig(),
-              "fused_h64k32w16_s64": SparseMLAConfig(num_warps=16, decode_programs=132, min_split_tokens=64),
               "fused_h64k16w8_s64": SparseMLAConfig(decode_block_k=16, decode_programs=132, min_split_tokens=64),
               # 32-head blocks: no register spills at 8 warps when built for sm_90 offline (triton_report.py --op
-              # sparse_mla: 250 registers, against 255 + 484 bytes of spills at 64 heads)
+              # sparse_mla: 250 registers, against 255 + 484 bytes of spills at 64 heads); the fastest at batch 1
               "fused_h32k32w8": SparseMLAConfig(block_h=32),
               "fused_h32k32w8_s64": SparseMLAConfig(block_h=32, min_split_tokens=64),
-              "h32k32w8": heads_split(32, 32), "h64k16w8": heads_split(64, 16),
-              "h32k32w8_split1024": heads_split(32, 32, min_split_tokens=1024),
-              "h16k32w4": heads_split(16, 32, num_warps=4)}
+              "h32k32w8": heads_split(32, 32), "h64k16w8": heads_split(64, 16)}
     prefill = {"h64k16w8": SparseMLAConfig(), "h32k32w8": SparseMLAConfig(block_h=32, block_k=32)}
+    # one tensor-parallel rank's heads (16 of 128 at TP 8): 16-head blocks, the default (first) and smaller launches
+    small = {"fused_h16w4": SparseMLAConfig(), "fused_h16w8": SparseMLAConfig(small_decode_warps=8),
+             "fused_h16w4_s64": SparseMLAConfig(min_split_tokens=64),
+             "fused_h16w4_s256": SparseMLAConfig(min_split_tokens=256),
+             "fused_h16k64w4": SparseMLAConfig(decode_block_k=64),
+             "fused_h16w4_st3": SparseMLAConfig(num_stages=3),
+             "fused_h16w4_s32": SparseMLAConfig(min_split_tokens=32)}
     indexer = {"k128w4": IndexerKernelConfig(), "k64w4": IndexerKernelConfig(block_k=64),
                "k256w8": IndexerKernelConfig(block_k=256, num_warps=8)}
-    return decode, prefill, indexer
+    return {HEADS: decode, 16: small}, prefill, indexer
 
 
 def fp8_selection_error(ctx: int = 8192, queries: int = 16, seed: int = 0) -> dict:
@@ -91,8 +99,16 @@ def fp8_selection_error(ctx: int = 8192, queries: int = 16, seed: int = 0) -> di
     return out
 
 
-def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
-    """Fills `res` as it goes (so an interrupted run still reports what it measured) and returns it."""
+def _heads_suffix(heads: int) -> str:
+    """Result-key suffix of a decode head count: none for V3.2's 128 heads on one device, `_h16` for 16."""
+    return "" if heads == HEADS else f"_h{heads}"
+
+
+def measure(quick: bool, res: dict, sweep: bool = True, head_counts=(HEADS, 16), batches=BATCHES,
+            prefill_too: bool = True, profile: bool = False) -> dict:
+    """Fills `res` as it goes (so an interrupted run still reports what it measured) and returns it. `head_counts`:
+    query heads per device of the MLA decode (128: V3.2 on one device; 16: one rank of tensor parallelism 8).
+    `profile`: also each decode op's kernel time per call by kernel (`*_kernels_us`, from a jax.profiler trace)."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     import jax
     import jax.numpy as jnp
@@ -101,8 +117,8 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
 
     decode_tunings, prefill_tunings, indexer_tunings = _tunings()
     if not sweep:  # the first (default) tuning of each kernel only: fewer compilations
-        decode_tunings, prefill_tunings, indexer_tunings = ({k: v} for k, v in
-                                                            (next(iter(t.items())) for t in _tunings()))
+        prefill_tunings, indexer_tunings = (dict([next(iter(t.items()))]) for t in (prefill_tunings, indexer_tunings))
+        decode_tunings = {h: dict([next(iter(t.items()))]) for h, t in decode_tunings.items()}
     contexts = CONTEXTS[:2] if quick else CONTEXTS
     prefill = PREFILL[:1] if quick else PREFILL
 
@@ -129,14 +145,28 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
 
         return jax.jit(run)
 
+    def pipelined_time(fn, *args, n=20, reps=5):
+        """Seconds per call of `n` calls issued back to back (no host round trip between them)."""
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            for _ in range(n):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - start) / n)
+        return statistics.median(times)
+
     eps = jnp.float32(0.0)
     x = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)  # 1 GiB
-    copy_bw = 2 * x.nbytes / median_time(jax.jit(lambda a: a * 1.0001), x)
+    # read + write of 1 GiB, calls back to back (benchmarks/kda.py's measure): one call waited on at a time reads
+    # 2.4-3.0 TB/s on the H200, a host round trip per call, against 4.1 pipelined
+    copy_bw = 2 * x.nbytes / pipelined_time(jax.jit(lambda a: a * 1.0001), x)
     res["hbm_copy_TBps"] = round(copy_bw / 1e12, 3)
     del x
 
     # ------------------------------------------------------------------------------------------------- decode
-    max_batch, max_ctx = max(BATCHES), max(contexts)
+    max_batch, max_ctx = max(batches), max(contexts)
     pages = max_ctx // BLOCK
     key = jax.random.key(1)
     n_pages = max_batch * pages + 1
@@ -148,16 +178,16 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
     all_tables = perm.reshape(max_batch, pages)  # scattered blocks
     mla_ops, index_ops = {}, {}
 
-    def mla_op(name, dense):
-        """Sparse (indices given) or dense MLA decode with tuning `name`, chained."""
-        if (name, dense) not in mla_ops:
-            cfg = decode_tunings[name]
-            mla_ops[name, dense] = chained(
+    def mla_op(heads, name, dense):
+        """Sparse (indices given) or dense MLA decode over `heads` query heads with tuning `name`, chained."""
+        if (heads, name, dense) not in mla_ops:
+            cfg = decode_tunings[heads][name]
+            mla_ops[heads, name, dense] = chained(
                 (lambda q, qr, c, t, p: sparse_mla.sparse_mla(q, qr, c, 0, t, p, None, 576 ** -0.5, config=cfg))
                 if dense else
                 (lambda q, qr, c, t, p, i: sparse_mla.sparse_mla(q, qr, c, 0, t, p, i, 576 ** -0.5, config=cfg)),
                 per_call=(2,) if dense else (2, 4))
-        return mla_ops[name, dense]
+        return mla_ops[heads, name, dense]
 
     def index_op(name, kind):
         """kind "topk" / "topk_fp8" / "scores", tuning `name`; chained through the float32 weights (first arg)."""
@@ -171,6 +201,19 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
                 per_call=(3,))
         return index_ops[name, kind]
 
+    def profiled(tag, bytes_read, fn, *args):
+        """`profile` only: a chained op's GPU kernel time per call, by kernel (the 8 longest) and in all (device
+        time: what the op costs inside a model step, whose host runs ahead of the GPU; the per-call timing above also
+        holds the host's launch cost, which a call of small kernels at batch 1 cannot hide) and the latter's share
+        of the copy bandwidth on `bytes_read`."""
+        jax.block_until_ready(fn(*args))
+        kernels = gpu_kernels(traced_events(lambda: jax.block_until_ready(fn(*args))))
+        res[f"{tag}_kernels_us"] = per_kernel_us(kernels, CHAIN, top=8)
+        device_us = sum(e["dur"] for e in kernels) / CHAIN
+        res[f"{tag}_device_us"] = round(device_us, 2)
+        if device_us > 0:  # no GPU events (a CPU run): no share
+            res[f"{tag}_device_pct_hbm"] = round(100 * bytes_read / (device_us * 1e-6) / copy_bw, 1)
+
     def best_of(names, op_of, args, tag):
         """Times op_of(name)(eps, *args) per call for every tuning in `names` (recorded under `tag`) -> (best name,
         its time in us)."""
@@ -180,15 +223,17 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
         best = min(times, key=times.get)
         return best, times[best]
 
-    for batch in BATCHES:
+    for batch in batches:
         k = jax.random.fold_in(key, 100 + batch)
-        q_lat = jax.random.normal(k, (batch, 1, HEADS, RANK), jnp.bfloat16) * 0.05
-        q_rope = jax.random.normal(jax.random.fold_in(k, 1), (batch, 1, HEADS, ROPE), jnp.bfloat16) * 0.05
+        queries = {h: (jax.random.normal(jax.random.fold_in(k, 10 * h), (batch, 1, h, RANK), jnp.bfloat16) * 0.05,
+                       jax.random.normal(jax.random.fold_in(k, 10 * h + 1), (batch, 1, h, ROPE), jnp.bfloat16) * 0.05)
+                   for h in head_counts}
         q_idx = jax.random.normal(jax.random.fold_in(k, 2), (batch, 1, IDX_HEADS, IDX_DIM), jnp.bfloat16)
         q_idx8, q_idx_scales = fp8_indexer.rotate_and_quantize(q_idx)
         w = jax.random.normal(jax.random.fold_in(k, 3), (batch, 1, IDX_HEADS), jnp.float32) * IDX_DIM ** -0.5
         w8 = w * q_idx_scales
-        mla_names, index_names = list(decode_tunings), list(indexer_tunings)  # swept at the first context
+        mla_names = {h: list(decode_tunings[h]) for h in head_counts}  # swept at the first context
+        index_names = list(indexer_tunings)
         # call n of a chain reads rows n*batch.. of the block tables (mod max_batch): at batch 1, ten calls over ten
         # requests' caches (94 MB at 8K, more than the 50 MB L2) instead of one request's 9.4 MB ten times
         rows = (jnp.arange(CHAIN)[:, None] * batch + jnp.arange(batch)[None]) % max_batch  # [CHAIN, batch]
@@ -199,19 +244,31 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
             sel = jax.vmap(lambda kk: jax.random.choice(kk, ctx, (TOPK,), replace=False))(  # [CHAIN, B, 1, K]
                 jax.random.split(jax.random.fold_in(k, ctx), CHAIN * batch)).astype(jnp.int32).reshape(
                 CHAIN, batch, 1, TOPK)
-            name, us = best_of(mla_names, lambda n: mla_op(n, False),
-                               (q_lat, q_rope, latent, all_tables[rows], pos, sel), f"sparse_decode_{tag}")
-            mla_names = [name]
-            res[f"sparse_decode_{tag}_us"] = round(us, 2)
-            res[f"sparse_decode_{tag}_pct_hbm"] = round(100 * batch * TOPK * 576 * 2 / (us * 1e-6) / copy_bw, 1)
-            us = median_time(mla_op(name, True), eps, q_lat, q_rope, latent, tables, pos, per_call=CHAIN) * 1e6
-            res[f"dense_decode_{tag}_us"] = round(us, 2)
-            res[f"dense_decode_{tag}_pct_hbm"] = round(100 * batch * ctx * 576 * 2 / (us * 1e-6) / copy_bw, 1)
+            for heads in head_counts:
+                h_tag = tag + _heads_suffix(heads)
+                q_lat, q_rope = queries[heads]
+                name, us = best_of(mla_names[heads], lambda n: mla_op(heads, n, False),
+                                   (q_lat, q_rope, latent, all_tables[rows], pos, sel), f"sparse_decode_{h_tag}")
+                mla_names[heads] = [name]
+                res[f"sparse_decode_{h_tag}_us"] = round(us, 2)
+                res[f"sparse_decode_{h_tag}_pct_hbm"] = round(100 * batch * TOPK * 576 * 2 / (us * 1e-6) / copy_bw, 1)
+                res[f"sparse_decode_{h_tag}_TFLOPs"] = round(batch * TOPK * heads * 2 * (576 + 512) / (us * 1e-6)
+                                                             / 1e12, 1)
+                if profile:
+                    profiled(f"sparse_decode_{h_tag}", batch * TOPK * 576 * 2, mla_op(heads, name, False), eps, q_lat,
+                             q_rope, latent, all_tables[rows], pos, sel)
+                us = median_time(mla_op(heads, name, True), eps, q_lat, q_rope, latent, tables, pos,
+                                 per_call=CHAIN) * 1e6
+                res[f"dense_decode_{h_tag}_us"] = round(us, 2)
+                res[f"dense_decode_{h_tag}_pct_hbm"] = round(100 * batch * ctx * 576 * 2 / (us * 1e-6) / copy_bw, 1)
             name, us = best_of(index_names, lambda n: index_op(n, "topk"), (w, q_idx, pos, keys_bf16, tables),
                                f"indexer_topk_{tag}")
             index_names = [name]
             res[f"indexer_topk_{tag}_us"] = round(us, 2)
             res[f"indexer_topk_{tag}_pct_hbm"] = round(100 * batch * ctx * IDX_DIM * 2 / (us * 1e-6) / copy_bw, 1)
+            if profile:
+                profiled(f"indexer_topk_{tag}", batch * ctx * IDX_DIM * 2, index_op(name, "topk"), eps, w, q_idx, pos,
+                         keys_bf16, tables)
             us = median_time(index_op(name, "topk_fp8"), eps, w8, q_idx8, pos, keys_fp8, tables, key_scales,
                              per_call=CHAIN) * 1e6
             res[f"indexer_topk_fp8_{tag}_us"] = round(us, 2)
@@ -219,14 +276,23 @@ def measure(quick: bool, res: dict, sweep: bool = True) -> dict:
                 100 * batch * ctx * (IDX_DIM + 4) / (us * 1e-6) / copy_bw, 1)
             us = median_time(index_op(name, "scores"), eps, w, q_idx, pos, keys_bf16, tables, per_call=CHAIN) * 1e6
             res[f"index_scores_{tag}_us"] = round(us, 2)
-        res[f"decode_tunings_B{batch}"] = {"sparse_mla": mla_names[0], "indexer": index_names[0]}
-        lat = [res[f"sparse_decode_B{batch}_{c // 1024}K_us"] for c in contexts]
-        res[f"sparse_decode_B{batch}_max_over_min"] = round(max(lat) / min(lat), 3)
-        over = [c for c in contexts if res[f"indexer_topk_B{batch}_{c // 1024}K_us"]
-                + res[f"sparse_decode_B{batch}_{c // 1024}K_us"] < res[f"dense_decode_B{batch}_{c // 1024}K_us"]]
-        res[f"sparse_overtakes_dense_B{batch}"] = f"{over[0] // 1024}K" if over else f">{max(contexts) // 1024}K"
+            res[f"index_scores_{tag}_pct_hbm"] = round(100 * batch * ctx * IDX_DIM * 2 / (us * 1e-6) / copy_bw, 1)
+        res[f"decode_tunings_B{batch}"] = {"indexer": index_names[0],
+                                           **{f"sparse_mla{_heads_suffix(h)}": mla_names[h][0] for h in head_counts}}
+        for heads in head_counts:
+            b_tag = f"B{batch}{_heads_suffix(heads)}"
+            lat = [res[f"sparse_decode_B{batch}_{c // 1024}K{_heads_suffix(heads)}_us"] for c in contexts]
+            res[f"sparse_decode_{b_tag}_max_over_min"] = round(max(lat) / min(lat), 3)
+            device = [res.get(f"sparse_decode_B{batch}_{c // 1024}K{_heads_suffix(heads)}_device_us") for c in contexts]
+            if all(device):
+                res[f"sparse_decode_{b_tag}_device_max_over_min"] = round(max(device) / min(device), 3)
+            over = [c for c, t in zip(contexts, lat) if res[f"indexer_topk_B{batch}_{c // 1024}K_us"] + t
+                    < res[f"dense_decode_B{batch}_{c // 1024}K{_heads_suffix(heads)}_us"]]
+            res[f"sparse_overtakes_dense_{b_tag}"] = f"{over[0] // 1024}K" if over else f">{max(contexts) // 1024}K"
     del latent, keys_bf16, keys_fp8, key_scales
 
+    if not prefill_too:
+        return res
     # ------------------------------------------------------------------------------------------------ prefill
     prefill_best = None  # tunings are swept at the first prefill length
     for ctx in prefill:
@@ -288,11 +354,23 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     parser.add_argument("--quick", action="store_true", help="8K/32K decode and 32K prefill only")
     parser.add_argument("--no-sweep", action="store_true", help="default tunings only (no per-kernel tile sweep)")
+    parser.add_argument("--heads", default=f"{HEADS},16",
+                        help="MLA decode query heads per device, comma-separated (128: V3.2 on one device, 16: one "
+                             "rank of tensor parallelism 8)")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="decode batch sizes")
+    parser.add_argument("--no-prefill", action="store_true", help="decode only")
+    parser.add_argument("--profile", action="store_true", help="decode ops' kernel time per call by kernel")
     args = parser.parse_args(argv)
+    head_counts = tuple(int(h) for h in args.heads.split(","))
+    batches = tuple(int(b) for b in args.batches.split(","))
+    unknown = [h for h in head_counts if h not in (HEADS, 16)]
+    if unknown:
+        parser.error(f"--heads: no decode tunings for {unknown} heads (known: {HEADS}, 16)")
     start = time.perf_counter()
     res: dict = {}
     try:
-        measure(args.quick, res, sweep=not args.no_sweep)
+        measure(args.quick, res, sweep=not args.no_sweep, head_counts=head_counts, batches=batches,
+                prefill_too=not args.no_prefill, profile=args.profile)
     except KeyboardInterrupt:  # `timeout -s INT`: report what was measured, marked as partial
         res["interrupted_after_s"] = round(time.perf_counter() - start)
     import jax
@@ -303,31 +381,40 @@ def main(argv=None) -> int:
     if "interrupted_after_s" in res:
         print(f"interrupted: partial results {json.dumps(res)}")
     else:
-        print_table(res, args.quick)
+        print_table(res, args.quick, head_counts, batches, not args.no_prefill)
     line = (f"- {datetime.date.today()} sparse_attention.py, {device.device_kind}, commit {git_commit()}, "
-            f"jax {jax.__version__}, Pallas (Triton) kernels, DeepSeek-V3.2 shapes (128 heads, 512+64 latent, "
-            f"indexer 64x128, top-k 2048): {json.dumps(res)} (dense MLA decode and cuDNN dense prefill measured in "
-            f"the same run)\n")
+            f"jax {jax.__version__}, Pallas (Triton) kernels, DeepSeek-V3.2 shapes (MLA decode at "
+            f"{' and '.join(map(str, head_counts))} query heads per device: keys without a suffix are 128 heads, "
+            f"'_h16' 16; 512+64 latent, indexer 64x128, top-k 2048): {json.dumps(res)} (dense MLA decode and cuDNN "
+            f"dense prefill measured in the same run)\n")
     append_line(args.results, line)
     return 0
 
 
-def print_table(res: dict, quick: bool) -> None:
+def print_table(res: dict, quick: bool, head_counts=(HEADS,), batches=BATCHES, prefill_too=True) -> None:
     """The decode table and the prefill lines of a complete run."""
-    print("| batch | context | sparse attn (us, % HBM) | indexer+top-k bf16 (us, % HBM) | fp8 (us, % HBM) | "
-          "scores only (us) | dense MLA (us, % HBM) |\n|---|---|---|---|---|---|---|")
+    print("| batch | context | heads | sparse attn (us, % HBM) | dense MLA (us, % HBM) | indexer+top-k bf16 (us, % HBM) "
+          "| fp8 (us, % HBM) | scores only (us) |\n|---|---|---|---|---|---|---|---|")
     contexts = CONTEXTS[:2] if quick else CONTEXTS
-    for batch in BATCHES:
+    for batch in batches:
         for ctx in contexts:
             tag = f"B{batch}_{ctx // 1024}K"
-            print(f"| {batch} | {ctx // 1024}K | {res[f'sparse_decode_{tag}_us']} "
-                  f"({res[f'sparse_decode_{tag}_pct_hbm']}) | {res[f'indexer_topk_{tag}_us']} "
-                  f"({res[f'indexer_topk_{tag}_pct_hbm']}) | {res[f'indexer_topk_fp8_{tag}_us']} "
-                  f"({res[f'indexer_topk_fp8_{tag}_pct_hbm']}) | {res[f'index_scores_{tag}_us']} | "
-                  f"{res[f'dense_decode_{tag}_us']} ({res[f'dense_decode_{tag}_pct_hbm']}) |")
-        print(f"batch {batch}: sparse latency max/min over contexts {res[f'sparse_decode_B{batch}_max_over_min']}, "
-              f"sparse overtakes dense at {res[f'sparse_overtakes_dense_B{batch}']}")
-    for ctx in PREFILL[:1] if quick else PREFILL:
+            for heads in head_counts:
+                h_tag = tag + _heads_suffix(heads)
+                device = (f"; device {res[f'sparse_decode_{h_tag}_device_us']} "
+                          f"({res[f'sparse_decode_{h_tag}_device_pct_hbm']})"
+                          if f"sparse_decode_{h_tag}_device_pct_hbm" in res else "")
+                print(f"| {batch} | {ctx // 1024}K | {heads} | {res[f'sparse_decode_{h_tag}_us']} "
+                      f"({res[f'sparse_decode_{h_tag}_pct_hbm']}){device} | {res[f'dense_decode_{h_tag}_us']} "
+                      f"({res[f'dense_decode_{h_tag}_pct_hbm']}) | {res[f'indexer_topk_{tag}_us']} "
+                      f"({res[f'indexer_topk_{tag}_pct_hbm']}) | {res[f'indexer_topk_fp8_{tag}_us']} "
+                      f"({res[f'indexer_topk_fp8_{tag}_pct_hbm']}) | {res[f'index_scores_{tag}_us']} |")
+        for heads in head_counts:
+            b_tag = f"B{batch}{_heads_suffix(heads)}"
+            print(f"batch {batch}, {heads} heads: sparse latency max/min over contexts "
+                  f"{res[f'sparse_decode_{b_tag}_max_over_min']}, sparse overtakes dense at "
+                  f"{res[f'sparse_overtakes_dense_{b_tag}']}")
+    for ctx in (PREFILL[:1] if quick else PREFILL) if prefill_too else ():
         print(f"prefill {ctx // 1024}K: sparse {res[f'sparse_prefill_{ctx // 1024}K_ms']} ms "
               f"({res[f'sparse_prefill_{ctx // 1024}K_TFLOPs']} TFLOP/s); dense cuDNN "
               f"{res.get(f'dense_prefill_cudnn_{ctx // 1024}K_ms')} ms "

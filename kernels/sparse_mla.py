@@ -47,6 +47,9 @@ class SparseMLAConfig:
     decode_programs: int = 264  # decode: split the selected tokens until about this many programs run ...
     min_split_tokens: int = 128  # ... while each split keeps at least this many (its partial costs H x R floats)
     num_warps: int = 8
+    # decode programs of fewer than 32 heads (one tensor-parallel rank's 16 of V3.2's 128; the medium hybrid's dense
+    # MLA): 4 warps (H200, 16 heads: batch 16 42-48 us against 51-56 at 8 warps, batch 64 88-101 against 153-172)
+    small_decode_warps: int = 4
     num_stages: int = 2
     decode_variant: str = "fused"  # decode: "fused" or "heads_split" (grid request, head block, split)
 
@@ -273,8 +276,9 @@ def _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions,
                  jax.ShapeDtypeStruct((n_rows, splits, heads_p), jnp.float32))
     out_specs = (pl.BlockSpec((None, None, block_h, rank), lambda h, s, r: (r, s, h, 0)),
                  pl.BlockSpec((None, None, block_h), lambda h, s, r: (r, s, h)))
+    warps = config.num_warps if block_h >= 32 else config.small_decode_warps
     out, lse = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
-        compiler_params=tiles.compiler_params(config.num_warps, config.num_stages), name="sparse_mla_decode_fused",
+        compiler_params=tiles.compiler_params(warps, config.num_stages), name="sparse_mla_decode_fused",
     )(q_latent, q_rope, query_positions.reshape(n_rows).astype(jnp.int32), rows, tiles.cache_rows(cache))
     return combine_normalized(out[:, :, :heads], lse[:, :, :heads], out_dtype)

@@ -112,8 +112,8 @@ HEADS_SPLIT = SparseMLAConfig(block_h=32, block_k=32, decode_block_k=32, min_spl
     (64, False, jnp.bfloat16, DEFAULT), (64, True, jnp.float32, DEFAULT),
     (1, False, jnp.bfloat16, HEADS_SPLIT), (1, True, jnp.float32, HEADS_SPLIT), (64, False, jnp.bfloat16, HEADS_SPLIT)],
     ids=lambda v: getattr(v, "decode_variant", None))
-def test_sparse_mla(rng, length, dense, dtype, config):
-    batch, heads, rank, rope, topk, per_row, num_blocks = 4, 128, 512, 64, 2048, 64, 300
+def test_sparse_mla(rng, length, dense, dtype, config, heads=128):
+    batch, rank, rope, topk, per_row, num_blocks = 4, 512, 64, 2048, 64, 300
     tables = tables_for(rng, batch, per_row, num_blocks)
     cache = jnp.asarray(rng.standard_normal((2, num_blocks, BLOCK, rank + rope)), dtype)
     context = rng.integers(length + 1, per_row * BLOCK, batch)
@@ -131,6 +131,18 @@ def test_sparse_mla(rng, length, dense, dtype, config):
     got, ref = run("pallas", *args), run("reference", *args)
     tol = 1e-4 if dtype == jnp.float32 else 2e-2
     assert rel_err(got, ref) < tol, rel_err(got, ref)
+
+
+# decode at one tensor-parallel rank's heads (16 of 128): the tunings benchmarks/sparse_attention.py sweeps there
+SMALL_HEAD_TUNINGS = {"default": DEFAULT, "w8": SparseMLAConfig(small_decode_warps=8),
+                      "s64": SparseMLAConfig(min_split_tokens=64), "k64": SparseMLAConfig(decode_block_k=64),
+                      "st3": SparseMLAConfig(num_stages=3), "s32": SparseMLAConfig(min_split_tokens=32)}
+
+
+@pytest.mark.parametrize("tuning", list(SMALL_HEAD_TUNINGS))
+@pytest.mark.parametrize("dense, dtype", [(False, jnp.bfloat16), (True, jnp.bfloat16), (False, jnp.float32)])
+def test_sparse_mla_decode_16_heads(rng, dense, dtype, tuning):
+    test_sparse_mla(rng, 1, dense, dtype, SMALL_HEAD_TUNINGS[tuning], heads=16)
 
 
 def gpu_dsa_config() -> ModelConfig:
