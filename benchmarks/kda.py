@@ -28,6 +28,7 @@ import sys
 import time
 
 from gpu_trace import gpu_kernels, kernel_time_split, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
+from timing import pipelined_seconds  # benchmarks/timing.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 
 H, D = 32, 128
@@ -175,16 +176,7 @@ def measure_dayzero(tunings: dict, decode: bool = True, res: dict | None = None)
 
     res = {} if res is None else res
 
-    def timed(fn, *args, n=20, reps=5):
-        jax.block_until_ready(fn(*args))
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            for _ in range(n):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            times.append((time.perf_counter() - start) / n)
-        return statistics.median(times)
+    timed = pipelined_seconds
 
     # HBM copy bandwidth (read + write), the roofline for the memory-bound step.
     x = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)  # 1 GiB
