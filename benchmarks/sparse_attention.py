@@ -7,10 +7,11 @@ DeepSeek-V3.2 shapes, bf16: absorbed queries over the paged latent cache (kv_lor
 tokens, scattered), indexer 64 heads x 128, top-k 2048, one layer. The MLA decode runs at 128 query heads (V3.2 on
 one device: 242 FLOP per gathered latent byte, above the H200's ridge, so compute-bound) and at 16 (one rank of
 tensor parallelism 8, how V3.2 is served on an 8-GPU node: 30 FLOP per byte, bandwidth-bound). Measured:
-- decode, batch 1 and 16, contexts 8K / 32K / 128K / 512K: sparse MLA attention after selection (its gathered latent
-  bytes against the HBM copy bandwidth, and its TFLOP/s: flat in context by design), the indexer + top-k (exact bf16 keys, and FP8
-  keys; their key bytes against the copy bandwidth), the score kernel alone, and dense MLA decode (the same kernel
-  with every token selected); the context where sparse (indexer + top-k + attention) overtakes dense.
+- decode, batch 1 and 16 (`--batches`), contexts 8K / 32K / 128K / 512K: sparse MLA attention after selection (its
+  gathered latent bytes against the HBM copy bandwidth, and its TFLOP/s: flat in context by design), the indexer +
+  top-k (exact bf16 keys, and FP8 keys; their key bytes against the copy bandwidth), the score kernel alone, and dense
+  MLA decode (the same kernel with every token selected); the context where sparse (indexer + top-k + attention)
+  overtakes dense. `--profile` adds each decode op's device time (its kernels per call, from a profiler trace).
 - prefill, batch 1, 32K and 128K tokens: sparse MLA attention (each token its own 2048 keys) in TFLOP/s, dense
   attention (cuDNN flash attention over expanded 192/128 heads) beside it, and the indexer + top-k at 32K.
 - the FP8 indexer's error against exact mode (`fp8_selection_error`, 32K keys).
