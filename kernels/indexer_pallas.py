@@ -8,8 +8,9 @@ beyond. Two score kernels, both reading each key tile once per program through t
   [block_q, D] x [D, block_k] dots accumulates the weighted ReLUs. Key tiles wholly after the tile's last query are
   skipped (written as -inf).
 Scores only exist for one chunk of queries at a time (at most `score_bytes`; chunks run one after another under
-`lax.map`), and the top-k of each chunk is taken in two levels (`topk.two_level`): the [T, S] score matrix of a long
-prefill never exists in memory, and no sort runs over a whole long row.
+`lax.map`), and the top-k of each chunk is taken in two levels (`topk.two_level`) or by radix select
+(`topk.radix_select`, `IndexerKernelConfig.topk`): the [T, S] score matrix of a long prefill never exists in memory, and
+no sort runs over a whole long row.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from . import tiles
-from .topk import two_level
+from .topk import radix_select, two_level
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,13 @@ class IndexerKernelConfig:
     score_bytes: int = 256 << 20  # bound on the scores of one query chunk
     num_warps: int = 4
     num_stages: int = 2
+    # how the top-k is taken from the scores: "two_level" (`topk.two_level`, XLA sorts) or "radix" (`topk.radix_select`:
+    # no sort; the key indices in index order)
+    topk: str = "two_level"
+
+    def __post_init__(self):
+        if self.topk not in ("two_level", "radix"):
+            raise ValueError(f"IndexerKernelConfig.topk must be 'two_level' or 'radix', got {self.topk!r}")
 
 
 def _key_tile(table_ref, keys_ref, scales_ref, b, j, *, layer_row0, block_size, block_k, pieces, dtype):
@@ -173,9 +181,10 @@ def indexer_topk(q, weights, query_positions, key_cache, layer, block_tables, to
     kw = dict(key_cache=key_cache, layer=layer, block_tables=block_tables, key_scales=key_scales, config=config,
               interpret=interpret)
     num_keys = tiles.round_up(block_tables.shape[1] * key_cache.shape[2], config.block_k)
+    select = radix_select if config.topk == "radix" else two_level
     if length < config.rows_below:
         scores = row_scores(q, weights, query_positions, **kw)
-        return two_level(scores, topk).reshape(batch, length, topk)
+        return select(scores, topk).reshape(batch, length, topk)
     block_q = min(config.block_q, tiles.pow2_at_least(length, 16))
     chunk = max(block_q, (config.score_bytes // (4 * batch * num_keys)) // block_q * block_q)
     chunk = min(chunk, tiles.round_up(length, block_q))
@@ -189,7 +198,7 @@ def indexer_topk(q, weights, query_positions, key_cache, layer, block_tables, to
     def one_chunk(args):
         q_c, w_c, pos_c = args
         scores = tile_scores(q_c, w_c, pos_c, **tile_cfg)
-        return two_level(scores.reshape(-1, num_keys), topk).reshape(batch, chunk, topk)
+        return select(scores.reshape(-1, num_keys), topk).reshape(batch, chunk, topk)
 
     n_chunks = padded // chunk
     if n_chunks == 1:

@@ -1,4 +1,5 @@
-"""Exact top-k over long score rows in two levels, so no sort ever runs over a whole row of a long context.
+"""Exact top-k over long score rows without a sort over a whole row of a long context: in two levels (`two_level`),
+or by the k-th score's digits (`radix_select`, no sort at all).
 
 Rows are cut into sub-blocks of `b` scores. Level 1 keeps the k sub-blocks with the highest maxima; level 2 takes the
 top k of their k * b scores. This is exact: a top-k score s lies in a sub-block whose maximum is >= s >= the k-th
@@ -42,3 +43,51 @@ def two_level(scores: jax.Array, k: int, direct_below: int = 4) -> jax.Array:
     values, pos = jax.lax.top_k(candidates, k)
     idx = jnp.take_along_axis(blocks, pos // b, axis=1) * b + pos % b
     return jnp.where(values == -jnp.inf, -1, idx).astype(jnp.int32)
+
+
+def _orderable(scores: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (negative floats have their bits flipped, others their sign bit set)."""
+    bits = jax.lax.bitcast_convert_type(scores, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def radix_select(scores: jax.Array, k: int, digit_bits: tuple[int, ...] = (11, 11, 10)) -> jax.Array:
+    """`one_level`'s selection for scores [R, S] float32 (-inf = not allowed) without a sort -> [R, k] int32, the same
+    key indices in ascending index order, -1 after them where fewer than k keys are allowed.
+
+    The k-th largest score is found digit by digit of its order-preserving 32-bit key (`digit_bits`, most significant
+    first): per digit, one histogram of the keys that match the digits found so far (a scatter-add), whose counts from
+    the top give the next digit. Keys above it are taken, and of the keys equal to it the lowest indices
+    (`lax.top_k`'s tie order); one cumulative count over the row places them. Passes over the row: one per digit
+    plus one, each a reduction or a scatter, instead of a sort's dozens of kernels (benchmarks/NOTES_dsa.md)."""
+    assert sum(digit_bits) == 32, digit_bits
+    rows, num_keys = scores.shape
+    if num_keys < k:
+        scores = jnp.pad(scores, ((0, 0), (0, k - num_keys)), constant_values=-jnp.inf)
+        num_keys = k
+    keys = _orderable(jnp.where(scores == 0, 0.0, scores))  # -0.0 and 0.0 are one score (a tie), not two
+    row = jnp.arange(rows)[:, None]
+    prefix = jnp.zeros((rows,), jnp.uint32)  # the digits of the k-th key found so far
+    known = jnp.zeros((rows,), jnp.uint32)  # their bits
+    need = jnp.full((rows,), k, jnp.int32)  # how many of the keys matching `prefix` are still to take
+    shift = 32
+    for bits in digit_bits:
+        shift -= bits
+        size = 1 << bits
+        digit = ((keys >> shift) & jnp.uint32(size - 1)).astype(jnp.int32)
+        active = ((keys & known[:, None]) == prefix[:, None]).astype(jnp.int32)
+        hist = jnp.zeros((rows, size), jnp.int32).at[row, digit].add(active)
+        at_least = jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1]  # keys with this digit or a higher one
+        chosen = jnp.sum(at_least >= need[:, None], axis=1) - 1  # the highest digit with enough keys at or above it
+        above = jnp.take_along_axis(jnp.pad(at_least, ((0, 0), (0, 1))), (chosen + 1)[:, None], axis=1)[:, 0]
+        need = need - above
+        prefix = prefix | (chosen.astype(jnp.uint32) << shift)
+        known = known | jnp.uint32((size - 1) << shift)
+    greater, equal = keys > prefix[:, None], keys == prefix[:, None]
+    counts = jnp.cumsum(jnp.stack([greater, equal]).astype(jnp.int32), axis=-1)
+    greater_before, equal_before = counts[0] - greater, counts[1] - equal
+    ties_allowed = prefix != _orderable(jnp.float32(-jnp.inf))  # a k-th score of -inf: no -inf key is returned
+    take = greater | (equal & (equal_before < need[:, None]) & ties_allowed[:, None])
+    slot = greater_before + jnp.where(ties_allowed[:, None], jnp.minimum(equal_before, need[:, None]), 0)
+    index = jnp.broadcast_to(jnp.arange(num_keys, dtype=jnp.int32), keys.shape)
+    return jnp.full((rows, k), -1, jnp.int32).at[row, jnp.where(take, slot, k)].set(index, mode="drop")

@@ -8,6 +8,8 @@ lower to a Triton call for CUDA (tests/triton_lowering.py), at DeepSeek-V3.2's s
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ from dayzero.kernels import attention, fp8_indexer, indexer, indexer_pallas, pag
 LAYERS, BLOCKS, BLOCK = 2, 14, 64
 LAYER = 1
 IDX_CFG = indexer_pallas.IndexerKernelConfig(block_k=32, block_q=16, score_bytes=4 * 2 * 16 * 320)
+IDX_RADIX = dataclasses.replace(IDX_CFG, topk="radix")  # the top-k by radix select instead of XLA sorts
 MLA_CFG = sparse_mla.SparseMLAConfig(block_h=16, block_k=8, decode_block_k=8, decode_programs=64, min_split_tokens=8,
                                      decode_variant="heads_split")  # decode splits
 # Whole ops under jit: one compilation per shape instead of one per eager op.
@@ -105,6 +108,27 @@ def test_two_level_topk_equals_one_level(seed, num_keys, k):
     assert (one[0] >= 0).sum() == min(50, k) and (one[1] == -1).all()
 
 
+@pytest.mark.parametrize("num_keys, k", [(5000, 16), (20_000, 100), (600, 200), (150, 200), (9000, 2048)])
+def test_radix_select_equals_one_level(seed, num_keys, k):
+    """The same keys as `lax.top_k` (ties to the lowest index), in index order, -1 after them; -0.0 ties 0.0."""
+    rng = np.random.default_rng(seed)
+    scores = rng.integers(-20, 20, (6, num_keys)).astype(np.float32)  # heavy ties
+    scores[0, 50:] = -np.inf  # fewer allowed keys than k
+    scores[1] = -np.inf
+    scores[2, rng.random(num_keys) < 0.5] = -np.inf
+    scores[3] = rng.standard_normal(num_keys).astype(np.float32) * np.float32(1e-30)  # tiny, both signs
+    scores[4] = np.where(rng.random(num_keys) < 0.5, -0.0, 0.0) * (rng.random(num_keys) < 0.9)
+    one = np.asarray(topk.one_level(jnp.asarray(np.where(scores == 0, 0.0, scores)), k))
+    got = np.asarray(jax.jit(topk.radix_select, static_argnums=1)(jnp.asarray(scores), k))
+    assert got.shape == (6, k) and got.dtype == np.int32
+    for r in range(6):
+        chosen = got[r][got[r] >= 0]
+        assert set(chosen.tolist()) == set(one[r][one[r] >= 0].tolist()), f"row {r} (seed={seed})"
+        assert np.all(np.diff(chosen) > 0) and np.all(got[r][len(chosen):] == -1), f"row {r} order (seed={seed})"
+    with pytest.raises(ValueError, match="topk"):
+        indexer_pallas.IndexerKernelConfig(topk="sorted")
+
+
 # --------------------------------------------------------------------------------------------------------- indexer
 
 
@@ -128,19 +152,21 @@ def indexer_inputs(rng, batch, length, context, heads=5, dim=None, fp8=False):
     (37, [37, 290], 20, False),  # prefill tiles kernel, three query chunks, many key tiles skipped
     (21, [100, 60], 200, True),  # tiles kernel, FP8; topk above the context (320 cached slots > topk)
 ])
-def test_indexer_topk_matches_reference(seed, length, context, k, fp8):
+@pytest.mark.parametrize("config", [IDX_CFG, IDX_RADIX], ids=lambda c: c.topk)
+def test_indexer_topk_matches_reference(seed, length, context, k, fp8, config):
     rng = np.random.default_rng(seed)
     q, w, pos, keys, tables, q_scales, k_scales = indexer_inputs(rng, 2, length, context, fp8=fp8)
     args = (q, w, pos, keys, LAYER, tables, k, 0.3)
     ref = topk_op(*args, q_scales=q_scales, key_scales=k_scales, impl="reference")
-    got = topk_op(*args, q_scales=q_scales, key_scales=k_scales, impl="interpret", config=IDX_CFG)
+    got = topk_op(*args, q_scales=q_scales, key_scales=k_scales, impl="interpret", config=config)
     scores = reference_scores(q, w, pos, keys, tables, 0.3, q_scales, k_scales)
     assert_same_selection(got, ref, scores, f"indexer T={length} k={k} fp8={fp8} seed={seed}")
     allowed = np.minimum(np.asarray(pos) + 1, k)
     assert ((np.asarray(got) >= 0).sum(-1) == allowed).all(), f"seed={seed}"
 
 
-def test_indexer_exact_ties_break_to_lower_position(seed):
+@pytest.mark.parametrize("config", [IDX_CFG, IDX_RADIX], ids=lambda c: c.topk)
+def test_indexer_exact_ties_break_to_lower_position(seed, config):
     """Integer q and keys, power-of-two weights and scale: scores are exact, with massive ties (one head: every
     key with q . k <= 0 scores exactly 0). Kernel and reference must pick the very same keys."""
     rng = np.random.default_rng(seed)
@@ -152,7 +178,7 @@ def test_indexer_exact_ties_break_to_lower_position(seed):
     pos = positions(rng, batch, length, [300, 150])
     args = (q, w, pos, keys, LAYER, tables, 24, 0.25)
     ref = np.asarray(topk_op(*args, impl="reference"))
-    got = np.asarray(topk_op(*args, impl="interpret", config=IDX_CFG))
+    got = np.asarray(topk_op(*args, impl="interpret", config=config))
     scores = reference_scores(q, w, pos, keys, tables, 0.25)
     kth = np.sort(scores, axis=-1)[..., -24]
     assert ((scores == kth[..., None]).sum(-1) > 1).any(), "no tie at the boundary: test is vacuous"
@@ -323,11 +349,12 @@ def _write(length):
             (V32_LATENT, S((4, 32), I32), S((4, length), I32), S((4, length), jnp.bool_), S((4, length, 576), BF16)))
 
 
-def _indexer(length, fp8):
+def _indexer(length, fp8, config=indexer_pallas.IndexerKernelConfig()):
     keys = S(V32_KEYS.shape, E4M3 if fp8 else BF16)
     q = S((2, length, 64, 128), E4M3 if fp8 else BF16)
-    fn = (lambda q, w, p, c, t, s: indexer_pallas.indexer_topk(q, w, p, c, 3, t, 2048, key_scales=s)) if fp8 else (
-        lambda q, w, p, c, t: indexer_pallas.indexer_topk(q, w, p, c, 3, t, 2048))
+    fn = (lambda q, w, p, c, t, s: indexer_pallas.indexer_topk(q, w, p, c, 3, t, 2048, key_scales=s,
+                                                               config=config)) if fp8 else (
+        lambda q, w, p, c, t: indexer_pallas.indexer_topk(q, w, p, c, 3, t, 2048, config=config))
     args = (q, S((2, length, 64), F32), S((2, length), I32), keys, S((2, 128), I32))
     return fn, args + ((V32_SCALES,) if fp8 else ())
 
@@ -348,6 +375,7 @@ def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
     ("write decode", lambda: _write(1)), ("write prefill", lambda: _write(100)),
     ("indexer decode", lambda: _indexer(1, False)), ("indexer decode fp8", lambda: _indexer(1, True)),
     ("indexer prefill", lambda: _indexer(128, False)), ("indexer prefill fp8", lambda: _indexer(128, True)),
+    ("indexer decode radix", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(topk="radix"))),
     ("sparse decode", lambda: _sparse(1, False)), ("dense decode", lambda: _sparse(1, True)),
     ("sparse decode heads_split", lambda: _sparse(1, False, HEADS_SPLIT)),
     ("dense decode heads_split", lambda: _sparse(1, True, HEADS_SPLIT)),
