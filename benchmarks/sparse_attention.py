@@ -68,7 +68,11 @@ def _tunings():
                "k256w8": IndexerKernelConfig(block_k=256, num_warps=8),
                # the top-k by radix select (topk.radix_select) instead of XLA's sorts (~20 kernels of ~3.2 us per call)
                "k128w4_radix": IndexerKernelConfig(topk="radix"),
-               "k256w8_radix": IndexerKernelConfig(block_k=256, num_warps=8, topk="radix")}
+               "k256w8_radix": IndexerKernelConfig(block_k=256, num_warps=8, topk="radix"),
+               # decode programs walking 4 / 16 key tiles, their queries loaded once, the gathers pipelined
+               "k128w4_x4_radix": IndexerKernelConfig(tiles_per_program=4, topk="radix"),
+               "k128w4_x16_radix": IndexerKernelConfig(tiles_per_program=16, topk="radix"),
+               "k64w4_x16_radix": IndexerKernelConfig(block_k=64, tiles_per_program=16, topk="radix")}
     return {HEADS: decode, 16: small}, prefill, indexer
 
 

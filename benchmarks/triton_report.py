@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of dayzero's Pallas kernels as Triton builds them for the H200, on a machine
 without a GPU: a resource report that costs no device time.
 
-    python benchmarks/triton_report.py [--op kda|moe_dense|moe_mxfp4|router|sparse_mla] [--warps 2,4,8] [--sass DIR]
+    python benchmarks/triton_report.py [--op indexer|kda|moe_dense|moe_mxfp4|router|sparse_mla] [--warps 2,4,8] [--sass DIR]
 
 Each kernel of the chosen op is lowered for CUDA through `jax.export` (as tests/triton_lowering.py does), its Triton
 IR captured, compiled by the `triton` package for sm_90 with the kernel's own num_warps / num_stages (or each of
@@ -177,15 +177,34 @@ def sparse_mla_cases() -> dict:
                                        decode_variant="heads_split")
     cases = {}
     fused32 = sparse_mla.SparseMLAConfig(block_h=32, num_warps=4)
-    for name, length, config in (("decode fused", 1, sparse_mla.SparseMLAConfig()), ("decode heads_split", 1, split),
-                                 ("decode fused h32 w4", 1, fused32),
-                                 ("prefill", 64, sparse_mla.SparseMLAConfig())):
+    for name, length, config, n_heads in (("decode fused", 1, sparse_mla.SparseMLAConfig(), heads),
+                                          ("decode heads_split", 1, split, heads),
+                                          ("decode fused h32 w4", 1, fused32, heads),
+                                          ("decode fused 16 heads", 1, sparse_mla.SparseMLAConfig(), 16),
+                                          ("prefill", 64, sparse_mla.SparseMLAConfig(), heads)):
         fn = lambda ql, qr, c, t, p, i, config=config: sparse_mla.sparse_mla(ql, qr, c, 0, t, p, i, 576 ** -0.5,
                                                                              config=config)
-        cases[f"sparse_mla {name} B{batch}"] = (fn, (S((batch, length, heads, rank), jnp.bfloat16),
-                                                     S((batch, length, heads, rope), jnp.bfloat16), cache, tables,
+        cases[f"sparse_mla {name} B{batch}"] = (fn, (S((batch, length, n_heads, rank), jnp.bfloat16),
+                                                     S((batch, length, n_heads, rope), jnp.bfloat16), cache, tables,
                                                      S((batch, length), jnp.int32),
                                                      S((batch, length, topk), jnp.int32)))
+    return cases
+
+
+def indexer_cases() -> dict:
+    """The DSA indexer's decode score kernel at DeepSeek-V3.2's shapes (64 heads x 128, bf16 keys, 128K keys per
+    request), batch 16: one key tile per program (the default) and runs of key tiles."""
+    from dayzero.kernels import indexer_pallas
+
+    S = jax.ShapeDtypeStruct
+    batch, pages = 16, 2048
+    cases = {}
+    for per_program in (1, 4, 16):
+        config = indexer_pallas.IndexerKernelConfig(tiles_per_program=per_program)
+        fn = lambda q, w, p, c, t, config=config: indexer_pallas.row_scores(q, w, p, c, 0, t, config=config)
+        cases[f"indexer decode x{per_program} B{batch}"] = (fn, (
+            S((batch, 1, 64, 128), jnp.bfloat16), S((batch, 1, 64), jnp.float32), S((batch, 1), jnp.int32),
+            S((1, batch * pages + 1, 64, 128), jnp.bfloat16), S((batch, pages), jnp.int32)))
     return cases
 
 
@@ -219,7 +238,7 @@ def moe_mxfp4_cases() -> dict:
     return cases
 
 
-CASES = {"kda": kda_cases, "moe_dense": moe_dense_cases, "moe_mxfp4": moe_mxfp4_cases,
+CASES = {"indexer": indexer_cases, "kda": kda_cases, "moe_dense": moe_dense_cases, "moe_mxfp4": moe_mxfp4_cases,
          "router": router_cases, "sparse_mla": sparse_mla_cases}
 
 

@@ -31,7 +31,8 @@ from .topk import radix_select, two_level
 class IndexerKernelConfig:
     """Tile sizes and launch parameters of the indexer kernels (powers of two)."""
 
-    block_k: int = 128  # keys per program
+    block_k: int = 128  # keys per program (per loop step of the decode kernel)
+    tiles_per_program: int = 1  # decode: key tiles per program, its queries loaded once (a power of two)
     block_q: int = 64  # queries per program in the prefill kernel
     rows_below: int = 16  # fewer queries than this per request: the per-row (decode) kernel
     score_bytes: int = 256 << 20  # bound on the scores of one query chunk
@@ -44,6 +45,9 @@ class IndexerKernelConfig:
     def __post_init__(self):
         if self.topk not in ("two_level", "radix"):
             raise ValueError(f"IndexerKernelConfig.topk must be 'two_level' or 'radix', got {self.topk!r}")
+        if self.tiles_per_program < 1 or self.tiles_per_program & (self.tiles_per_program - 1):
+            raise ValueError(f"IndexerKernelConfig.tiles_per_program must be a power of two, got "
+                             f"{self.tiles_per_program}")
 
 
 def _key_tile(table_ref, keys_ref, scales_ref, b, j, *, layer_row0, block_size, block_k, pieces, dtype):
@@ -64,25 +68,40 @@ def _unpack_refs(refs, has_scales):
     return (*inputs, None, out_ref)
 
 
-def _rows_kernel(*refs, length, has_scales, block_k, **tile):
+def _rows_kernel(*refs, length, has_scales, block_k, tiles_per_program, **tile):
+    """One (query row, run of `tiles_per_program` key tiles of `block_k`): the row's queries are loaded once and the
+    tiles at or before its position walked in a loop (their key gathers pipelined across iterations); later tiles
+    are -inf."""
     q_ref, w_ref, pos_ref, table_ref, keys_ref, scales_ref, out_ref = _unpack_refs(refs, has_scales)
-    r, j = pl.program_id(0), pl.program_id(1)
+    r, run = pl.program_id(0), pl.program_id(1)
     qpos = pos_ref[r]
+    first = run * tiles_per_program
+    live = jnp.clip(qpos // block_k - first + 1, 0, tiles_per_program)  # tiles holding a key at or before qpos
 
-    @pl.when(j * block_k <= qpos)
-    def _():
-        kpos, keys, scales = _key_tile(table_ref, keys_ref, scales_ref, r // length, j, block_k=block_k,
+    def score_tile(i, carry):
+        kpos, keys, scales = _key_tile(table_ref, keys_ref, scales_ref, r // length, first + i, block_k=block_k,
                                        dtype=q_ref.dtype, **tile)
         logits = sum(tiles.mm_nt(q_ref[:, pl.ds(start, size)], k)
                      for (start, size), k in zip(tile["pieces"], keys))  # [H, block_k]
         score = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[...][:, None], axis=0)
         if scales is not None:
             score = score * scales
-        out_ref[...] = jnp.where(kpos <= qpos, score, -jnp.inf)
+        start = i * block_k if isinstance(i, int) else pl.multiple_of(i * block_k, block_k)
+        out_ref[pl.ds(start, block_k)] = jnp.where(kpos <= qpos, score, -jnp.inf)
+        return carry
 
-    @pl.when(j * block_k > qpos)
-    def _():
-        out_ref[...] = jnp.full(out_ref.shape, -jnp.inf, jnp.float32)
+    if tiles_per_program == 1:
+        @pl.when(live > 0)
+        def _():
+            score_tile(0, 0)
+    else:
+        jax.lax.fori_loop(0, live, score_tile, 0)
+
+    def dead_tile(i, carry):
+        out_ref[pl.ds(pl.multiple_of(i * block_k, block_k), block_k)] = jnp.full((block_k,), -jnp.inf, jnp.float32)
+        return carry
+
+    jax.lax.fori_loop(live, tiles_per_program, dead_tile, 0)
 
 
 def _tiles_kernel(*refs, has_scales, block_k, num_heads, **tile):
@@ -123,20 +142,22 @@ def _score_inputs(key_cache, key_scales, layer, block_tables, block_k):
 def row_scores(q, weights, query_positions, key_cache, layer, block_tables, key_scales=None,
                config: IndexerKernelConfig = IndexerKernelConfig(), interpret: bool = False) -> jax.Array:
     """q [B, T, H, D], weights [B, T, H] f32 (all scales folded in), query_positions [B, T] int (-1: none)
-    -> scores [B * T, S] f32, S = max_blocks * block_size rounded up to `block_k`."""
+    -> scores [B * T, S] f32, S = max_blocks * block_size rounded up to `block_k` times the key tiles per program."""
     batch, length, heads, dim = q.shape
     block_k = config.block_k
-    num_keys, tables, rows, tile = _score_inputs(key_cache, key_scales, layer, block_tables, block_k)
+    n_tiles = -(-block_tables.shape[1] * key_cache.shape[2] // block_k)
+    per_program = min(config.tiles_per_program, tiles.pow2_at_least(n_tiles))
+    num_keys, tables, rows, tile = _score_inputs(key_cache, key_scales, layer, block_tables, block_k * per_program)
     n_rows = batch * length
     kernel = functools.partial(_rows_kernel, length=length, has_scales=key_scales is not None, block_k=block_k,
-                               **tile)
+                               tiles_per_program=per_program, **tile)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((n_rows, num_keys), jnp.float32),
-        grid=(n_rows, num_keys // block_k),
+        grid=(n_rows, num_keys // (block_k * per_program)),
         in_specs=[pl.BlockSpec((None, heads, dim), lambda r, j: (r, 0, 0)),
                   pl.BlockSpec((None, heads), lambda r, j: (r, 0)),
                   pl.no_block_spec, pl.no_block_spec, pl.no_block_spec] + [pl.no_block_spec] * (len(rows) - 1),
-        out_specs=pl.BlockSpec((None, block_k), lambda r, j: (r, j)),
+        out_specs=pl.BlockSpec((None, block_k * per_program), lambda r, j: (r, j)),
         interpret=interpret, compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
         name="dsa_index_scores_decode",
     )(q.reshape(n_rows, heads, dim), weights.reshape(n_rows, heads).astype(jnp.float32),

@@ -22,6 +22,7 @@ LAYERS, BLOCKS, BLOCK = 2, 14, 64
 LAYER = 1
 IDX_CFG = indexer_pallas.IndexerKernelConfig(block_k=32, block_q=16, score_bytes=4 * 2 * 16 * 320)
 IDX_RADIX = dataclasses.replace(IDX_CFG, topk="radix")  # the top-k by radix select instead of XLA sorts
+IDX_RUNS = dataclasses.replace(IDX_CFG, tiles_per_program=4, topk="radix")  # decode: 4 key tiles per program
 MLA_CFG = sparse_mla.SparseMLAConfig(block_h=16, block_k=8, decode_block_k=8, decode_programs=64, min_split_tokens=8,
                                      decode_variant="heads_split")  # decode splits
 # Whole ops under jit: one compilation per shape instead of one per eager op.
@@ -152,7 +153,8 @@ def indexer_inputs(rng, batch, length, context, heads=5, dim=None, fp8=False):
     (37, [37, 290], 20, False),  # prefill tiles kernel, three query chunks, many key tiles skipped
     (21, [100, 60], 200, True),  # tiles kernel, FP8; topk above the context (320 cached slots > topk)
 ])
-@pytest.mark.parametrize("config", [IDX_CFG, IDX_RADIX], ids=lambda c: c.topk)
+@pytest.mark.parametrize("config", [IDX_CFG, IDX_RADIX, IDX_RUNS],
+                         ids=lambda c: f"{c.topk}_x{c.tiles_per_program}")
 def test_indexer_topk_matches_reference(seed, length, context, k, fp8, config):
     rng = np.random.default_rng(seed)
     q, w, pos, keys, tables, q_scales, k_scales = indexer_inputs(rng, 2, length, context, fp8=fp8)
@@ -163,6 +165,20 @@ def test_indexer_topk_matches_reference(seed, length, context, k, fp8, config):
     assert_same_selection(got, ref, scores, f"indexer T={length} k={k} fp8={fp8} seed={seed}")
     allowed = np.minimum(np.asarray(pos) + 1, k)
     assert ((np.asarray(got) >= 0).sum(-1) == allowed).all(), f"seed={seed}"
+
+
+@pytest.mark.parametrize("per_program", [1, 2, 8])
+def test_decode_scores_by_runs_of_key_tiles(seed, per_program):
+    """The decode score kernel walking `per_program` key tiles per program: scores equal the reference's where a
+    key is allowed and are -inf elsewhere, with runs that are whole, partly and not at all before the position."""
+    rng = np.random.default_rng(seed)
+    q, w, pos, keys, tables, _, _ = indexer_inputs(rng, 2, 1, [320, 97])
+    cfg = dataclasses.replace(IDX_CFG, tiles_per_program=per_program)
+    got = np.asarray(indexer_pallas.row_scores(q, w * 0.3, pos, keys, LAYER, tables, config=cfg, interpret=True))
+    want = reference_scores(q, w, pos, keys, tables, 0.3).reshape(2, -1)
+    assert got.shape[1] % (32 * per_program) == 0 and got.shape[1] >= want.shape[1], got.shape
+    np.testing.assert_allclose(got[:, :want.shape[1]], want, rtol=1e-5, atol=1e-5, err_msg=f"seed={seed}")
+    assert np.all(got[:, want.shape[1]:] == -np.inf)
 
 
 @pytest.mark.parametrize("config", [IDX_CFG, IDX_RADIX], ids=lambda c: c.topk)
@@ -376,6 +392,8 @@ def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
     ("indexer decode", lambda: _indexer(1, False)), ("indexer decode fp8", lambda: _indexer(1, True)),
     ("indexer prefill", lambda: _indexer(128, False)), ("indexer prefill fp8", lambda: _indexer(128, True)),
     ("indexer decode radix", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(topk="radix"))),
+    ("indexer decode runs of 8 key tiles", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
+        tiles_per_program=8))),
     ("sparse decode", lambda: _sparse(1, False)), ("dense decode", lambda: _sparse(1, True)),
     ("sparse decode heads_split", lambda: _sparse(1, False, HEADS_SPLIT)),
     ("dense decode heads_split", lambda: _sparse(1, True, HEADS_SPLIT)),
