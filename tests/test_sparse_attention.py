@@ -96,13 +96,19 @@ def test_paged_write_kernels_match_reference(seed, length):
 # ----------------------------------------------------------------------------------------------------------- top-k
 
 
-@pytest.mark.parametrize("num_keys, k", [(5000, 16), (20_000, 100), (600, 200)])
-def test_two_level_topk_equals_one_level(seed, num_keys, k):
-    rng = np.random.default_rng(seed)
-    scores = rng.integers(-20, 20, (4, num_keys)).astype(np.float32)  # heavy ties
+def tied_scores(rng, rows, num_keys):
+    """Score rows [rows >= 4, num_keys] f32 of heavy ties; row 0 allows 50 keys, row 1 none, row 2 about half."""
+    scores = rng.integers(-20, 20, (rows, num_keys)).astype(np.float32)
     scores[0, 50:] = -np.inf  # fewer allowed keys than k
     scores[1] = -np.inf
     scores[2, rng.random(num_keys) < 0.5] = -np.inf
+    return scores
+
+
+@pytest.mark.parametrize("num_keys, k", [(5000, 16), (20_000, 100), (600, 200)])
+def test_two_level_topk_equals_one_level(seed, num_keys, k):
+    rng = np.random.default_rng(seed)
+    scores = tied_scores(rng, 4, num_keys)
     one = np.asarray(topk.one_level(jnp.asarray(scores), k))
     two = np.asarray(topk.two_level(jnp.asarray(scores), k, direct_below=2))
     np.testing.assert_array_equal(two, one, err_msg=f"seed={seed}")
@@ -113,10 +119,7 @@ def test_two_level_topk_equals_one_level(seed, num_keys, k):
 def test_radix_select_equals_one_level(seed, num_keys, k):
     """The same keys as `lax.top_k` (ties to the lowest index), in index order, -1 after them; -0.0 ties 0.0."""
     rng = np.random.default_rng(seed)
-    scores = rng.integers(-20, 20, (6, num_keys)).astype(np.float32)  # heavy ties
-    scores[0, 50:] = -np.inf  # fewer allowed keys than k
-    scores[1] = -np.inf
-    scores[2, rng.random(num_keys) < 0.5] = -np.inf
+    scores = tied_scores(rng, 6, num_keys)
     scores[3] = rng.standard_normal(num_keys).astype(np.float32) * np.float32(1e-30)  # tiny, both signs
     scores[4] = np.where(rng.random(num_keys) < 0.5, -0.0, 0.0) * (rng.random(num_keys) < 0.9)
     one = np.asarray(topk.one_level(jnp.asarray(np.where(scores == 0, 0.0, scores)), k))
