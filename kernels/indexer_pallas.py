@@ -76,9 +76,9 @@ def _rows_kernel(*refs, length, has_scales, block_k, tiles_per_program, **tile):
     r, run = pl.program_id(0), pl.program_id(1)
     qpos = pos_ref[r]
     first = run * tiles_per_program
-    live = jnp.clip(qpos // block_k - first + 1, 0, tiles_per_program)  # tiles holding a key at or before qpos
 
-    def score_tile(i, carry):
+    def tile_score(i):
+        """Scores [block_k] of the run's tile i, -inf past the row's position."""
         kpos, keys, scales = _key_tile(table_ref, keys_ref, scales_ref, r // length, first + i, block_k=block_k,
                                        dtype=q_ref.dtype, **tile)
         logits = sum(tiles.mm_nt(q_ref[:, pl.ds(start, size)], k)
@@ -86,21 +86,30 @@ def _rows_kernel(*refs, length, has_scales, block_k, tiles_per_program, **tile):
         score = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[...][:, None], axis=0)
         if scales is not None:
             score = score * scales
-        start = i * block_k if isinstance(i, int) else pl.multiple_of(i * block_k, block_k)
-        out_ref[pl.ds(start, block_k)] = jnp.where(kpos <= qpos, score, -jnp.inf)
-        return carry
+        return jnp.where(kpos <= qpos, score, -jnp.inf)
 
-    if tiles_per_program == 1:
-        @pl.when(live > 0)
+    dead = jnp.full((block_k,), -jnp.inf, jnp.float32)
+    if tiles_per_program == 1:  # one tile per program, no loop
+        @pl.when(first * block_k <= qpos)
         def _():
-            score_tile(0, 0)
-    else:
-        jax.lax.fori_loop(0, live, score_tile, 0)
+            out_ref[...] = tile_score(0)
+
+        @pl.when(first * block_k > qpos)
+        def _():
+            out_ref[...] = dead
+        return
+
+    live = jnp.clip(qpos // block_k - first + 1, 0, tiles_per_program)  # tiles holding a key at or before qpos
+
+    def live_tile(i, carry):
+        out_ref[pl.ds(pl.multiple_of(i * block_k, block_k), block_k)] = tile_score(i)
+        return carry
 
     def dead_tile(i, carry):
-        out_ref[pl.ds(pl.multiple_of(i * block_k, block_k), block_k)] = jnp.full((block_k,), -jnp.inf, jnp.float32)
+        out_ref[pl.ds(pl.multiple_of(i * block_k, block_k), block_k)] = dead
         return carry
 
+    jax.lax.fori_loop(0, live, live_tile, 0)
     jax.lax.fori_loop(live, tiles_per_program, dead_tile, 0)
 
 
