@@ -64,15 +64,12 @@ def _tunings():
              "fused_h16k64w4": SparseMLAConfig(decode_block_k=64),
              "fused_h16w4_st3": SparseMLAConfig(num_stages=3),
              "fused_h16w4_s32": SparseMLAConfig(min_split_tokens=32)}
-    indexer = {"k128w4": IndexerKernelConfig(), "k64w4": IndexerKernelConfig(block_k=64),
-               "k256w8": IndexerKernelConfig(block_k=256, num_warps=8),
+    # the default (first): keys x heads, runs of up to 16 key tiles (benchmarks/indexer.py measured the halves apart)
+    indexer = {"k128w4_kr_x16": IndexerKernelConfig(),
+               "k128w4": IndexerKernelConfig(keys_as_rows=False, tiles_per_program=1),  # the old default
+               "k64w4_kr_x8": IndexerKernelConfig(block_k=64, tiles_per_program=8),
                # the top-k by radix select (topk.radix_select) instead of XLA's sorts (~20 kernels of ~3.2 us per call)
-               "k128w4_radix": IndexerKernelConfig(topk="radix"),
-               "k256w8_radix": IndexerKernelConfig(block_k=256, num_warps=8, topk="radix"),
-               # decode programs walking 4 / 16 key tiles, their queries loaded once, the gathers pipelined
-               "k128w4_x4_radix": IndexerKernelConfig(tiles_per_program=4, topk="radix"),
-               "k128w4_x16_radix": IndexerKernelConfig(tiles_per_program=16, topk="radix"),
-               "k64w4_x16_radix": IndexerKernelConfig(block_k=64, tiles_per_program=16, topk="radix")}
+               "k128w4_kr_x16_radix": IndexerKernelConfig(topk="radix")}
     return {HEADS: decode, 16: small}, prefill, indexer
 
 

@@ -193,16 +193,21 @@ def sparse_mla_cases() -> dict:
 
 def indexer_cases() -> dict:
     """The DSA indexer's decode score kernel at DeepSeek-V3.2's shapes (64 heads x 128, bf16 keys, 128K keys per
-    request), batch 16: one key tile per program (the default) and runs of key tiles."""
+    request), batch 16: one key tile per program (the default) and runs of key tiles, the dot as heads x keys (the
+    default) or keys x heads, at 64 / 128 / 256 keys per tile."""
     from dayzero.kernels import indexer_pallas
 
     S = jax.ShapeDtypeStruct
     batch, pages = 16, 2048
     cases = {}
-    for per_program in (1, 4, 16):
-        config = indexer_pallas.IndexerKernelConfig(tiles_per_program=per_program)
+    for per_program, keys_as_rows, block_k, warps in ((1, False, 128, 4), (4, False, 128, 4), (1, True, 128, 4),
+                                                       (4, True, 128, 4), (16, True, 128, 4), (1, True, 64, 4),
+                                                       (1, True, 256, 8), (4, True, 256, 8)):
+        config = indexer_pallas.IndexerKernelConfig(tiles_per_program=per_program, keys_as_rows=keys_as_rows,
+                                                    block_k=block_k, num_warps=warps)
         fn = lambda q, w, p, c, t, config=config: indexer_pallas.row_scores(q, w, p, c, 0, t, config=config)
-        cases[f"indexer decode x{per_program} B{batch}"] = (fn, (
+        name = f"k{block_k}w{warps} x{per_program}{' keys-rows' * keys_as_rows}"
+        cases[f"indexer decode {name} B{batch}"] = (fn, (
             S((batch, 1, 64, 128), jnp.bfloat16), S((batch, 1, 64), jnp.float32), S((batch, 1), jnp.int32),
             S((1, batch * pages + 1, 64, 128), jnp.bfloat16), S((batch, pages), jnp.int32)))
     return cases

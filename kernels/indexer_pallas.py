@@ -27,24 +27,40 @@ from . import tiles
 from .topk import radix_select, two_level
 
 
+SELECTIONS = {  # IndexerKernelConfig.topk -> (scores [R, S] f32, k) -> [R, k] int32
+    "two_level": two_level,
+    "radix": radix_select,
+    "radix_count": functools.partial(radix_select, digit_bits=(4,) * 8, histogram="count"),
+    "radix_count_rows": functools.partial(radix_select, digit_bits=(4,) * 8, histogram="count_rows"),
+}
+
+
 @dataclass(frozen=True)
 class IndexerKernelConfig:
     """Tile sizes and launch parameters of the indexer kernels (powers of two)."""
 
     block_k: int = 128  # keys per program (per loop step of the decode kernel)
-    tiles_per_program: int = 1  # decode: key tiles per program, its queries loaded once (a power of two)
+    # decode: key tiles per program, its queries loaded once and the key gathers pipelined (a power of two); halved
+    # while the grid would have fewer than `min_programs` programs (short contexts, small batches)
+    tiles_per_program: int = 16
+    min_programs: int = 512
+    # decode: the dot as keys x heads ([block_k, D] x [D, H]): the sum over heads then stays within a thread and its
+    # quad of lanes, instead of crossing warps through shared memory (heads x keys); 432 SASS instructions per tile
+    # against 800 (benchmarks/triton_report.py --op indexer)
+    keys_as_rows: bool = True
     block_q: int = 64  # queries per program in the prefill kernel
     rows_below: int = 16  # fewer queries than this per request: the per-row (decode) kernel
     score_bytes: int = 256 << 20  # bound on the scores of one query chunk
     num_warps: int = 4
     num_stages: int = 2
-    # how the top-k is taken from the scores: "two_level" (`topk.two_level`, XLA sorts) or "radix" (`topk.radix_select`:
-    # no sort; the key indices in index order)
+    # how the top-k is taken from the scores: "two_level" (`topk.two_level`, XLA sorts), or by `topk.radix_select` (no
+    # sort; the key indices in index order) with its digit histograms by scatter-add ("radix": three 11/11/10-bit
+    # digits) or by counting ("radix_count", "radix_count_rows": eight 4-bit digits, no atomics)
     topk: str = "two_level"
 
     def __post_init__(self):
-        if self.topk not in ("two_level", "radix"):
-            raise ValueError(f"IndexerKernelConfig.topk must be 'two_level' or 'radix', got {self.topk!r}")
+        if self.topk not in SELECTIONS:
+            raise ValueError(f"IndexerKernelConfig.topk must be one of {sorted(SELECTIONS)}, got {self.topk!r}")
         if self.tiles_per_program < 1 or self.tiles_per_program & (self.tiles_per_program - 1):
             raise ValueError(f"IndexerKernelConfig.tiles_per_program must be a power of two, got "
                              f"{self.tiles_per_program}")
@@ -68,7 +84,7 @@ def _unpack_refs(refs, has_scales):
     return (*inputs, None, out_ref)
 
 
-def _rows_kernel(*refs, length, has_scales, block_k, tiles_per_program, **tile):
+def _rows_kernel(*refs, length, has_scales, block_k, tiles_per_program, keys_as_rows, **tile):
     """One (query row, run of `tiles_per_program` key tiles of `block_k`): the row's queries are loaded once and the
     tiles at or before its position walked in a loop (their key gathers pipelined across iterations); later tiles
     are -inf."""
@@ -81,9 +97,14 @@ def _rows_kernel(*refs, length, has_scales, block_k, tiles_per_program, **tile):
         """Scores [block_k] of the run's tile i, -inf past the row's position."""
         kpos, keys, scales = _key_tile(table_ref, keys_ref, scales_ref, r // length, first + i, block_k=block_k,
                                        dtype=q_ref.dtype, **tile)
-        logits = sum(tiles.mm_nt(q_ref[:, pl.ds(start, size)], k)
-                     for (start, size), k in zip(tile["pieces"], keys))  # [H, block_k]
-        score = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[...][:, None], axis=0)
+        if keys_as_rows:
+            logits = sum(tiles.mm_nt(k, q_ref[:, pl.ds(start, size)])
+                         for (start, size), k in zip(tile["pieces"], keys))  # [block_k, H]
+            score = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[...][None, :], axis=1)
+        else:
+            logits = sum(tiles.mm_nt(q_ref[:, pl.ds(start, size)], k)
+                         for (start, size), k in zip(tile["pieces"], keys))  # [H, block_k]
+            score = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[...][:, None], axis=0)
         if scales is not None:
             score = score * scales
         return jnp.where(kpos <= qpos, score, -jnp.inf)
@@ -148,6 +169,15 @@ def _score_inputs(key_cache, key_scales, layer, block_tables, block_k):
     return num_keys, tables, rows, tile
 
 
+def decode_tiles_per_program(config: IndexerKernelConfig, n_rows: int, n_tiles: int) -> int:
+    """Key tiles per decode program: `config.tiles_per_program`, at most the tiles of a row (rounded up to a power
+    of two), halved while n_rows x programs per row < `config.min_programs`."""
+    per_program = min(config.tiles_per_program, tiles.pow2_at_least(n_tiles))
+    while per_program > 1 and n_rows * -(-n_tiles // per_program) < config.min_programs:
+        per_program //= 2
+    return per_program
+
+
 def row_scores(q, weights, query_positions, key_cache, layer, block_tables, key_scales=None,
                config: IndexerKernelConfig = IndexerKernelConfig(), interpret: bool = False) -> jax.Array:
     """q [B, T, H, D], weights [B, T, H] f32 (all scales folded in), query_positions [B, T] int (-1: none)
@@ -155,11 +185,11 @@ def row_scores(q, weights, query_positions, key_cache, layer, block_tables, key_
     batch, length, heads, dim = q.shape
     block_k = config.block_k
     n_tiles = -(-block_tables.shape[1] * key_cache.shape[2] // block_k)
-    per_program = min(config.tiles_per_program, tiles.pow2_at_least(n_tiles))
+    per_program = decode_tiles_per_program(config, batch * length, n_tiles)
     num_keys, tables, rows, tile = _score_inputs(key_cache, key_scales, layer, block_tables, block_k * per_program)
     n_rows = batch * length
     kernel = functools.partial(_rows_kernel, length=length, has_scales=key_scales is not None, block_k=block_k,
-                               tiles_per_program=per_program, **tile)
+                               tiles_per_program=per_program, keys_as_rows=config.keys_as_rows, **tile)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((n_rows, num_keys), jnp.float32),
         grid=(n_rows, num_keys // (block_k * per_program)),
@@ -211,7 +241,7 @@ def indexer_topk(q, weights, query_positions, key_cache, layer, block_tables, to
     kw = dict(key_cache=key_cache, layer=layer, block_tables=block_tables, key_scales=key_scales, config=config,
               interpret=interpret)
     num_keys = tiles.round_up(block_tables.shape[1] * key_cache.shape[2], config.block_k)
-    select = radix_select if config.topk == "radix" else two_level
+    select = SELECTIONS[config.topk]
     if length < config.rows_below:
         scores = row_scores(q, weights, query_positions, **kw)
         return select(scores, topk).reshape(batch, length, topk)

@@ -51,7 +51,25 @@ def _orderable(scores: jax.Array) -> jax.Array:
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def radix_select(scores: jax.Array, k: int, digit_bits: tuple[int, ...] = (11, 11, 10)) -> jax.Array:
+def _digit_histogram(digit: jax.Array, active: jax.Array, size: int, method: str) -> jax.Array:
+    """Counts [R, size] int32 of each digit value among the active keys of each row (digit, active: [R, S]).
+
+    "scatter": one scatter-add (atomics; slow where most of a row's keys share a digit, as the top digits of scores
+    of one magnitude do); "count": a compare against every digit value summed over the row (one reduction that XLA
+    fuses without materializing [R, S, size]: no atomics; its work grows with `size`, so it suits small digits);
+    "count_rows": the same counts as `size` sibling row reductions."""
+    if method == "scatter":
+        row = jnp.arange(digit.shape[0])[:, None]
+        return jnp.zeros((digit.shape[0], size), jnp.int32).at[row, digit].add(active)
+    if method == "count_rows":  # one row reduction per digit value: XLA fuses the siblings into one kernel
+        live = active > 0
+        return jnp.stack([jnp.sum(live & (digit == value), axis=1, dtype=jnp.int32) for value in range(size)], axis=1)
+    hits = (digit[:, :, None] == jnp.arange(size, dtype=digit.dtype)) & (active[:, :, None] > 0)
+    return jnp.sum(hits, axis=1, dtype=jnp.int32)
+
+
+def radix_select(scores: jax.Array, k: int, digit_bits: tuple[int, ...] = (11, 11, 10),
+                 histogram: str = "scatter") -> jax.Array:
     """`one_level`'s selection for scores [R, S] float32 (-inf = not allowed) without a sort -> [R, k] int32, the same
     key indices in ascending index order, -1 after them where fewer than k keys are allowed.
 
@@ -59,8 +77,11 @@ def radix_select(scores: jax.Array, k: int, digit_bits: tuple[int, ...] = (11, 1
     first): per digit, one histogram of the keys that match the digits found so far (a scatter-add), whose counts from
     the top give the next digit. Keys above it are taken, and of the keys equal to it the lowest indices
     (`lax.top_k`'s tie order); one cumulative count over the row places them. Passes over the row: one per digit
-    plus one, each a reduction or a scatter, instead of a sort's dozens of kernels (benchmarks/NOTES_dsa.md)."""
+    plus one, each a reduction or a scatter, instead of a sort's dozens of kernels (benchmarks/NOTES_dsa.md).
+    `histogram` says how each digit's counts are taken (`_digit_histogram`)."""
     assert sum(digit_bits) == 32, digit_bits
+    if histogram not in ("scatter", "count", "count_rows"):
+        raise ValueError(f"radix_select: histogram must be 'scatter', 'count' or 'count_rows', got {histogram!r}")
     rows, num_keys = scores.shape
     if num_keys < k:
         scores = jnp.pad(scores, ((0, 0), (0, k - num_keys)), constant_values=-jnp.inf)
@@ -76,7 +97,7 @@ def radix_select(scores: jax.Array, k: int, digit_bits: tuple[int, ...] = (11, 1
         size = 1 << bits
         digit = ((keys >> shift) & jnp.uint32(size - 1)).astype(jnp.int32)
         active = ((keys & known[:, None]) == prefix[:, None]).astype(jnp.int32)
-        hist = jnp.zeros((rows, size), jnp.int32).at[row, digit].add(active)
+        hist = _digit_histogram(digit, active, size, histogram)
         at_least = jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1]  # keys with this digit or a higher one
         chosen = jnp.sum(at_least >= need[:, None], axis=1) - 1  # the highest digit with enough keys at or above it
         above = jnp.take_along_axis(jnp.pad(at_least, ((0, 0), (0, 1))), (chosen + 1)[:, None], axis=1)[:, 0]

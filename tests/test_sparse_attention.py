@@ -20,9 +20,13 @@ from dayzero.kernels import attention, fp8_indexer, indexer, indexer_pallas, pag
 
 LAYERS, BLOCKS, BLOCK = 2, 14, 64
 LAYER = 1
-IDX_CFG = indexer_pallas.IndexerKernelConfig(block_k=32, block_q=16, score_bytes=4 * 2 * 16 * 320)
-IDX_RADIX = dataclasses.replace(IDX_CFG, topk="radix")  # the top-k by radix select instead of XLA sorts
-IDX_RUNS = dataclasses.replace(IDX_CFG, tiles_per_program=4, topk="radix")  # decode: 4 key tiles per program
+# the default decode kernel (keys x heads, runs of up to 16 key tiles: here one run per row, past its keys), small tiles
+IDX_CFG = indexer_pallas.IndexerKernelConfig(block_k=32, block_q=16, score_bytes=4 * 2 * 16 * 320, min_programs=1)
+# heads x keys, one tile per program; the top-k by radix select instead of XLA sorts
+IDX_RADIX = dataclasses.replace(IDX_CFG, topk="radix", keys_as_rows=False, tiles_per_program=1)
+IDX_RUNS = dataclasses.replace(IDX_RADIX, tiles_per_program=4)  # heads x keys, 4 key tiles per program
+# keys x heads, runs of 2 tiles; the radix select's digits counted, not scattered
+IDX_KEYS_ROWS = dataclasses.replace(IDX_CFG, tiles_per_program=2, topk="radix_count")
 MLA_CFG = sparse_mla.SparseMLAConfig(block_h=16, block_k=8, decode_block_k=8, decode_programs=64, min_split_tokens=8,
                                      decode_variant="heads_split")  # decode splits
 # Whole ops under jit: one compilation per shape instead of one per eager op.
@@ -115,15 +119,19 @@ def test_two_level_topk_equals_one_level(seed, num_keys, k):
     assert (one[0] >= 0).sum() == min(50, k) and (one[1] == -1).all()
 
 
+@pytest.mark.parametrize("histogram, digit_bits", [("scatter", (11, 11, 10)), ("count", (4,) * 8),
+                                                   ("count", (3, 5, 8, 8, 8)), ("count_rows", (5, 5, 5, 5, 6, 6))])
 @pytest.mark.parametrize("num_keys, k", [(5000, 16), (20_000, 100), (600, 200), (150, 200), (9000, 2048)])
-def test_radix_select_equals_one_level(seed, num_keys, k):
-    """The same keys as `lax.top_k` (ties to the lowest index), in index order, -1 after them; -0.0 ties 0.0."""
+def test_radix_select_equals_one_level(seed, num_keys, k, histogram, digit_bits):
+    """The same keys as `lax.top_k` (ties to the lowest index), in index order, -1 after them; -0.0 ties 0.0; with
+    the digit histograms scattered or counted, and digits of unequal widths."""
     rng = np.random.default_rng(seed)
     scores = tied_scores(rng, 6, num_keys)
     scores[3] = rng.standard_normal(num_keys).astype(np.float32) * np.float32(1e-30)  # tiny, both signs
     scores[4] = np.where(rng.random(num_keys) < 0.5, -0.0, 0.0) * (rng.random(num_keys) < 0.9)
     one = np.asarray(topk.one_level(jnp.asarray(np.where(scores == 0, 0.0, scores)), k))
-    got = np.asarray(jax.jit(topk.radix_select, static_argnums=1)(jnp.asarray(scores), k))
+    select = jax.jit(topk.radix_select, static_argnums=(1, 2, 3))
+    got = np.asarray(select(jnp.asarray(scores), k, digit_bits, histogram))
     assert got.shape == (6, k) and got.dtype == np.int32
     for r in range(6):
         chosen = got[r][got[r] >= 0]
@@ -131,6 +139,8 @@ def test_radix_select_equals_one_level(seed, num_keys, k):
         assert np.all(np.diff(chosen) > 0) and np.all(got[r][len(chosen):] == -1), f"row {r} order (seed={seed})"
     with pytest.raises(ValueError, match="topk"):
         indexer_pallas.IndexerKernelConfig(topk="sorted")
+    with pytest.raises(ValueError, match="histogram"):
+        topk.radix_select(jnp.asarray(scores), k, histogram="atomic")
 
 
 # --------------------------------------------------------------------------------------------------------- indexer
@@ -156,8 +166,8 @@ def indexer_inputs(rng, batch, length, context, heads=5, dim=None, fp8=False):
     (37, [37, 290], 20, False),  # prefill tiles kernel, three query chunks, many key tiles skipped
     (21, [100, 60], 200, True),  # tiles kernel, FP8; topk above the context (320 cached slots > topk)
 ])
-@pytest.mark.parametrize("config", [IDX_CFG, IDX_RADIX, IDX_RUNS],
-                         ids=lambda c: f"{c.topk}_x{c.tiles_per_program}")
+@pytest.mark.parametrize("config", [IDX_CFG, IDX_RADIX, IDX_RUNS, IDX_KEYS_ROWS],
+                         ids=lambda c: f"{c.topk}_x{c.tiles_per_program}{'_keys_rows' * c.keys_as_rows}")
 def test_indexer_topk_matches_reference(seed, length, context, k, fp8, config):
     rng = np.random.default_rng(seed)
     q, w, pos, keys, tables, q_scales, k_scales = indexer_inputs(rng, 2, length, context, fp8=fp8)
@@ -170,13 +180,24 @@ def test_indexer_topk_matches_reference(seed, length, context, k, fp8, config):
     assert ((np.asarray(got) >= 0).sum(-1) == allowed).all(), f"seed={seed}"
 
 
+def test_decode_runs_shorten_until_the_grid_fills():
+    cfg = indexer_pallas.IndexerKernelConfig(tiles_per_program=16, min_programs=512)
+    runs = indexer_pallas.decode_tiles_per_program
+    assert runs(cfg, 16, 1024) == 16  # batch 16 at 128K keys: 1024 programs
+    assert runs(cfg, 16, 64) == 2  # batch 16 at 8K: 512 programs of 2 tiles
+    assert runs(cfg, 1, 4096) == 8 and runs(cfg, 1, 64) == 1
+    assert runs(dataclasses.replace(cfg, min_programs=1), 1, 5) == 8  # one run past the row's 5 tiles
+
+
+@pytest.mark.parametrize("keys_as_rows", [False, True])
 @pytest.mark.parametrize("per_program", [1, 2, 8])
-def test_decode_scores_by_runs_of_key_tiles(seed, per_program):
-    """The decode score kernel walking `per_program` key tiles per program: scores equal the reference's where a
-    key is allowed and are -inf elsewhere, with runs that are whole, partly and not at all before the position."""
+def test_decode_scores_by_runs_of_key_tiles(seed, per_program, keys_as_rows):
+    """The decode score kernel walking `per_program` key tiles per program, its dot as heads x keys or keys x heads:
+    scores equal the reference's where a key is allowed and are -inf elsewhere, with runs that are whole, partly and
+    not at all before the position."""
     rng = np.random.default_rng(seed)
     q, w, pos, keys, tables, _, _ = indexer_inputs(rng, 2, 1, [320, 97])
-    cfg = dataclasses.replace(IDX_CFG, tiles_per_program=per_program)
+    cfg = dataclasses.replace(IDX_CFG, tiles_per_program=per_program, keys_as_rows=keys_as_rows)
     got = np.asarray(indexer_pallas.row_scores(q, w * 0.3, pos, keys, LAYER, tables, config=cfg, interpret=True))
     want = reference_scores(q, w, pos, keys, tables, 0.3).reshape(2, -1)
     assert got.shape[1] % (32 * per_program) == 0 and got.shape[1] >= want.shape[1], got.shape
@@ -392,11 +413,13 @@ def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
 
 @pytest.mark.parametrize("name, case", [
     ("write decode", lambda: _write(1)), ("write prefill", lambda: _write(100)),
-    ("indexer decode", lambda: _indexer(1, False)), ("indexer decode fp8", lambda: _indexer(1, True)),
+    ("indexer decode", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(min_programs=1))),  # x16 ("indexer decode fp8", lambda: _indexer(1, True)),
     ("indexer prefill", lambda: _indexer(128, False)), ("indexer prefill fp8", lambda: _indexer(128, True)),
     ("indexer decode radix", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(topk="radix"))),
-    ("indexer decode runs of 8 key tiles", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
-        tiles_per_program=8))),
+    ("indexer decode heads x keys, runs of 8 key tiles", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
+        tiles_per_program=8, min_programs=1, keys_as_rows=False))),
+    ("indexer decode one tile per program, radix count", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
+        tiles_per_program=1, topk="radix_count"))),
     ("sparse decode", lambda: _sparse(1, False)), ("dense decode", lambda: _sparse(1, True)),
     ("sparse decode heads_split", lambda: _sparse(1, False, HEADS_SPLIT)),
     ("dense decode heads_split", lambda: _sparse(1, True, HEADS_SPLIT)),

@@ -73,9 +73,11 @@ def assert_same_selection(got, ref, scores, tol=2e-3):
             assert not off, f"({b}, {t}) differs beyond boundary ties: {len(off)} keys"
 
 
-@pytest.mark.parametrize("topk_form, per_program", [("two_level", 1), ("radix", 1), ("radix", 8)])
+@pytest.mark.parametrize("topk_form, per_program, keys_as_rows", [
+    ("two_level", 16, True), ("two_level", 1, False), ("radix", 8, False), ("radix_count", 1, True),
+    ("two_level", 4, True)])  # the first: the default
 @pytest.mark.parametrize("length, fp8", [(1, False), (1, True), (200, False), (200, True)])
-def test_indexer_topk(rng, length, fp8, topk_form, per_program):
+def test_indexer_topk(rng, length, fp8, topk_form, per_program, keys_as_rows):
     batch, heads, dim, topk, per_row, num_blocks = 2, 64, 128, 2048, 96, 200  # 6144 keys per row
     tables = tables_for(rng, batch, per_row, num_blocks)
     keys = jnp.asarray(rng.standard_normal((2, num_blocks, BLOCK, dim)), jnp.float32)
@@ -90,7 +92,8 @@ def test_indexer_topk(rng, length, fp8, topk_form, per_program):
         k_scales = k_scales[..., None]
     else:
         q, keys = q.astype(jnp.bfloat16), keys.astype(jnp.bfloat16)
-    config = IndexerKernelConfig(topk=topk_form, tiles_per_program=per_program)
+    config = IndexerKernelConfig(topk=topk_form, tiles_per_program=per_program, keys_as_rows=keys_as_rows,
+                                 min_programs=1)  # the runs as asked for, however few programs
     run = jax.jit(lambda impl, *a: indexer.indexer_topk(*a[:4], 1, a[4], topk, dim ** -0.5, q_scales=a[5],
                                                         key_scales=a[6], impl=impl, config=config), static_argnums=0)
     args = (q, w, positions, keys, tables, q_scales, k_scales)  # arguments, not constants folded into the jit
