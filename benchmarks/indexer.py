@@ -34,15 +34,15 @@ def score_tunings() -> dict:
     """name -> IndexerKernelConfig of the decode score kernel (the first: the default)."""
     from dayzero.kernels.indexer_pallas import IndexerKernelConfig as C
 
-    return {"k128w4": C(), "k64w4": C(block_k=64),
+    one = dict(tiles_per_program=1)
+    return {"k128w4_kr_x16": C(),  # the default: keys x heads, runs of up to 16 key tiles
+            # heads x keys, one tile per program (the default before 2026-12-01's eighth session)
+            "k128w4": C(keys_as_rows=False, **one), "k64w4": C(block_k=64, keys_as_rows=False, **one),
             # the dot as keys x heads (IndexerKernelConfig.keys_as_rows): the sum over heads within a thread's quad
-            "k128w4_kr": C(keys_as_rows=True), "k64w4_kr": C(block_k=64, keys_as_rows=True),
-            "k256w8_kr": C(block_k=256, num_warps=8, keys_as_rows=True),
+            "k128w4_kr": C(**one), "k64w4_kr": C(block_k=64, **one), "k256w8_kr": C(block_k=256, num_warps=8, **one),
             # runs of key tiles per program, the queries loaded once and the key gathers pipelined
-            "k128w4_kr_x4": C(keys_as_rows=True, tiles_per_program=4),
-            "k128w4_kr_x16": C(keys_as_rows=True, tiles_per_program=16),
-            "k64w4_kr_x8": C(block_k=64, keys_as_rows=True, tiles_per_program=8),
-            "k128w4_x4": C(tiles_per_program=4)}
+            "k128w4_kr_x4": C(tiles_per_program=4), "k64w4_kr_x8": C(block_k=64, tiles_per_program=8),
+            "k128w4_x4": C(keys_as_rows=False, tiles_per_program=4)}
 
 
 def selections() -> dict:
