@@ -25,7 +25,7 @@ import sys
 
 from gpu_trace import gpu_kernels, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
-from timing import pipelined_seconds  # benchmarks/timing.py
+from timing import hbm_copy_bandwidth  # benchmarks/timing.py
 
 HEADS, DIM, TOPK, BLOCK, CHAIN = 64, 128, 2048, 64, 10
 
@@ -58,8 +58,9 @@ def selections() -> dict:
             "radix_count_d3": functools.partial(topk.radix_select, digit_bits=(2,) + (3,) * 10, histogram="count")}
 
 
-def measure(res: dict, batches, contexts) -> dict:
-    """Fills `res` as it goes (an interrupted run still reports what it measured) and returns it."""
+def measure(res: dict, batches, contexts, score_names=None, selection_names=None) -> dict:
+    """Fills `res` as it goes (an interrupted run still reports what it measured) and returns it. `score_names` /
+    `selection_names`: the tunings / selections to run (default: all)."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     import jax
     import jax.numpy as jnp
@@ -67,10 +68,8 @@ def measure(res: dict, batches, contexts) -> dict:
 
     from dayzero.kernels import indexer_pallas
 
-    x = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)  # 1 GiB, read + write
-    copy_bw = 2 * x.nbytes / pipelined_seconds(jax.jit(lambda a: a * 1.0001), x)
+    copy_bw = hbm_copy_bandwidth()
     res["hbm_copy_TBps"] = round(copy_bw / 1e12, 3)
-    del x
 
     max_batch, max_ctx = max(batches), max(contexts)
     pages = max_ctx // BLOCK
@@ -109,6 +108,8 @@ def measure(res: dict, batches, contexts) -> dict:
             key_bytes = batch * ctx * DIM * 2
             scores_us, kernels = {}, {}
             for name, cfg in score_tunings().items():
+                if score_names and name not in score_names:
+                    continue
                 op = chained(lambda ww, t, qq, p, cache, cfg=cfg: indexer_pallas.row_scores(qq, ww, p, cache, 0, t,
                                                                                           config=cfg))
                 us, top = device_us(op, eps, w, tables, q, pos, keys)  # the cache an argument, not a constant
@@ -122,6 +123,8 @@ def measure(res: dict, batches, contexts) -> dict:
             topk_us, agree = {}, {}
             picked = {}
             for name, select in selections().items():
+                if selection_names and name not in selection_names and name != "two_level":  # the reference
+                    continue
                 op = chained(lambda ww, s, select=select: select(s + ww[0, 0, 0] * 0.0, TOPK))
                 us, top = device_us(op, eps, w, score_rows)
                 topk_us[name] = round(us, 2)
@@ -146,12 +149,16 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     parser.add_argument("--batches", default="16,64")
     parser.add_argument("--contexts", default="32768,131072,524288")
+    parser.add_argument("--scores", help="comma-separated score tunings to run (default: all of score_tunings)")
+    parser.add_argument("--selections", help="comma-separated top-k selections to run besides two_level (default: "
+                                             "all of selections)")
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
     contexts = tuple(int(c) for c in args.contexts.split(","))
     res: dict = {}
     try:
-        measure(res, batches, contexts)
+        measure(res, batches, contexts, args.scores and args.scores.split(","),
+                args.selections and args.selections.split(","))
     except KeyboardInterrupt:  # `timeout -s INT`: report what was measured, marked as partial
         res["interrupted"] = True
     import jax

@@ -28,7 +28,7 @@ import sys
 import time
 
 from gpu_trace import gpu_kernels, kernel_time_split, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
-from timing import pipelined_seconds  # benchmarks/timing.py
+from timing import hbm_copy_bandwidth, pipelined_seconds  # benchmarks/timing.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 
 H, D = 32, 128
@@ -178,11 +178,7 @@ def measure_dayzero(tunings: dict, decode: bool = True, res: dict | None = None)
 
     timed = pipelined_seconds
 
-    # HBM copy bandwidth (read + write), the roofline for the memory-bound step.
-    x = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)  # 1 GiB
-    scale = jax.jit(lambda a: a * 1.0001)
-    res["hbm_copy_TBps"] = round(2 * x.nbytes / timed(scale, x) / 1e12, 3)
-    del x
+    res["hbm_copy_TBps"] = round(hbm_copy_bandwidth() / 1e12, 3)  # the roofline of the memory-bound step
 
     def inputs(B, T, key):
         ks = jax.random.split(key, 6)

@@ -31,7 +31,7 @@ import time
 
 from gpu_trace import gpu_kernels, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
-from timing import pipelined_seconds  # benchmarks/timing.py
+from timing import hbm_copy_bandwidth  # benchmarks/timing.py
 
 HEADS, RANK, ROPE, IDX_HEADS, IDX_DIM, TOPK, BLOCK = 128, 512, 64, 64, 128, 2048, 64
 CONTEXTS = (8192, 32768, 131072, 524288)
@@ -152,12 +152,8 @@ def measure(quick: bool, res: dict, sweep: bool = True, head_counts=(HEADS, 16),
         return jax.jit(run)
 
     eps = jnp.float32(0.0)
-    x = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)  # 1 GiB
-    # read + write of 1 GiB, calls back to back (benchmarks/kda.py's measure): one call waited on at a time reads
-    # 2.4-3.0 TB/s on the H200, a host round trip per call, against 4.1 pipelined
-    copy_bw = 2 * x.nbytes / pipelined_seconds(jax.jit(lambda a: a * 1.0001), x)
+    copy_bw = hbm_copy_bandwidth()
     res["hbm_copy_TBps"] = round(copy_bw / 1e12, 3)
-    del x
 
     # ------------------------------------------------------------------------------------------------- decode
     max_batch, max_ctx = max(batches), max(contexts)

@@ -1,7 +1,7 @@
 """Registers, spills and shared memory of dayzero's Pallas kernels as Triton builds them for the H200, on a machine
 without a GPU: a resource report that costs no device time.
 
-    python benchmarks/triton_report.py [--op indexer|kda|moe_dense|moe_mxfp4|router|sparse_mla] [--warps 2,4,8] [--sass DIR]
+    python benchmarks/triton_report.py [--op indexer|kda|moe_dense|moe_mxfp4|router|sparse_mla|topk] [--warps 2,4,8] [--sass DIR]
 
 Each kernel of the chosen op is lowered for CUDA through `jax.export` (as tests/triton_lowering.py does), its Triton
 IR captured, compiled by the `triton` package for sm_90 with the kernel's own num_warps / num_stages (or each of
@@ -213,6 +213,20 @@ def indexer_cases() -> dict:
     return cases
 
 
+def topk_cases() -> dict:
+    """The radix select's Pallas passes (kernels/topk_pallas.py) over batch 16's score rows at 128K keys: one digit's
+    counts and the final compaction into 2048 indices."""
+    from dayzero.kernels import topk_pallas
+
+    S = jax.ShapeDtypeStruct
+    rows, n = 16, 131072
+    row = S((rows,), jnp.int32)
+    return {"radix digit counts B16": (lambda keys, p, m: topk_pallas.digit_counts(keys, p, m, 16, 8),
+                                       (S((rows, n), jnp.int32), row, row)),
+            "radix compact B16": (lambda keys, t, need: topk_pallas.compact(keys, t, need, 2048),
+                                  (S((rows, n), jnp.int32), row, row))}
+
+
 def moe_mxfp4_cases() -> dict:
     """The MXFP4 (and pre-converted FP8) grouped matmuls at the medium hybrid's layer (64 experts, top-6, 2048 x 768)
     at 1 token (split-K tiles) and 16 tokens, and at the DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at
@@ -244,7 +258,7 @@ def moe_mxfp4_cases() -> dict:
 
 
 CASES = {"indexer": indexer_cases, "kda": kda_cases, "moe_dense": moe_dense_cases, "moe_mxfp4": moe_mxfp4_cases,
-         "router": router_cases, "sparse_mla": sparse_mla_cases}
+         "router": router_cases, "sparse_mla": sparse_mla_cases, "topk": topk_cases}
 
 
 def main(argv=None) -> int:

@@ -27,11 +27,13 @@ from . import tiles
 from .topk import radix_select, two_level
 
 
-SELECTIONS = {  # IndexerKernelConfig.topk -> (scores [R, S] f32, k) -> [R, k] int32
-    "two_level": two_level,
-    "radix": radix_select,
+SELECTIONS = {  # IndexerKernelConfig.topk -> (scores [R, S] f32, k, interpret) -> [R, k] int32
+    "two_level": lambda scores, k, interpret=False: two_level(scores, k),
+    "radix": functools.partial(radix_select, histogram="scatter"),
     "radix_count": functools.partial(radix_select, digit_bits=(4,) * 8, histogram="count"),
     "radix_count_rows": functools.partial(radix_select, digit_bits=(4,) * 8, histogram="count_rows"),
+    # four 8-bit digits counted by a Pallas kernel per pass, the compaction one more (kernels/topk_pallas.py)
+    "radix_pallas": functools.partial(radix_select, digit_bits=(8,) * 4, histogram="pallas"),
 }
 
 
@@ -55,7 +57,8 @@ class IndexerKernelConfig:
     num_stages: int = 2
     # how the top-k is taken from the scores: "two_level" (`topk.two_level`, XLA sorts), or by `topk.radix_select` (no
     # sort; the key indices in index order) with its digit histograms by scatter-add ("radix": three 11/11/10-bit
-    # digits) or by counting ("radix_count", "radix_count_rows": eight 4-bit digits, no atomics)
+    # digits), by counting ("radix_count", "radix_count_rows": eight 4-bit digits, no atomics), or by Pallas kernels
+    # ("radix_pallas": four 8-bit digits, one kernel per pass and one for the compaction)
     topk: str = "two_level"
 
     def __post_init__(self):
@@ -244,7 +247,7 @@ def indexer_topk(q, weights, query_positions, key_cache, layer, block_tables, to
     select = SELECTIONS[config.topk]
     if length < config.rows_below:
         scores = row_scores(q, weights, query_positions, **kw)
-        return select(scores, topk).reshape(batch, length, topk)
+        return select(scores, topk, interpret=interpret).reshape(batch, length, topk)
     block_q = min(config.block_q, tiles.pow2_at_least(length, 16))
     chunk = max(block_q, (config.score_bytes // (4 * batch * num_keys)) // block_q * block_q)
     chunk = min(chunk, tiles.round_up(length, block_q))
@@ -258,7 +261,7 @@ def indexer_topk(q, weights, query_positions, key_cache, layer, block_tables, to
     def one_chunk(args):
         q_c, w_c, pos_c = args
         scores = tile_scores(q_c, w_c, pos_c, **tile_cfg)
-        return select(scores.reshape(-1, num_keys), topk).reshape(batch, chunk, topk)
+        return select(scores.reshape(-1, num_keys), topk, interpret=interpret).reshape(batch, chunk, topk)
 
     n_chunks = padded // chunk
     if n_chunks == 1:

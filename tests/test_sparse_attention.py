@@ -24,7 +24,8 @@ LAYER = 1
 IDX_CFG = indexer_pallas.IndexerKernelConfig(block_k=32, block_q=16, score_bytes=4 * 2 * 16 * 320, min_programs=1)
 # heads x keys, one tile per program; the top-k by radix select instead of XLA sorts
 IDX_RADIX = dataclasses.replace(IDX_CFG, topk="radix", keys_as_rows=False, tiles_per_program=1)
-IDX_RUNS = dataclasses.replace(IDX_RADIX, tiles_per_program=4)  # heads x keys, 4 key tiles per program
+# heads x keys, 4 key tiles per program; the radix select's passes as Pallas kernels
+IDX_RUNS = dataclasses.replace(IDX_RADIX, tiles_per_program=4, topk="radix_pallas")
 # keys x heads, runs of 2 tiles; the radix select's digits counted, not scattered
 IDX_KEYS_ROWS = dataclasses.replace(IDX_CFG, tiles_per_program=2, topk="radix_count")
 MLA_CFG = sparse_mla.SparseMLAConfig(block_h=16, block_k=8, decode_block_k=8, decode_programs=64, min_split_tokens=8,
@@ -120,7 +121,8 @@ def test_two_level_topk_equals_one_level(seed, num_keys, k):
 
 
 @pytest.mark.parametrize("histogram, digit_bits", [("scatter", (11, 11, 10)), ("count", (4,) * 8),
-                                                   ("count", (3, 5, 8, 8, 8)), ("count_rows", (5, 5, 5, 5, 6, 6))])
+                                                   ("count", (3, 5, 8, 8, 8)), ("count_rows", (5, 5, 5, 5, 6, 6)),
+                                                   ("pallas", (8,) * 4), ("pallas", (3, 5, 8, 8, 8))])
 @pytest.mark.parametrize("num_keys, k", [(5000, 16), (20_000, 100), (600, 200), (150, 200), (9000, 2048)])
 def test_radix_select_equals_one_level(seed, num_keys, k, histogram, digit_bits):
     """The same keys as `lax.top_k` (ties to the lowest index), in index order, -1 after them; -0.0 ties 0.0; with
@@ -130,8 +132,8 @@ def test_radix_select_equals_one_level(seed, num_keys, k, histogram, digit_bits)
     scores[3] = rng.standard_normal(num_keys).astype(np.float32) * np.float32(1e-30)  # tiny, both signs
     scores[4] = np.where(rng.random(num_keys) < 0.5, -0.0, 0.0) * (rng.random(num_keys) < 0.9)
     one = np.asarray(topk.one_level(jnp.asarray(np.where(scores == 0, 0.0, scores)), k))
-    select = jax.jit(topk.radix_select, static_argnums=(1, 2, 3))
-    got = np.asarray(select(jnp.asarray(scores), k, digit_bits, histogram))
+    select = jax.jit(topk.radix_select, static_argnums=(1, 2, 3, 4))
+    got = np.asarray(select(jnp.asarray(scores), k, digit_bits, histogram, histogram == "pallas"))  # interpret
     assert got.shape == (6, k) and got.dtype == np.int32
     for r in range(6):
         chosen = got[r][got[r] >= 0]
@@ -141,6 +143,8 @@ def test_radix_select_equals_one_level(seed, num_keys, k, histogram, digit_bits)
         indexer_pallas.IndexerKernelConfig(topk="sorted")
     with pytest.raises(ValueError, match="histogram"):
         topk.radix_select(jnp.asarray(scores), k, histogram="atomic")
+    with pytest.raises(ValueError, match="at most 8 bits"):
+        topk.radix_select(jnp.asarray(scores), k, histogram="pallas")
 
 
 # --------------------------------------------------------------------------------------------------------- indexer
@@ -420,6 +424,8 @@ def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
         tiles_per_program=8, min_programs=1, keys_as_rows=False))),
     ("indexer decode one tile per program, radix count", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
         tiles_per_program=1, topk="radix_count"))),
+    ("indexer decode radix pallas", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
+        topk="radix_pallas"))),
     ("sparse decode", lambda: _sparse(1, False)), ("dense decode", lambda: _sparse(1, True)),
     ("sparse decode heads_split", lambda: _sparse(1, False, HEADS_SPLIT)),
     ("dense decode heads_split", lambda: _sparse(1, True, HEADS_SPLIT)),

@@ -75,7 +75,7 @@ def assert_same_selection(got, ref, scores, tol=2e-3):
 
 @pytest.mark.parametrize("topk_form, per_program, keys_as_rows", [
     ("two_level", 16, True), ("two_level", 1, False), ("radix", 8, False), ("radix_count", 1, True),
-    ("two_level", 4, True)])  # the first: the default
+    ("two_level", 4, True), ("radix_pallas", 16, True)])  # the first: the default
 @pytest.mark.parametrize("length, fp8", [(1, False), (1, True), (200, False), (200, True)])
 def test_indexer_topk(rng, length, fp8, topk_form, per_program, keys_as_rows):
     batch, heads, dim, topk, per_row, num_blocks = 2, 64, 128, 2048, 96, 200  # 6144 keys per row
