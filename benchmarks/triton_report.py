@@ -165,8 +165,8 @@ def router_cases() -> dict:
 
 
 def sparse_mla_cases() -> dict:
-    """Sparse MLA decode (the fused variant, the default, and heads_split 32 x 32) and prefill at DeepSeek-V3.2's
-    shapes (128 heads, latent 512 + 64, top-2048, bf16), batch 16."""
+    """Sparse MLA decode (the fused variant, the default, and heads_split 32 x 32; at 16 heads with 32 or 16 keys per
+    step) and prefill at DeepSeek-V3.2's shapes (128 heads, latent 512 + 64, top-2048, bf16), batch 16."""
     from dayzero.kernels import sparse_mla
 
     S = jax.ShapeDtypeStruct
@@ -181,6 +181,10 @@ def sparse_mla_cases() -> dict:
                                           ("decode heads_split", 1, split, heads),
                                           ("decode fused h32 w4", 1, fused32, heads),
                                           ("decode fused 16 heads", 1, sparse_mla.SparseMLAConfig(), 16),
+                                          ("decode fused 16 heads k16", 1, sparse_mla.SparseMLAConfig(
+                                              decode_block_k=16), 16),
+                                          ("decode fused 16 heads k16 st3", 1, sparse_mla.SparseMLAConfig(
+                                              decode_block_k=16, num_stages=3), 16),
                                           ("prefill", 64, sparse_mla.SparseMLAConfig(), heads)):
         fn = lambda ql, qr, c, t, p, i, config=config: sparse_mla.sparse_mla(ql, qr, c, 0, t, p, i, 576 ** -0.5,
                                                                              config=config)
