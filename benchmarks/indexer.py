@@ -164,7 +164,8 @@ def main(argv=None) -> int:
     import jax
 
     device = jax.devices()[0]
-    line = (f"- {datetime.date.today()} indexer.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}, "
+    line = (f"- {datetime.date.today()} indexer.py, {device.device_kind}, commit {git_commit()}, "
+            f"jax {jax.__version__}, "
             f"DSA indexer decode (64 heads x 128, bf16 keys, top-k {TOPK}), device time per call of each score "
             f"tuning and each top-k selection, HBM copy measured in the same run: {json.dumps(res)}\n")
     append_line(args.results, line)

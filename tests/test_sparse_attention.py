@@ -417,13 +417,14 @@ def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
 
 @pytest.mark.parametrize("name, case", [
     ("write decode", lambda: _write(1)), ("write prefill", lambda: _write(100)),
-    ("indexer decode", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(min_programs=1))),  # x16 ("indexer decode fp8", lambda: _indexer(1, True)),
+    ("indexer decode", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(min_programs=1))),  # x16
+    ("indexer decode fp8", lambda: _indexer(1, True)),
     ("indexer prefill", lambda: _indexer(128, False)), ("indexer prefill fp8", lambda: _indexer(128, True)),
     ("indexer decode radix", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(topk="radix"))),
-    ("indexer decode heads x keys, runs of 8 key tiles", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
-        tiles_per_program=8, min_programs=1, keys_as_rows=False))),
-    ("indexer decode one tile per program, radix count", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
-        tiles_per_program=1, topk="radix_count"))),
+    ("indexer decode heads x keys, runs of 8 key tiles", lambda: _indexer(
+        1, False, indexer_pallas.IndexerKernelConfig(tiles_per_program=8, min_programs=1, keys_as_rows=False))),
+    ("indexer decode one tile per program, radix count", lambda: _indexer(
+        1, False, indexer_pallas.IndexerKernelConfig(tiles_per_program=1, topk="radix_count"))),
     ("indexer decode radix pallas", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
         topk="radix_pallas"))),
     ("sparse decode", lambda: _sparse(1, False)), ("dense decode", lambda: _sparse(1, True)),
