@@ -5,10 +5,10 @@ time per call at long context, beside the HBM copy bandwidth measured in the sam
 
 DeepSeek-V3.2's indexer: 64 heads x 128, bf16 keys in a paged cache (blocks of 64 tokens, scattered), top-k 2048,
 one query per request at the last position. For each (batch, context):
-- each tuning of `indexer_pallas.row_scores` (`SCORE_TUNINGS`): its kernels' device time per call and its share of
+- each tuning of `indexer_pallas.row_scores` (`score_tunings`): its kernels' device time per call and its share of
   the copy bandwidth on the key bytes it reads (batch x context x 256 bytes);
-- each selection (`selections`: `indexer_pallas.SELECTIONS` and radix selects of other digit widths) over those
-  scores: device time per call, and whether it picks the very keys `two_level` picks (as sets);
+- each selection of `indexer_pallas.SELECTIONS` over those scores: device time per call, and whether it picks the
+  very keys `two_level` picks (as sets);
 - the best pair's share of the copy bandwidth: what `IndexerKernelConfig` should default to.
 Each op runs `CHAIN` times inside one jit, call n on other requests' blocks (or other score rows), so no call finds
 the previous one's bytes in L2; device time is the sum of its GPU kernels in a profiler trace, divided by `CHAIN`.
@@ -43,19 +43,6 @@ def score_tunings() -> dict:
             # runs of key tiles per program, the queries loaded once and the key gathers pipelined
             "k128w4_kr_x4": C(tiles_per_program=4), "k64w4_kr_x8": C(block_k=64, tiles_per_program=8),
             "k128w4_x4": C(keys_as_rows=False, tiles_per_program=4)}
-
-
-def selections() -> dict:
-    """name -> (scores [R, S], k) -> [R, k]: `indexer_pallas.SELECTIONS` (the first: "two_level") and radix selects
-    with other digit widths."""
-    import functools
-
-    from dayzero.kernels import indexer_pallas, topk
-
-    return {**indexer_pallas.SELECTIONS,
-            "radix_count_rows_d5": functools.partial(topk.radix_select, digit_bits=(5, 5, 5, 5, 6, 6),
-                                                     histogram="count_rows"),
-            "radix_count_d3": functools.partial(topk.radix_select, digit_bits=(2,) + (3,) * 10, histogram="count")}
 
 
 def measure(res: dict, batches, contexts, score_names=None, selection_names=None) -> dict:
@@ -122,7 +109,7 @@ def measure(res: dict, batches, contexts, score_names=None, selection_names=None
             score_rows = jnp.stack([indexer_pallas.row_scores(q, w, pos, keys, 0, tables[n]) for n in range(CHAIN)])
             topk_us, agree = {}, {}
             picked = {}
-            for name, select in selections().items():
+            for name, select in indexer_pallas.SELECTIONS.items():
                 if selection_names and name not in selection_names and name != "two_level":  # the reference
                     continue
                 op = chained(lambda ww, s, select=select: select(s + ww[0, 0, 0] * 0.0, TOPK))
@@ -151,7 +138,7 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default="32768,131072,524288")
     parser.add_argument("--scores", help="comma-separated score tunings to run (default: all of score_tunings)")
     parser.add_argument("--selections", help="comma-separated top-k selections to run besides two_level (default: "
-                                             "all of selections)")
+                                             "all of indexer_pallas.SELECTIONS)")
     args = parser.parse_args(argv)
     batches = tuple(int(b) for b in args.batches.split(","))
     contexts = tuple(int(c) for c in args.contexts.split(","))

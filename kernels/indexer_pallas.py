@@ -31,7 +31,6 @@ SELECTIONS = {  # IndexerKernelConfig.topk -> (scores [R, S] f32, k, interpret) 
     "two_level": lambda scores, k, interpret=False: two_level(scores, k),
     "radix": functools.partial(radix_select, histogram="scatter"),
     "radix_count": functools.partial(radix_select, digit_bits=(4,) * 8, histogram="count"),
-    "radix_count_rows": functools.partial(radix_select, digit_bits=(4,) * 8, histogram="count_rows"),
     # four 8-bit digits counted by a Pallas kernel per pass, the compaction one more (kernels/topk_pallas.py)
     "radix_pallas": functools.partial(radix_select, digit_bits=(8,) * 4, histogram="pallas"),
 }
@@ -57,7 +56,7 @@ class IndexerKernelConfig:
     num_stages: int = 2
     # how the top-k is taken from the scores: "two_level" (`topk.two_level`, XLA sorts), or by `topk.radix_select` (no
     # sort; the key indices in index order) with its digit histograms by scatter-add ("radix": three 11/11/10-bit
-    # digits), by counting ("radix_count", "radix_count_rows": eight 4-bit digits, no atomics), or by Pallas kernels
+    # digits), by counting ("radix_count": eight 4-bit digits, no atomics), or by Pallas kernels
     # ("radix_pallas": four 8-bit digits, one kernel per pass and one for the compaction)
     topk: str = "two_level"
 
@@ -100,14 +99,11 @@ def _rows_kernel(*refs, length, has_scales, block_k, tiles_per_program, keys_as_
         """Scores [block_k] of the run's tile i, -inf past the row's position."""
         kpos, keys, scales = _key_tile(table_ref, keys_ref, scales_ref, r // length, first + i, block_k=block_k,
                                        dtype=q_ref.dtype, **tile)
-        if keys_as_rows:
-            logits = sum(tiles.mm_nt(k, q_ref[:, pl.ds(start, size)])
-                         for (start, size), k in zip(tile["pieces"], keys))  # [block_k, H]
-            score = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[...][None, :], axis=1)
-        else:
-            logits = sum(tiles.mm_nt(q_ref[:, pl.ds(start, size)], k)
-                         for (start, size), k in zip(tile["pieces"], keys))  # [H, block_k]
-            score = jnp.sum(jnp.maximum(logits, 0.0) * w_ref[...][:, None], axis=0)
+        pairs = zip((q_ref[:, pl.ds(start, size)] for start, size in tile["pieces"]), keys)
+        logits = sum(tiles.mm_nt(k, q) if keys_as_rows else tiles.mm_nt(q, k) for q, k in pairs)
+        heads_axis = 1 if keys_as_rows else 0  # logits [block_k, H] or [H, block_k]
+        w = jnp.expand_dims(w_ref[...], 1 - heads_axis)
+        score = jnp.sum(jnp.maximum(logits, 0.0) * w, axis=heads_axis)
         if scales is not None:
             score = score * scales
         return jnp.where(kpos <= qpos, score, -jnp.inf)

@@ -61,21 +61,16 @@ def _digit_histogram(keys: jax.Array, prefix: jax.Array, known: jax.Array, shift
     "scatter": one scatter-add (atomics; slow where most of a row's keys share a digit, as the top digits of scores
     of one magnitude do); "count": a compare against every digit value summed over the row (one reduction that XLA
     fuses without materializing [R, S, size]: no atomics; its work grows with `size`, so it suits small digits);
-    "count_rows": the same counts as `size` sibling row reductions; "pallas": `topk_pallas.digit_counts` (one kernel
-    over row segments, the counts as a product of one-hot tiles; digits of at most 8 bits)."""
+    "pallas": `topk_pallas.digit_counts` (one kernel over row segments, the counts as a product of one-hot tiles;
+    digits of at most 8 bits)."""
     size = 1 << bits
     if method == "pallas":
-        as_bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)
-        return topk_pallas.digit_counts(as_bits(keys), as_bits(prefix), as_bits(known), shift, bits,
-                                        interpret=interpret)
+        return topk_pallas.digit_counts(keys, prefix, known, shift, bits, interpret=interpret)
     digit = ((keys >> shift) & jnp.uint32(size - 1)).astype(jnp.int32)
     active = (keys & known[:, None]) == prefix[:, None]
     if method == "scatter":
         row = jnp.arange(digit.shape[0])[:, None]
         return jnp.zeros((digit.shape[0], size), jnp.int32).at[row, digit].add(active.astype(jnp.int32))
-    if method == "count_rows":  # one row reduction per digit value: XLA fuses the siblings into one kernel
-        return jnp.stack([jnp.sum(active & (digit == value), axis=1, dtype=jnp.int32) for value in range(size)],
-                         axis=1)
     hits = (digit[:, :, None] == jnp.arange(size, dtype=digit.dtype)) & active[:, :, None]
     return jnp.sum(hits, axis=1, dtype=jnp.int32)
 
@@ -95,7 +90,7 @@ def _compact(keys: jax.Array, threshold: jax.Array, need: jax.Array, k: int) -> 
     return jnp.full((rows, k), -1, jnp.int32).at[row, jnp.where(take, slot, k)].set(index, mode="drop")
 
 
-HISTOGRAMS = ("scatter", "count", "count_rows", "pallas")
+HISTOGRAMS = ("scatter", "count", "pallas")
 
 
 def radix_select(scores: jax.Array, k: int, digit_bits: tuple[int, ...] = (11, 11, 10),
@@ -138,6 +133,5 @@ def radix_select(scores: jax.Array, k: int, digit_bits: tuple[int, ...] = (11, 1
     # a k-th score of -inf: no -inf key is returned
     need = jnp.where(prefix != _orderable(jnp.float32(-jnp.inf)), need, 0)
     if histogram == "pallas":
-        as_bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)
-        return topk_pallas.compact(as_bits(keys), as_bits(prefix), need, k, interpret=interpret)
+        return topk_pallas.compact(keys, prefix, need, k, interpret=interpret)
     return _compact(keys, prefix, need, k)

@@ -1,8 +1,9 @@
 """Pallas (Triton lowering) passes of the radix select (`topk.radix_select(..., histogram="pallas")`): the digit
 counts of one pass, and the final compaction, each one kernel over row segments with no atomics.
 
-Keys are the scores' order-preserving 32-bit patterns (`topk._orderable`) carried as int32 bits, [R, S] with S a
-multiple of `SEGMENT`. The plain-jnp forms beside them in `topk` (`_digit_histogram`, `_compact`) are the references.
+Keys are the scores' order-preserving 32-bit patterns (`topk._orderable`), uint32 [R, S] with S a multiple of
+`SEGMENT`, as the plain-jnp forms beside them in `topk` (`_digit_histogram`, `_compact`: the references) take them;
+the kernels see their bits as int32.
 - `digit_counts`: for one digit (`bits` <= 8 at `shift`), each row's count of every digit value among the keys whose
   higher digits equal the row's `prefix`. A program counts one segment: the digit's high and low halves as one-hot
   [256, 16] tiles per step of a loop over the segment, whose products hi^T lo on the tensor cores sum to the
@@ -58,10 +59,15 @@ def _digit_counts_kernel(keys_ref, prefix_ref, known_ref, out_ref, *, shift, bit
     out_ref[...] = counts.astype(jnp.int32)
 
 
+def _bits(a: jax.Array) -> jax.Array:
+    """uint32 -> the same bits as int32 (what the kernels compute on)."""
+    return jax.lax.bitcast_convert_type(a, jnp.int32)
+
+
 def digit_counts(keys: jax.Array, prefix: jax.Array, known: jax.Array, shift: int, bits: int,
                  interpret: bool = False) -> jax.Array:
-    """keys [R, S] int32 bits (S a multiple of SEGMENT), prefix / known [R] int32 bits -> counts [R, 2^bits] int32
-    of digit value ((key >> shift) & (2^bits - 1)) among keys with (key & known) == prefix."""
+    """keys [R, S] uint32 (S a multiple of SEGMENT), prefix / known [R] uint32 -> counts [R, 2^bits] int32 of digit
+    value ((key >> shift) & (2^bits - 1)) among keys with (key & known) == prefix."""
     assert 1 <= bits <= 8, bits
     rows, n = keys.shape
     n_seg = n // SEGMENT
@@ -72,7 +78,7 @@ def digit_counts(keys: jax.Array, prefix: jax.Array, known: jax.Array, shift: in
         in_specs=[pl.BlockSpec((None, SEGMENT), lambda r, j: (r, j)), pl.no_block_spec, pl.no_block_spec],
         out_specs=pl.BlockSpec((None, None, 16, 16), lambda r, j: (r, j, 0, 0)),
         interpret=interpret, compiler_params=tiles.compiler_params(4, 1), name="radix_digit_counts",
-    )(keys, prefix, known)
+    )(_bits(keys), _bits(prefix), _bits(known))
     lo_bits = min(bits, 4)
     counts = jnp.sum(partial, axis=1)[:, :1 << (bits - lo_bits), :1 << lo_bits]
     return counts.reshape(rows, 1 << bits)
@@ -113,14 +119,13 @@ def _compact_kernel(keys_ref, threshold_ref, need_ref, greater_ref, equal_ref, i
 
 
 def compact(keys: jax.Array, threshold: jax.Array, need: jax.Array, k: int, interpret: bool = False) -> jax.Array:
-    """keys [R, S] int32 bits (S a multiple of SEGMENT), threshold [R] int32 bits of each row's k-th key, need [R]
-    int32 (how many keys equal to it to take, the lowest indices first) -> [R, k] int32: the indices of the keys
-    above the threshold and of those ties, ascending, -1 after them."""
+    """keys [R, S] uint32 (S a multiple of SEGMENT), threshold [R] uint32 (each row's k-th key), need [R] int32 (how
+    many keys equal to it to take, the lowest indices first) -> [R, k] int32: the indices of the keys above the
+    threshold and of those ties, ascending, -1 after them."""
     rows, n = keys.shape
     n_seg = n // SEGMENT
-    unsigned = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint32)
-    per_segment = unsigned(keys).reshape(rows, n_seg, SEGMENT)
-    t = unsigned(threshold)[:, None, None]
+    per_segment = keys.reshape(rows, n_seg, SEGMENT)
+    t = threshold[:, None, None]
     counts = jnp.stack([jnp.sum(per_segment > t, axis=-1, dtype=jnp.int32),
                         jnp.sum(per_segment == t, axis=-1, dtype=jnp.int32)])  # [2, R, n_seg]
     before = jnp.cumsum(counts, axis=-1) - counts
@@ -131,6 +136,6 @@ def compact(keys: jax.Array, threshold: jax.Array, need: jax.Array, k: int, inte
         in_specs=[pl.BlockSpec((None, _ROWS, _COLS), lambda r, j: (r, j, 0))] + [pl.no_block_spec] * 5,
         out_specs=pl.no_block_spec, input_output_aliases={5: 0},
         interpret=interpret, compiler_params=tiles.compiler_params(4, 1), name="radix_compact",
-    )(keys.reshape(rows, n // _COLS, _COLS), threshold, need.astype(jnp.int32), before[0], before[1],
+    )(_bits(keys).reshape(rows, n // _COLS, _COLS), _bits(threshold), need.astype(jnp.int32), before[0], before[1],
       jnp.full((rows * k + SEGMENT,), -1, jnp.int32))
     return out[:rows * k].reshape(rows, k)

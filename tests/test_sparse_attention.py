@@ -121,7 +121,7 @@ def test_two_level_topk_equals_one_level(seed, num_keys, k):
 
 
 @pytest.mark.parametrize("histogram, digit_bits", [("scatter", (11, 11, 10)), ("count", (4,) * 8),
-                                                   ("count", (3, 5, 8, 8, 8)), ("count_rows", (5, 5, 5, 5, 6, 6)),
+                                                   ("count", (3, 5, 8, 8, 8)), ("count", (5, 5, 5, 5, 6, 6)),
                                                    ("pallas", (8,) * 4), ("pallas", (3, 5, 8, 8, 8))])
 @pytest.mark.parametrize("num_keys, k", [(5000, 16), (20_000, 100), (600, 200), (150, 200), (9000, 2048)])
 def test_radix_select_equals_one_level(seed, num_keys, k, histogram, digit_bits):

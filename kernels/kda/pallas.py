@@ -99,25 +99,23 @@ def _unit_lower_inverse(n, precision=jax.lax.Precision.HIGHEST):
     return inv
 
 
-# Precisions of the block inverse's f32 products (diagonal inverses, off-diagonal merges) by `KdaTuning.wy_inverse`:
-# IEEE FMAs on the CUDA cores, or tf32 tensor-core products (what fla's solve_tril uses where tf32 exists).
-_INVERSE_PRECISIONS = {"ieee": (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST),
-                       "tf32": (jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT)}
+# Precision of the block inverse's f32 products by `KdaTuning.wy_inverse`: IEEE FMAs on the CUDA cores, or tf32
+# tensor-core products (what fla's solve_tril uses where tf32 exists).
+_INVERSE_PRECISIONS = {"ieee": jax.lax.Precision.HIGHEST, "tf32": jax.lax.Precision.DEFAULT}
 
 
-def _block_inverse(a, n_sub, precisions=_INVERSE_PRECISIONS["ieee"]):
+def _block_inverse(a, n_sub, precision=_INVERSE_PRECISIONS["ieee"]):
     """T = (I + A)^-1 for a strictly lower A given as 16 x 16 blocks {(i, j): A_ij, j <= i}: diagonal inverses by
-    nilpotent products, then T_ij = -T_ii sum_{j<=m<i} A_im T_mj. Returns the blocks {(i, j): T_ij, j <= i}.
-    `precisions`: those of the diagonal inverses' products and of the merges'."""
-    diag, merge = precisions
+    nilpotent products, then T_ij = -T_ii sum_{j<=m<i} A_im T_mj, all products at `precision`. Returns the blocks
+    {(i, j): T_ij, j <= i}."""
     t = {}
     for i in range(n_sub):
-        t[i, i] = _unit_lower_inverse(a[i, i], diag)
+        t[i, i] = _unit_lower_inverse(a[i, i], precision)
         for j in range(i - 1, -1, -1):
-            acc = _mm(a[i, j], t[j, j], merge)
+            acc = _mm(a[i, j], t[j, j], precision)
             for m in range(j + 1, i):
-                acc = acc + _mm(a[i, m], t[m, j], merge)
-            t[i, j] = -_mm(t[i, i], acc, merge)
+                acc = acc + _mm(a[i, m], t[m, j], precision)
+            t[i, j] = -_mm(t[i, i], acc, precision)
     return t
 
 
@@ -416,8 +414,8 @@ def _akk_levels(q_ref, k_ref, gs_ref, akk_ref, aqk_ref, beta, q_mul, k_mul, diag
     aqk_ref[...] = (jnp.where(lower, upper.T, 0.0) + jnp.where(r == c, diag[:, None], 0.0)).astype(aqk_ref.dtype)
 
 
-def _wy_kernel(len_ref, x_ref, v_ref, b_ref, akk_ref, w_ref, u_ref, *, precision, dot_dtype, inverse_precisions):
-    """One chunk: T = (I + A_kk)^-1 from A_kk's 16 x 16 blocks (f32 operands; products at `inverse_precisions`), then
+def _wy_kernel(len_ref, x_ref, v_ref, b_ref, akk_ref, w_ref, u_ref, *, precision, dot_dtype, inverse_precision):
+    """One chunk: T = (I + A_kk)^-1 from A_kk's 16 x 16 blocks (f32 operands; products at `inverse_precision`), then
     w = T x (x = beta k exp(G) from kernel 1a) and u = T (beta v), products on `dot_dtype` operands."""
     chunk = pl.program_id(1)
     length = len_ref[0]
@@ -425,7 +423,7 @@ def _wy_kernel(len_ref, x_ref, v_ref, b_ref, akk_ref, w_ref, u_ref, *, precision
     row16 = jax.lax.broadcasted_iota(jnp.int32, (SUB, 1), 0)
     io_dtype = w_ref.dtype
     blocks = {(i, j): akk_ref[pl.ds(i * SUB, SUB), pl.ds(j * SUB, SUB)] for i in range(n_sub) for j in range(i + 1)}
-    t = _block_inverse(blocks, n_sub, inverse_precisions)
+    t = _block_inverse(blocks, n_sub, inverse_precision)
 
     def rhs(j):  # x_j and beta_j v_j, [SUB, K] and [SUB, V], reloaded per use (cached) to keep few tiles live
         rows = pl.ds(j * SUB, SUB)
@@ -651,7 +649,7 @@ def chunk_wy(x, v, beta, a_kk, lengths, *, interpret=False, tuning=DEFAULT_TUNIN
     inverse = _INVERSE_PRECISIONS["ieee" if io_dtype == jnp.float32 else tuning.wy_inverse]
     chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
     return pl.pallas_call(
-        functools.partial(_wy_kernel, precision=precision, dot_dtype=dot_dtype, inverse_precisions=inverse),
+        functools.partial(_wy_kernel, precision=precision, dot_dtype=dot_dtype, inverse_precision=inverse),
         grid=(batch, t_pad // CHUNK, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(vp), beta_spec, chunk_spec(CHUNK)],
         out_specs=[chunk_spec(kp), chunk_spec(vp)],
