@@ -109,7 +109,9 @@ def measure(res: dict, batches, contexts, score_names=None, selection_names=None
             score_rows = jnp.stack([indexer_pallas.row_scores(q, w, pos, keys, 0, tables[n]) for n in range(CHAIN)])
             topk_us, agree = {}, {}
             picked = {}
-            for name, select in indexer_pallas.SELECTIONS.items():
+            # two_level first: the reference the others' keys are compared with
+            for name in sorted(indexer_pallas.SELECTIONS, key=lambda n: n != "two_level"):
+                select = indexer_pallas.SELECTIONS[name]
                 if selection_names and name not in selection_names and name != "two_level":  # the reference
                     continue
                 op = chained(lambda ww, s, select=select: select(s + ww[0, 0, 0] * 0.0, TOPK))

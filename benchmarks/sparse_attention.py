@@ -63,17 +63,13 @@ def _tunings():
              "fused_h16w4_s256": SparseMLAConfig(min_split_tokens=256),
              "fused_h16k64w4": SparseMLAConfig(decode_block_k=64),
              "fused_h16w4_st3": SparseMLAConfig(num_stages=3),
-             "fused_h16w4_s32": SparseMLAConfig(min_split_tokens=32),
-             # 16 keys per step: 168 registers and no spills in the offline sm_90 build, against 255 + 112 bytes of
-             # spills at 32 (triton_report.py --op sparse_mla), so 3 programs per multiprocessor instead of 2
-             "fused_h16k16w4": SparseMLAConfig(decode_block_k=16),
-             "fused_h16k16w4_st3": SparseMLAConfig(decode_block_k=16, num_stages=3)}
+             "fused_h16w4_s32": SparseMLAConfig(min_split_tokens=32)}
     # the default (first): keys x heads, runs of up to 16 key tiles (benchmarks/indexer.py measured the halves apart)
     indexer = {"k128w4_kr_x16": IndexerKernelConfig(),
                "k128w4": IndexerKernelConfig(keys_as_rows=False, tiles_per_program=1),  # the old default
                "k64w4_kr_x8": IndexerKernelConfig(block_k=64, tiles_per_program=8),
-               # the top-k by radix select (topk.radix_select) instead of XLA's sorts (~20 kernels of ~3.2 us per call)
-               "k128w4_kr_x16_radix": IndexerKernelConfig(topk="radix")}
+               # the top-k by XLA sorts in two levels (topk.two_level), the default before the on-chip select
+               "k128w4_kr_x16_two_level": IndexerKernelConfig(topk="two_level")}
     return {HEADS: decode, 16: small}, prefill, indexer
 
 

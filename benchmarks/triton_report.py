@@ -218,17 +218,13 @@ def indexer_cases() -> dict:
 
 
 def topk_cases() -> dict:
-    """The radix select's Pallas passes (kernels/topk_pallas.py) over batch 16's score rows at 128K keys: one digit's
-    counts and the final compaction into 2048 indices."""
+    """The on-chip top-k (kernels/topk_pallas.py) over batch 16's score rows: one pass at 8K and 32K keys, and the
+    two passes at 128K and 512K keys (top-k 2048)."""
     from dayzero.kernels import topk_pallas
 
     S = jax.ShapeDtypeStruct
-    rows, n = 16, 131072
-    row = S((rows,), jnp.int32)
-    return {"radix digit counts B16": (lambda keys, p, m: topk_pallas.digit_counts(keys, p, m, 16, 8),
-                                       (S((rows, n), jnp.int32), row, row)),
-            "radix compact B16": (lambda keys, t, need: topk_pallas.compact(keys, t, need, 2048),
-                                  (S((rows, n), jnp.int32), row, row))}
+    return {f"select B16 {n // 1024}K": (lambda scores: topk_pallas.select(scores, 2048), (S((16, n), jnp.float32),))
+            for n in (8192, 32768, 131072, 524288)}
 
 
 def moe_mxfp4_cases() -> dict:

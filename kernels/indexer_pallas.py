@@ -8,8 +8,8 @@ beyond. Two score kernels, both reading each key tile once per program through t
   [block_q, D] x [D, block_k] dots accumulates the weighted ReLUs. Key tiles wholly after the tile's last query are
   skipped (written as -inf).
 Scores only exist for one chunk of queries at a time (at most `score_bytes`; chunks run one after another under
-`lax.map`), and the top-k of each chunk is taken in two levels (`topk.two_level`) or by radix select
-(`topk.radix_select`, `IndexerKernelConfig.topk`): the [T, S] score matrix of a long prefill never exists in memory, and
+`lax.map`), and the top-k of each chunk is taken on chip (`topk_pallas.top_k`) or in two levels of XLA sorts
+(`topk.two_level`; `IndexerKernelConfig.topk`): the [T, S] score matrix of a long prefill never exists in memory, and
 no sort runs over a whole long row.
 """
 
@@ -23,16 +23,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import tiles
-from .topk import radix_select, two_level
+from . import tiles, topk_pallas
+from .topk import two_level
 
 
 SELECTIONS = {  # IndexerKernelConfig.topk -> (scores [R, S] f32, k, interpret) -> [R, k] int32
+    # one program per row finds the k-th score bitwise in registers (kernels/topk_pallas.py)
+    "on_chip": topk_pallas.top_k,
     "two_level": lambda scores, k, interpret=False: two_level(scores, k),
-    "radix": functools.partial(radix_select, histogram="scatter"),
-    "radix_count": functools.partial(radix_select, digit_bits=(4,) * 8, histogram="count"),
-    # four 8-bit digits counted by a Pallas kernel per pass, the compaction one more (kernels/topk_pallas.py)
-    "radix_pallas": functools.partial(radix_select, digit_bits=(8,) * 4, histogram="pallas"),
 }
 
 
@@ -54,11 +52,11 @@ class IndexerKernelConfig:
     score_bytes: int = 256 << 20  # bound on the scores of one query chunk
     num_warps: int = 4
     num_stages: int = 2
-    # how the top-k is taken from the scores: "two_level" (`topk.two_level`, XLA sorts), or by `topk.radix_select` (no
-    # sort; the key indices in index order) with its digit histograms by scatter-add ("radix": three 11/11/10-bit
-    # digits), by counting ("radix_count": eight 4-bit digits, no atomics), or by Pallas kernels
-    # ("radix_pallas": four 8-bit digits, one kernel per pass and one for the compaction)
-    topk: str = "two_level"
+    # how the top-k is taken from the scores: on chip ("on_chip", `topk_pallas.top_k`: one program per row holds its
+    # scores and finds the k-th bitwise; rows past 16K keys first select sub-blocks by their maxima; the key indices
+    # in index order; 3-6x faster than "two_level" from 8K to 512K, benchmarks/indexer.py) or "two_level"
+    # (`topk.two_level`, XLA sorts; score order)
+    topk: str = "on_chip"
 
     def __post_init__(self):
         if self.topk not in SELECTIONS:

@@ -1,17 +1,19 @@
-"""Pallas (Triton lowering) passes of the radix select (`topk.radix_select(..., histogram="pallas")`): the digit
-counts of one pass, and the final compaction, each one kernel over row segments with no atomics.
+"""Exact top-k of long score rows on chip (Pallas, Triton lowering): one program per row finds the k-th largest
+score by a bitwise search over its order-preserving 32-bit key and writes the chosen key indices in index order.
 
-Keys are the scores' order-preserving 32-bit patterns (`topk._orderable`), uint32 [R, S] with S a multiple of
-`SEGMENT`, as the plain-jnp forms beside them in `topk` (`_digit_histogram`, `_compact`: the references) take them;
-the kernels see their bits as int32.
-- `digit_counts`: for one digit (`bits` <= 8 at `shift`), each row's count of every digit value among the keys whose
-  higher digits equal the row's `prefix`. A program counts one segment: the digit's high and low halves as one-hot
-  [256, 16] tiles per step of a loop over the segment, whose products hi^T lo on the tensor cores sum to the
-  segment's 16 x 16 histogram (0/1 in bf16, exact in the float32 accumulator); XLA sums the segments.
-- `compact`: the selected keys' indices in index order, given the k-th key, how many of its ties to take, and each
-  segment's counts of keys above it and equal to it before the segment (an XLA cumsum over segments). A program
-  takes one segment as [16, 128]: the running counts within it come from products with triangular 0/1 matrices,
-  and the taken indices are stored at their slots (a masked scatter into the row's k outputs).
+`select(scores, k)`: a row of at most `max_keys` scores is one pass (`_select_kernel` over the row). A longer row is
+cut into sub-blocks of b scores, as in `topk.two_level` but without its sorts: XLA reduces them to their maxima, one
+pass selects the k sub-blocks with the highest maxima, XLA gathers their k * b scores in index order, and those are
+selected the same way (one pass, or sub-blocks again). Exact: a top-k score lies in a sub-block whose maximum is >= it
+>= the k-th largest score >= the k-th largest maximum. Each pass takes the ties at its k-th key lowest index first,
+and so does the whole: the chosen sub-blocks whose maximum is that tie are the lowest of them, each holds one, and
+they are at least as many as the ties still needed, so no needed tie lies in a sub-block left out. The result is
+`lax.top_k`'s set of indices, ties included.
+
+In a program the row's keys stay in registers: the k-th key is built bit by bit from the top, each step one count of
+the keys at or above a candidate (a sum, no histogram or atomics), stopping once exactly k keys are at or above the
+bits found (~log2(n) steps for distinct scores instead of 32). The keys above it and the first ties are then
+compacted: running counts along rows of 128 and over the row totals, and a masked scatter to their slots.
 """
 
 from __future__ import annotations
@@ -23,119 +25,120 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import tiles
+from . import tiles, topk
 
-SEGMENT = 2048  # keys per program (16 x 128 in `compact`)
-_CHUNK = 256  # keys per step of `digit_counts`' loop
-_ROWS, _COLS = 16, 128
-_MIN = -(1 << 31)
+NONE = -(1 << 31)  # the key of -inf, padding and sub-blocks not chosen: never selected
+MAX_KEYS = 16384  # keys one program holds (16 per thread at 32 warps: no spills on sm_90)
 
 
-def _tn(a, b):
-    """a [K, M]^T @ b [K, N] -> [M, N] float32."""
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+def signed_keys(scores: jax.Array) -> jax.Array:
+    """float32 -> int32 of the same (signed) order; -0.0 as 0.0 (one score, a tie); -inf -> NONE."""
+    scores = jnp.where(scores == 0, 0.0, scores)
+    bits = jax.lax.bitcast_convert_type(scores, jnp.int32)
+    keys = bits ^ (jax.lax.shift_right_arithmetic(bits, 31) & 0x7FFFFFFF)
+    return jnp.where(scores == -jnp.inf, NONE, keys)
 
 
-def _digit_counts_kernel(keys_ref, prefix_ref, known_ref, out_ref, *, shift, bits):
+def _kth_key(keys: jax.Array, k: int) -> jax.Array:
+    """keys [n] int32 (n >= k) -> t with at least k keys >= t and at most k keys > t: the k best are the keys > t and,
+    to make k, the first keys equal to t. Built from the top bit down as the largest t with at least k keys >= t (the
+    k-th largest key), stopping once exactly k keys are >= the bits found so far (~log2(n) steps for distinct scores
+    instead of 32). The search runs over the unsigned image u = t ^ NONE, whose order is the keys' order."""
+    def more(state):
+        i, _, at_least = state
+        return (i < 32) & (at_least != k)
+
+    def bit(state):
+        i, u, at_least = state
+        candidate = u | jax.lax.shift_left(jnp.int32(1), 31 - i)
+        count = jnp.sum((keys >= (candidate ^ NONE)).astype(jnp.int32))
+        enough = count >= k
+        return i + 1, jnp.where(enough, candidate, u), jnp.where(enough, count, at_least)
+
+    _, u, _ = jax.lax.while_loop(more, bit, (jnp.int32(0), jnp.int32(0), jnp.int32(keys.shape[0])))
+    return u ^ NONE
+
+
+def _exclusive_count(mask: jax.Array) -> jax.Array:
+    """mask [n] bool -> int32 [n]: how many set entries come before each one. Counted as [n / 128, 128]: along rows
+    of 128, then over the row totals (two short scans: a long 1-D scan's cross-thread step is serial in Triton)."""
+    n = mask.shape[0]
+    cols = min(n, 128)
+    x = mask.astype(jnp.int32).reshape(n // cols, cols)
+    totals = jnp.sum(x, axis=1)
+    return (jnp.cumsum(x, axis=1) - x + (jnp.cumsum(totals) - totals)[:, None]).reshape(n)
+
+
+def _select_kernel(values_ref, _, out_ref, *, k, n, num_keys):
+    """One row's values [n] (the first `num_keys` real) -> its k best positions, ascending, stored at out[r * k:]
+    (-1 prefilled: the outputs are aliased to the second input)."""
     r = pl.program_id(0)
-    prefix, known = prefix_ref[r], known_ref[r]
-    lo_bits = min(bits, 4)
-    values = jax.lax.broadcasted_iota(jnp.int32, (1, 16), 1)
-
-    def chunk(c, counts):
-        keys = keys_ref[pl.ds(pl.multiple_of(c * _CHUNK, _CHUNK), _CHUNK)]  # [_CHUNK] int32 bits
-        active = (keys & known) == prefix
-
-        def count(counts):
-            digit = jax.lax.shift_right_logical(keys, jnp.int32(shift)) & ((1 << bits) - 1)
-            hi = jnp.where(active[:, None] & ((digit >> lo_bits)[:, None] == values), 1.0, 0.0).astype(jnp.bfloat16)
-            lo = jnp.where((digit & ((1 << lo_bits) - 1))[:, None] == values, 1.0, 0.0).astype(jnp.bfloat16)
-            return counts + _tn(hi, lo)  # [16 high values, 16 low values]
-
-        # the later digits' passes find most chunks without a key under the prefix: those skip the counting
-        return jax.lax.cond(jnp.sum(active.astype(jnp.int32)) > 0, count, lambda counts: counts, counts)
-
-    counts = jax.lax.fori_loop(0, SEGMENT // _CHUNK, chunk, jnp.zeros((16, 16), jnp.float32))
-    out_ref[...] = counts.astype(jnp.int32)
-
-
-def _bits(a: jax.Array) -> jax.Array:
-    """uint32 -> the same bits as int32 (what the kernels compute on)."""
-    return jax.lax.bitcast_convert_type(a, jnp.int32)
-
-
-def digit_counts(keys: jax.Array, prefix: jax.Array, known: jax.Array, shift: int, bits: int,
-                 interpret: bool = False) -> jax.Array:
-    """keys [R, S] uint32 (S a multiple of SEGMENT), prefix / known [R] uint32 -> counts [R, 2^bits] int32 of digit
-    value ((key >> shift) & (2^bits - 1)) among keys with (key & known) == prefix."""
-    assert 1 <= bits <= 8, bits
-    rows, n = keys.shape
-    n_seg = n // SEGMENT
-    partial = pl.pallas_call(
-        functools.partial(_digit_counts_kernel, shift=shift, bits=bits),
-        out_shape=jax.ShapeDtypeStruct((rows, n_seg, 16, 16), jnp.int32),
-        grid=(rows, n_seg),
-        in_specs=[pl.BlockSpec((None, SEGMENT), lambda r, j: (r, j)), pl.no_block_spec, pl.no_block_spec],
-        out_specs=pl.BlockSpec((None, None, 16, 16), lambda r, j: (r, j, 0, 0)),
-        interpret=interpret, compiler_params=tiles.compiler_params(4, 1), name="radix_digit_counts",
-    )(_bits(keys), _bits(prefix), _bits(known))
-    lo_bits = min(bits, 4)
-    counts = jnp.sum(partial, axis=1)[:, :1 << (bits - lo_bits), :1 << lo_bits]
-    return counts.reshape(rows, 1 << bits)
-
-
-def _compact_kernel(keys_ref, threshold_ref, need_ref, greater_ref, equal_ref, init_ref, out_ref, *, k, n_out):
-    del init_ref  # the -1-filled outputs, aliased to out_ref
-    r, j = pl.program_id(0), pl.program_id(1)
-    keys = keys_ref[...] ^ _MIN  # [16, 128]: unsigned order as signed order
-    threshold = threshold_ref[r] ^ _MIN
-    need = need_ref[r]
-    greater = keys > threshold
-    equal = keys == threshold
-    row = jax.lax.broadcasted_iota(jnp.int32, (_COLS, _COLS), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (_COLS, _COLS), 1)
-    before_in_row = jnp.where(row < col, 1.0, 0.0).astype(jnp.bfloat16)  # [128, 128] strictly upper
-    all_ones = jnp.ones((_COLS, _COLS), jnp.bfloat16)
-    rows_before = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (_ROWS, _ROWS), 0)
-                            > jax.lax.broadcasted_iota(jnp.int32, (_ROWS, _ROWS), 1), 1.0, 0.0).astype(jnp.bfloat16)
-
-    def exclusive_count(mask):
-        """[16, 128] 0/1 -> how many set entries come before each entry in row-major order (float32, exact)."""
-        x = jnp.where(mask, 1.0, 0.0).astype(jnp.bfloat16)
-        within = tiles.mm(x, before_in_row)  # earlier in the same row of 128
-        row_totals = tiles.mm(x, all_ones).astype(jnp.bfloat16)  # each row's total, in every column
-        return within + tiles.mm(rows_before, row_totals)  # plus the earlier rows' totals
-
-    greater_before = greater_ref[r, j] + exclusive_count(greater).astype(jnp.int32)
-    equal_before = equal_ref[r, j] + exclusive_count(equal).astype(jnp.int32)
-    take = greater | (equal & (equal_before < need))
-    slot = greater_before + jnp.minimum(equal_before, need)
-    lane = jax.lax.broadcasted_iota(jnp.int32, (_ROWS, _COLS), 0) * _COLS + jax.lax.broadcasted_iota(
-        jnp.int32, (_ROWS, _COLS), 1)
-    # entries not taken address a spare slot of their own past the outputs (stores under a mask may still read and
+    lane = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+    keys = jnp.where(lane < num_keys, signed_keys(values_ref[...]), NONE)
+    kth = _kth_key(keys, k)
+    greater = keys > kth
+    ties = (keys == kth) & (kth != NONE)  # a k-th key of NONE: fewer than k allowed, all of them are `greater`
+    need = k - jnp.sum(greater.astype(jnp.int32))
+    take = greater | (ties & (_exclusive_count(ties) < need))
+    # lanes not taken address a spare slot of their own past the outputs (stores under a mask may still read and
     # write back their address, as interpret mode does): no two lanes share an address
-    target = jnp.where(take, r * k + slot, n_out + lane)
-    pltriton.store(out_ref.at[target], j * SEGMENT + lane, mask=take)
+    target = jnp.where(take, r * k + _exclusive_count(take), pl.num_programs(0) * k + lane)
+    pltriton.store(out_ref.at[target], lane, mask=take)
 
 
-def compact(keys: jax.Array, threshold: jax.Array, need: jax.Array, k: int, interpret: bool = False) -> jax.Array:
-    """keys [R, S] uint32 (S a multiple of SEGMENT), threshold [R] uint32 (each row's k-th key), need [R] int32 (how
-    many keys equal to it to take, the lowest indices first) -> [R, k] int32: the indices of the keys above the
-    threshold and of those ties, ascending, -1 after them."""
-    rows, n = keys.shape
-    n_seg = n // SEGMENT
-    per_segment = keys.reshape(rows, n_seg, SEGMENT)
-    t = threshold[:, None, None]
-    counts = jnp.stack([jnp.sum(per_segment > t, axis=-1, dtype=jnp.int32),
-                        jnp.sum(per_segment == t, axis=-1, dtype=jnp.int32)])  # [2, R, n_seg]
-    before = jnp.cumsum(counts, axis=-1) - counts
+def _warps(n: int) -> int:
+    """16 keys per thread up to 32 warps (sm_90: 62 registers at 16K keys, against 98 at 16 warps and 197 at 8)."""
+    return min(32, max(4, n // 512))
+
+
+def _select_pass(values: jax.Array, k: int, num_keys: int, interpret: bool) -> jax.Array:
+    """values [R, num_keys] float32 -> [R, k] int32: one `_select_kernel` program per row; the k best positions,
+    ascending, -1 after them."""
+    rows = values.shape[0]
+    n = tiles.pow2_at_least(max(num_keys, k))
+    values = jnp.pad(values, ((0, 0), (0, n - num_keys)), constant_values=-jnp.inf)
+    fill = jnp.full((rows * k + n,), -1, jnp.int32)  # the outputs, then spare slots
     out = pl.pallas_call(
-        functools.partial(_compact_kernel, k=k, n_out=rows * k),
-        out_shape=jax.ShapeDtypeStruct((rows * k + SEGMENT,), jnp.int32),  # the outputs, then spare slots
-        grid=(rows, n_seg),
-        in_specs=[pl.BlockSpec((None, _ROWS, _COLS), lambda r, j: (r, j, 0))] + [pl.no_block_spec] * 5,
-        out_specs=pl.no_block_spec, input_output_aliases={5: 0},
-        interpret=interpret, compiler_params=tiles.compiler_params(4, 1), name="radix_compact",
-    )(_bits(keys).reshape(rows, n // _COLS, _COLS), _bits(threshold), need.astype(jnp.int32), before[0], before[1],
-      jnp.full((rows * k + SEGMENT,), -1, jnp.int32))
+        functools.partial(_select_kernel, k=k, n=n, num_keys=num_keys),
+        out_shape=jax.ShapeDtypeStruct(fill.shape, jnp.int32), grid=(rows,),
+        in_specs=[pl.BlockSpec((None, n), lambda r: (r, 0)), pl.no_block_spec], out_specs=pl.no_block_spec,
+        input_output_aliases={1: 0}, interpret=interpret, compiler_params=tiles.compiler_params(_warps(n), 1),
+        name="topk_select",
+    )(values, fill)
     return out[:rows * k].reshape(rows, k)
+
+
+def fits(num_keys: int, k: int, max_keys: int = MAX_KEYS) -> bool:
+    """Whether `select` takes rows of `num_keys` scores: in one program, or through passes that each leave fewer."""
+    return max(num_keys, k) <= max_keys or 2 * k <= max_keys
+
+
+def select(scores: jax.Array, k: int, max_keys: int = MAX_KEYS, interpret: bool = False) -> jax.Array:
+    """scores [R, S] float32 (-inf = not allowed) -> [R, k] int32: the indices of the k best, ascending, -1 after
+    them where fewer than k are allowed. `max_keys` (a power of two) bounds a program's keys; rows must `fits`: a row of more than `max_keys` scores has its sub-blocks of
+    b (the least power of two leaving at most `max_keys` maxima) selected by their maxima, then the k * b scores of
+    the chosen ones (< S where 2k <= max_keys) are selected the same way."""
+    rows, num_keys = scores.shape
+    if max(num_keys, k) <= max_keys:
+        return _select_pass(scores, k, num_keys, interpret)
+    if not fits(num_keys, k, max_keys):
+        raise ValueError(f"topk_pallas.select: k={k} over rows of {num_keys} scores needs 2k <= max_keys={max_keys} "
+                         f"(check `fits` first)")
+    b = tiles.pow2_at_least(-(-num_keys // max_keys), 2)
+    n_blocks = -(-num_keys // b)
+    padded = jnp.pad(scores, ((0, 0), (0, n_blocks * b - num_keys)), constant_values=-jnp.inf)
+    padded = padded.reshape(rows, n_blocks, b)
+    blocks = _select_pass(jnp.max(padded, axis=-1), k, n_blocks, interpret)  # ascending, -1 after
+    candidates = jnp.take_along_axis(padded, jnp.maximum(blocks, 0)[..., None], axis=1)  # [R, k, b]
+    candidates = jnp.where(blocks[..., None] >= 0, candidates, -jnp.inf).reshape(rows, k * b)
+    picked = select(candidates, k, max_keys, interpret)  # ascending positions among the candidates
+    index = jnp.take_along_axis(blocks, jnp.maximum(picked, 0) // b, axis=1) * b + picked % b
+    return jnp.where(picked >= 0, index, -1)
+
+
+def top_k(scores: jax.Array, k: int, interpret: bool = False) -> jax.Array:
+    """`select` for scores [R, S] where its programs hold the rows (the k best key indices, ascending, -1 after
+    them); `topk.two_level` (value order) beyond."""
+    if fits(scores.shape[-1], k):
+        return select(scores, k, interpret=interpret)
+    return topk.two_level(scores, k)

@@ -16,18 +16,19 @@ import numpy as np
 import pytest
 
 from triton_lowering import count_triton_kernels
-from dayzero.kernels import attention, fp8_indexer, indexer, indexer_pallas, paged, paged_pallas, sparse_mla, topk
+from dayzero.kernels import (attention, fp8_indexer, indexer, indexer_pallas, paged, paged_pallas, sparse_mla, topk,
+                             topk_pallas)
 
 LAYERS, BLOCKS, BLOCK = 2, 14, 64
 LAYER = 1
 # the default decode kernel (keys x heads, runs of up to 16 key tiles: here one run per row, past its keys), small tiles
 IDX_CFG = indexer_pallas.IndexerKernelConfig(block_k=32, block_q=16, score_bytes=4 * 2 * 16 * 320, min_programs=1)
-# heads x keys, one tile per program; the top-k by radix select instead of XLA sorts
-IDX_RADIX = dataclasses.replace(IDX_CFG, topk="radix", keys_as_rows=False, tiles_per_program=1)
-# heads x keys, 4 key tiles per program; the radix select's passes as Pallas kernels
-IDX_RUNS = dataclasses.replace(IDX_RADIX, tiles_per_program=4, topk="radix_pallas")
-# keys x heads, runs of 2 tiles; the radix select's digits counted, not scattered
-IDX_KEYS_ROWS = dataclasses.replace(IDX_CFG, tiles_per_program=2, topk="radix_count")
+# heads x keys, one tile per program; the top-k by XLA sorts in two levels instead of on chip
+IDX_TWO_LEVEL = dataclasses.replace(IDX_CFG, topk="two_level", keys_as_rows=False, tiles_per_program=1)
+# heads x keys, 4 key tiles per program; the top-k on chip (kernels/topk_pallas.py)
+IDX_RUNS = dataclasses.replace(IDX_TWO_LEVEL, tiles_per_program=4, topk="on_chip")
+# keys x heads, runs of 2 tiles; two levels of sorts
+IDX_KEYS_ROWS = dataclasses.replace(IDX_CFG, tiles_per_program=2, topk="two_level")
 MLA_CFG = sparse_mla.SparseMLAConfig(block_h=16, block_k=8, decode_block_k=8, decode_programs=64, min_split_tokens=8,
                                      decode_variant="heads_split")  # decode splits
 # Whole ops under jit: one compilation per shape instead of one per eager op.
@@ -120,31 +121,33 @@ def test_two_level_topk_equals_one_level(seed, num_keys, k):
     assert (one[0] >= 0).sum() == min(50, k) and (one[1] == -1).all()
 
 
-@pytest.mark.parametrize("histogram, digit_bits", [("scatter", (11, 11, 10)), ("count", (4,) * 8),
-                                                   ("count", (3, 5, 8, 8, 8)), ("count", (5, 5, 5, 5, 6, 6)),
-                                                   ("pallas", (8,) * 4), ("pallas", (3, 5, 8, 8, 8))])
-@pytest.mark.parametrize("num_keys, k", [(5000, 16), (20_000, 100), (600, 200), (150, 200), (9000, 2048)])
-def test_radix_select_equals_one_level(seed, num_keys, k, histogram, digit_bits):
-    """The same keys as `lax.top_k` (ties to the lowest index), in index order, -1 after them; -0.0 ties 0.0; with
-    the digit histograms scattered or counted, and digits of unequal widths."""
+@pytest.mark.parametrize("num_keys, k, max_keys", [
+    (5000, 16, 8192), (600, 200, 1024), (150, 200, 1024),  # one pass
+    (9000, 64, 1024), (20_000, 100, 2048), (3000, 256, 1024),  # two
+    (20_000, 100, 512)])  # four: 313 maxima of 64, then 400 of 16 among 6400 candidates, then 400 of 4 among 1600
+def test_on_chip_select_equals_one_level(seed, num_keys, k, max_keys):
+    """The on-chip top-k (interpret mode) in one pass (rows of at most `max_keys`) and in more (sub-block maxima, then
+    their scores): `lax.top_k`'s keys (ties to the lowest index, through every pass), in index order, -1 after them;
+    -0.0 ties 0.0; rows of fewer allowed keys than k, and of none."""
     rng = np.random.default_rng(seed)
     scores = tied_scores(rng, 6, num_keys)
     scores[3] = rng.standard_normal(num_keys).astype(np.float32) * np.float32(1e-30)  # tiny, both signs
     scores[4] = np.where(rng.random(num_keys) < 0.5, -0.0, 0.0) * (rng.random(num_keys) < 0.9)
-    one = np.asarray(topk.one_level(jnp.asarray(np.where(scores == 0, 0.0, scores)), k))
-    select = jax.jit(topk.radix_select, static_argnums=(1, 2, 3, 4))
-    got = np.asarray(select(jnp.asarray(scores), k, digit_bits, histogram, histogram == "pallas"))  # interpret
+    scores[5] = rng.standard_normal(num_keys).astype(np.float32)  # no ties: the very indices
+    plain = np.where(scores == 0, 0.0, scores)
+    one = np.asarray(topk.one_level(jnp.asarray(plain), k))
+    assert topk_pallas.fits(num_keys, k, max_keys)
+    got = np.asarray(jax.jit(lambda s: topk_pallas.select(s, k, max_keys, interpret=True))(jnp.asarray(scores)))
     assert got.shape == (6, k) and got.dtype == np.int32
     for r in range(6):
         chosen = got[r][got[r] >= 0]
-        assert set(chosen.tolist()) == set(one[r][one[r] >= 0].tolist()), f"row {r} (seed={seed})"
-        assert np.all(np.diff(chosen) > 0) and np.all(got[r][len(chosen):] == -1), f"row {r} order (seed={seed})"
+        np.testing.assert_array_equal(chosen, np.sort(one[r][one[r] >= 0]), f"row {r} (seed={seed})")
+        assert np.all(got[r][len(chosen):] == -1), f"row {r} (seed={seed})"
+    assert not topk_pallas.fits(40_000, 1500, 2048)  # the candidates of 1500 sub-blocks would not shrink the row
+    with pytest.raises(ValueError, match="fits"):
+        topk_pallas.select(jnp.asarray(np.zeros((1, 40_000), np.float32)), 1500, 2048)
     with pytest.raises(ValueError, match="topk"):
         indexer_pallas.IndexerKernelConfig(topk="sorted")
-    with pytest.raises(ValueError, match="histogram"):
-        topk.radix_select(jnp.asarray(scores), k, histogram="atomic")
-    with pytest.raises(ValueError, match="at most 8 bits"):
-        topk.radix_select(jnp.asarray(scores), k, histogram="pallas")
 
 
 # --------------------------------------------------------------------------------------------------------- indexer
@@ -170,7 +173,7 @@ def indexer_inputs(rng, batch, length, context, heads=5, dim=None, fp8=False):
     (37, [37, 290], 20, False),  # prefill tiles kernel, three query chunks, many key tiles skipped
     (21, [100, 60], 200, True),  # tiles kernel, FP8; topk above the context (320 cached slots > topk)
 ])
-@pytest.mark.parametrize("config", [IDX_CFG, IDX_RADIX, IDX_RUNS, IDX_KEYS_ROWS],
+@pytest.mark.parametrize("config", [IDX_CFG, IDX_TWO_LEVEL, IDX_RUNS, IDX_KEYS_ROWS],
                          ids=lambda c: f"{c.topk}_x{c.tiles_per_program}{'_keys_rows' * c.keys_as_rows}")
 def test_indexer_topk_matches_reference(seed, length, context, k, fp8, config):
     rng = np.random.default_rng(seed)
@@ -209,7 +212,7 @@ def test_decode_scores_by_runs_of_key_tiles(seed, per_program, keys_as_rows):
     assert np.all(got[:, want.shape[1]:] == -np.inf)
 
 
-@pytest.mark.parametrize("config", [IDX_CFG, IDX_RADIX], ids=lambda c: c.topk)
+@pytest.mark.parametrize("config", [IDX_CFG, IDX_TWO_LEVEL], ids=lambda c: c.topk)
 def test_indexer_exact_ties_break_to_lower_position(seed, config):
     """Integer q and keys, power-of-two weights and scale: scores are exact, with massive ties (one head: every
     key with q . k <= 0 scores exactly 0). Kernel and reference must pick the very same keys."""
@@ -420,13 +423,12 @@ def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
     ("indexer decode", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(min_programs=1))),  # x16
     ("indexer decode fp8", lambda: _indexer(1, True)),
     ("indexer prefill", lambda: _indexer(128, False)), ("indexer prefill fp8", lambda: _indexer(128, True)),
-    ("indexer decode radix", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(topk="radix"))),
+    ("indexer decode two-level top-k", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
+        topk="two_level"))),
     ("indexer decode heads x keys, runs of 8 key tiles", lambda: _indexer(
         1, False, indexer_pallas.IndexerKernelConfig(tiles_per_program=8, min_programs=1, keys_as_rows=False))),
-    ("indexer decode one tile per program, radix count", lambda: _indexer(
-        1, False, indexer_pallas.IndexerKernelConfig(tiles_per_program=1, topk="radix_count"))),
-    ("indexer decode radix pallas", lambda: _indexer(1, False, indexer_pallas.IndexerKernelConfig(
-        topk="radix_pallas"))),
+    ("indexer decode one tile per program", lambda: _indexer(
+        1, False, indexer_pallas.IndexerKernelConfig(tiles_per_program=1))),
     ("sparse decode", lambda: _sparse(1, False)), ("dense decode", lambda: _sparse(1, True)),
     ("sparse decode heads_split", lambda: _sparse(1, False, HEADS_SPLIT)),
     ("dense decode heads_split", lambda: _sparse(1, True, HEADS_SPLIT)),
