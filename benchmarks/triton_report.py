@@ -218,8 +218,8 @@ def indexer_cases() -> dict:
 
 
 def topk_cases() -> dict:
-    """The on-chip top-k (kernels/topk_pallas.py) over batch 16's score rows: one pass at 8K and 32K keys, and the
-    two passes at 128K and 512K keys (top-k 2048)."""
+    """The on-chip top-k (kernels/topk_pallas.py) over batch 16's score rows (top-k 2048): one pass at 8K keys, two at
+    32K and 128K (the sub-block maxima, then the chosen sub-blocks' scores), three at 512K."""
     from dayzero.kernels import topk_pallas
 
     S = jax.ShapeDtypeStruct
