@@ -55,6 +55,16 @@ def per_kernel_us(kernels: list[dict], calls: int, top: int = 10) -> dict:
     return {name: round(total / calls, 2) for name, total in ranked}
 
 
+def device_us_per_call(fn: Callable, *args, calls: int, top: int = 8) -> tuple[float, dict]:
+    """Device time of a jitted `fn(*args)` that runs an op `calls` times: after one warm-up call, one traced call's
+    GPU kernel time per op (us) and its `top` longest kernels (`per_kernel_us`); 0.0 and {} with no GPU events."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    kernels = gpu_kernels(traced_events(lambda: jax.block_until_ready(fn(*args))))
+    return sum(e["dur"] for e in kernels) / calls, per_kernel_us(kernels, calls, top=top)
+
+
 def busy_summary(kernels: list[dict]) -> dict:
     """How busy the GPU was over the traced kernels: span (first start to last end), busy time (union of kernel
     intervals), idle share, and kernel time and count by the XLA module that launched them (the kernel event's

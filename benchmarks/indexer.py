@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from gpu_trace import gpu_kernels, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
+from gpu_trace import device_us_per_call  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 from timing import hbm_copy_bandwidth  # benchmarks/timing.py
 
@@ -68,10 +68,8 @@ def measure(res: dict, batches, contexts, score_names=None, selection_names=None
     eps = jnp.float32(0.0)
 
     def device_us(fn, *args) -> tuple[float, dict]:
-        """Device time per call of a chained op (its kernels in a trace / CHAIN) and its longest kernels."""
-        jax.block_until_ready(fn(*args))
-        kernels = gpu_kernels(traced_events(lambda: jax.block_until_ready(fn(*args))))
-        return sum(e["dur"] for e in kernels) / CHAIN, per_kernel_us(kernels, CHAIN, top=4)
+        """Device time per call of a chained op and its 4 longest kernels."""
+        return device_us_per_call(fn, *args, calls=CHAIN, top=4)
 
     def chained(op):
         """op(w, tables[n], ...) CHAIN times in one jit, each w nudged by the previous output (eps = 0 at run time)."""

@@ -29,7 +29,7 @@ import statistics
 import sys
 import time
 
-from gpu_trace import gpu_kernels, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
+from gpu_trace import device_us_per_call  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 from timing import hbm_copy_bandwidth  # benchmarks/timing.py
 
@@ -196,10 +196,7 @@ def measure(quick: bool, res: dict, sweep: bool = True, head_counts=(HEADS, 16),
         time: what the op costs inside a model step, whose host runs ahead of the GPU; the per-call timing above also
         holds the host's launch cost, which a call of small kernels at batch 1 cannot hide) and the latter's share
         of the copy bandwidth on `bytes_read`."""
-        jax.block_until_ready(fn(*args))
-        kernels = gpu_kernels(traced_events(lambda: jax.block_until_ready(fn(*args))))
-        res[f"{tag}_kernels_us"] = per_kernel_us(kernels, CHAIN, top=8)
-        device_us = sum(e["dur"] for e in kernels) / CHAIN
+        device_us, res[f"{tag}_kernels_us"] = device_us_per_call(fn, *args, calls=CHAIN, top=8)
         res[f"{tag}_device_us"] = round(device_us, 2)
         if device_us > 0:  # no GPU events (a CPU run): no share
             res[f"{tag}_device_pct_hbm"] = round(100 * bytes_read / (device_us * 1e-6) / copy_bw, 1)

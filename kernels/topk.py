@@ -43,4 +43,3 @@ def two_level(scores: jax.Array, k: int, direct_below: int = 4) -> jax.Array:
     values, pos = jax.lax.top_k(candidates, k)
     idx = jnp.take_along_axis(blocks, pos // b, axis=1) * b + pos % b
     return jnp.where(values == -jnp.inf, -1, idx).astype(jnp.int32)
-
