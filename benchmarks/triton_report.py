@@ -106,8 +106,9 @@ def compile_report(ir: str, num_warps: int, num_stages: int, sass_path: str | No
 
 
 def kda_cases() -> dict:
-    """The KDA kernels at the issue's benchmark shapes (B1 T8192 H32 D128 bf16 prefill; B64 decode)."""
-    from dayzero.kernels.kda import pallas
+    """The KDA kernels at the issue's benchmark shapes (B1 T8192 H32 D128 bf16 prefill; B64 decode) and the
+    one-kernel decode layer step at the medium hybrid's."""
+    from dayzero.kernels.kda import decode_layer, pallas
 
     S = jax.ShapeDtypeStruct
     B, T, H, D = 1, 8192, 32, 128
@@ -120,7 +121,14 @@ def kda_cases() -> dict:
     dq, dg, dbeta = S((64, 1, H, D), jnp.bfloat16), S((64, 1, H, D), jnp.float32), S((64, 1, H), jnp.bfloat16)
     pool, slots = S((1, 64, H, D, D), jnp.float32), S((64,), jnp.int32)
     levels_apart = pallas.KdaTuning(intra_level_group=1)
-    return {"chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
+    dim = 16 * D  # the medium hybrid's KDA layer (16 heads) for the one-kernel decode step, batch 16
+    layer = (S((16, 3 * dim), jnp.bfloat16), S((16, 2 * D + 16), jnp.bfloat16), (S((dim, 4), jnp.bfloat16),) * 3,
+             S((D, dim), jnp.bfloat16), S((16,), jnp.float32), S((dim,), jnp.float32), S((D, dim), jnp.bfloat16),
+             S((D,), jnp.bfloat16), S((12, 64, 3, dim, 3), jnp.bfloat16), S((12, 64, 16, D, D), jnp.float32),
+             S((16,), jnp.int32), S((16,), jnp.int32))
+    decode_layer_step = lambda *a: decode_layer.decode_step(*a, layer=0, eps=1e-5, lower_bound=None)
+    return {"decode layer B16 H16": (decode_layer_step, layer),
+            "chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
             "chunk_kda B1 T8192 one level per pass": (chunk(levels_apart), (q, q, q, g, beta, state)),
             "chunk_kda B1 T8192 IEEE inverse": (chunk(pallas.KdaTuning(wy_inverse="ieee", wy_warps=4)),
                                                 (q, q, q, g, beta, state)),

@@ -57,6 +57,7 @@ class Kernel:
 # ROCm yet, so none declares it.
 KERNELS: Mapping[str, Kernel] = MappingProxyType({k.name: k for k in (
     Kernel("kda"),          # kernels/kda: chunked prefill, recurrent decode, in-place slot decode
+    Kernel("kda_decode_layer"),  # kernels/kda/decode_layer.py: a KDA layer's decode conv, gates, step, gated norm
     Kernel("paged_write"),  # kernels/paged.py -> paged_pallas
     Kernel("indexer"),      # kernels/indexer.py -> indexer_pallas (DSA lightning indexer + top-k)
     Kernel("sparse_mla"),   # kernels/attention.py -> sparse_mla (attention over the selected latents)

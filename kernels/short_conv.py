@@ -11,11 +11,13 @@ import jax.numpy as jnp
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, initial_state: jax.Array | None = None,
-                  activation: str | None = "silu", lengths: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  activation: str | None = "silu", lengths: jax.Array | None = None,
+                  compute_dtype=None) -> tuple[jax.Array, jax.Array]:
     """x [B, T, C], weight [C, W] -> (y [B, T, C] in x.dtype, final state [B, C, W - 1] in x.dtype).
 
     `lengths` [B] (valid tokens per row, the rest padding at the end) makes the state the last W - 1 inputs
-    before each row's padding; by default every token is valid.
+    before each row's padding; by default every token is valid. `compute_dtype` (default x.dtype): the dtype of the
+    products, sums and activation, rounded to x.dtype once at the end.
     """
     batch, length, channels = x.shape
     width = weight.shape[-1]
@@ -24,8 +26,9 @@ def causal_conv1d(x: jax.Array, weight: jax.Array, initial_state: jax.Array | No
     else:
         history = jnp.swapaxes(initial_state, 1, 2).astype(x.dtype)
     padded = jnp.concatenate([history, x], axis=1)  # [B, W - 1 + T, C]
-    w = weight.astype(x.dtype)
-    y = sum(padded[:, j:j + length, :] * w[:, j] for j in range(width))
+    compute = padded.astype(compute_dtype or x.dtype)
+    w = weight.astype(compute.dtype)
+    y = sum(compute[:, j:j + length, :] * w[:, j] for j in range(width))
     if activation == "silu":
         y = jax.nn.silu(y)
     elif activation is not None:

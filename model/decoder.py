@@ -67,7 +67,10 @@ class DecoderLayer(nn.Module):
         """Cached step of this layer; returns (x, cache, workspace)."""
         h = self.input_layernorm(x)
         index = layer_slots(self.config)[self.layer]
-        if self.is_kda:
+        if self.is_kda and decode and self.self_attn.decode_layer_kind(h) != "reference":
+            h, conv, state = self.self_attn.decode_in_place(h, valid, cache["conv"], cache["state"], slots, index)
+            cache = dict(cache, conv=conv, state=state)
+        elif self.is_kda:
             h, conv, state = self.self_attn.step(h, valid, cache["conv"][index, slots], cache["state"], slots, index,
                                                  decode)
             cache = dict(cache, conv=cache["conv"].at[index, slots].set(conv.astype(cache["conv"].dtype)),

@@ -3,6 +3,8 @@ gate, beta, the delta-rule scan, a gated RMSNorm and the output projection.
 
 `__call__` runs whole sequences from zero state; `step` continues from per-request state slots (conv state
 [3, dim, W - 1] for q/k/v and recurrent state [H, K, V] float32), chunked for prefill and recurrent for decode.
+`decode_in_place` is the decode step with everything between the input projections and o_proj in one kernel
+(`kernels.kda.decode_layer`), reading and writing both caches in place; `decode_layer_kind` says where it applies.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 
 from dayzero.kernels import kda as kda_kernels
 from dayzero.kernels import short_conv
+from dayzero.kernels.kda import decode_layer
 
 from . import sharding
 from .config import ModelConfig
@@ -113,6 +116,35 @@ class KimiDeltaAttention(nn.Module):
         q, k, v, g, beta, _ = self._inputs(x)
         o, _ = kda_kernels.chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
         return self._output(x, o)
+
+    def decode_layer_kind(self, x) -> str:
+        """Which implementation `decode_in_place` runs for these rows x [B, 1, D]: "pallas" / "interpret" (the
+        one-kernel step of `kernels.kda.decode_layer`, where dispatch picks it and it takes this layer) or
+        "reference" (`step`'s ops; also on a mesh and at init)."""
+        cfg = self.config
+        if self.mesh is not None or self.is_initializing() or x.shape[1] != 1:
+            return "reference"
+        if not decode_layer.supported(cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim, cfg.kda_head_dim,
+                                      cfg.kda_conv_size, x.dtype):
+            return "reference"
+        return decode_layer.choose()
+
+    def decode_in_place(self, x, valid, conv_cache, state_pool, slots, layer: int):
+        """One decode token per row through `kernels.kda.decode_layer` (needs `decode_layer_kind(x)` != "reference"):
+        x [B, 1, D], valid [B, 1], conv_cache [L, S, 3, dim, W - 1] and state_pool [L, S, H, K, V] (every KDA
+        layer's; row b uses slot slots[b] of layer `layer`, both updated in place) -> (out [B, 1, D], conv_cache,
+        state_pool)."""
+        rows = x[:, 0]
+        qkv = jnp.concatenate([self.q_proj(rows), self.k_proj(rows), self.v_proj(rows)], axis=-1)
+        fgb = jnp.concatenate([self.f_a_proj(rows), self.g_a_proj(rows), self.b_proj(rows)], axis=-1)
+        weight = lambda module, name="kernel": module.variables["params"][name]
+        o, conv_cache, state_pool = decode_layer.decode_step(
+            qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
+            weight(self.f_b_proj), self.A_log, self.dt_bias, weight(self.g_b_proj), weight(self.o_norm, "weight"),
+            conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=self.config.rms_norm_eps,
+            lower_bound=self.config.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
+            interpret=self.decode_layer_kind(x) == "interpret")
+        return self.o_proj(o)[:, None], conv_cache, state_pool
 
     def step(self, x, valid, conv_state, state_pool, slots, layer: int, decode: bool):
         """Continues from slot states: x [B, T, D], valid [B, T] (padding at the end of rows), conv_state

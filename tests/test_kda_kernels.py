@@ -200,3 +200,109 @@ def test_bad_tunings_are_named():
                        (kda_pallas.KdaTuning(intra_level_group=7), "intra_level_group")):
         with pytest.raises(ValueError, match=field):
             kda_pallas.chunk_kda(q, q, v, g, beta, interpret=True, tuning=bad)
+
+
+def decode_layer_inputs(seed, batch, heads, head_dim, width=4, layers=2, slots_total=6, dtype=jnp.bfloat16,
+                        padding_row=True):
+    """decode_layer.decode_step's arguments: random activations, weights and caches; row 0 a padding row on the
+    scratch slot 0 (with `padding_row`), the others on distinct slots."""
+    rng = np.random.default_rng(seed)
+    dim, rank = heads * head_dim, head_dim
+    arr = lambda shape, scale=1.0, dt=dtype: jnp.asarray(rng.standard_normal(shape) * scale, dt)
+    pad = int(padding_row)
+    slots = jnp.asarray(np.concatenate([[0] * pad, rng.permutation(np.arange(1, slots_total))[:batch - pad]]),
+                        jnp.int32)
+    lengths = jnp.asarray([0] * pad + [1] * (batch - pad), jnp.int32)
+    return (arr((batch, 3 * dim)), arr((batch, 2 * rank + heads)), tuple(arr((dim, width), 0.5) for _ in range(3)),
+            arr((rank, dim), 0.3), jnp.asarray(np.log(rng.uniform(1, 16, heads)), jnp.float32),
+            arr((dim,), 0.5, jnp.float32), arr((rank, dim), 0.3), jnp.asarray(1 + 0.1 * rng.standard_normal(head_dim), dtype),
+            arr((layers, slots_total, 3, dim, width - 1)), arr((layers, slots_total, heads, head_dim, head_dim), 0.1,
+                                                                jnp.float32), slots, lengths)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("batch,heads,width", [(3, 2, 4), (2, 1, 2)])
+def test_decode_layer_matches_reference(seed, lower_bound, batch, heads, width):
+    """The one-kernel KDA decode step (interpret mode): equal to the jnp reference with the conv in float32, as the
+    kernel computes it (to float32 rounding); within bf16 rounding of the model's own conv arithmetic; the padding
+    row's slot untouched; the other layer's and slots' caches untouched."""
+    from dayzero.kernels.kda import decode_layer
+
+    args = decode_layer_inputs(seed, batch, heads, 16, width)
+    conv, pool, slots = args[8], args[9], args[10]
+    options = dict(layer=1, eps=1e-5, lower_bound=lower_bound)
+    got = decode_layer.decode_step(*args, **options, interpret=True)
+    same = decode_layer.reference(*args, **options, conv_dtype=jnp.float32)
+    model = decode_layer.reference(*args, **options)
+    assert got[0].shape == (batch, heads * 16) and got[0].dtype == jnp.bfloat16
+    assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(same[1], np.float32))  # the shifted conv inputs
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(same[2]), rtol=1e-5, atol=1e-6)
+    assert _rel_err(got[0], same[0]) < 1e-2  # bf16 outputs: an occasional one-step rounding difference
+    assert _rel_err(got[0], model[0]) < 3e-2 and _rel_err(got[2], model[2]) < 3e-2
+    untouched = np.ones(pool.shape[:2], bool)
+    untouched[1, np.asarray(slots[1:])] = False
+    assert np.array_equal(np.asarray(got[2])[untouched], np.asarray(pool)[untouched])
+    assert np.array_equal(np.asarray(got[1], np.float32)[untouched], np.asarray(conv, np.float32)[untouched])
+    assert np.all(np.asarray(got[0][0], np.float32) == 0)  # the padding row outputs zeros
+
+
+def _rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_decode_layer_lowers_to_triton():
+    """At the medium hybrid's KDA layer (16 heads x 128, conv 4) for 1 and 16 rows: one Triton kernel."""
+    from dayzero.kernels.kda import decode_layer
+
+    spec = jax.ShapeDtypeStruct
+    for batch in (1, 16):
+        args = jax.tree.map(lambda a: spec(a.shape, a.dtype),
+                            decode_layer_inputs(0, batch, 16, 128, slots_total=20, padding_row=False))
+        fn = lambda *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None)
+        assert count_triton_kernels(fn, *args) == 1
+
+
+def test_model_decode_layer_path_equals_step(seed, monkeypatch):
+    """KimiDeltaAttention at decode: the one-kernel path (`decode_in_place`, interpret mode) against `step`'s ops on
+    the gathered states (the CPU's reference kernels), in bf16; then the whole decoder's cached decode step, both ways,
+    gives the same next tokens' logits to bf16 rounding."""
+    from dayzero.kernels.kda import decode_layer
+    from dayzero.model import Model
+    from dayzero.model.cache import init_cache
+    from dayzero.model.kda import KimiDeltaAttention
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(kda_num_heads=2, kda_head_dim=16)
+    rng = np.random.default_rng(seed)
+    batch, slots_total, layer = 3, 5, 1
+    attn = KimiDeltaAttention(cfg, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((batch, 1, cfg.hidden_size)), jnp.bfloat16)
+    params = attn.init(jax.random.key(seed % 1000), x)
+    conv = jnp.asarray(rng.standard_normal((2, slots_total, 3, cfg.kda_dim, cfg.kda_conv_size - 1)), jnp.bfloat16)
+    pool = jnp.asarray(rng.standard_normal((2, slots_total, 2, 16, 16)) * 0.1, jnp.float32)
+    slots, valid = jnp.asarray([4, 0, 2], jnp.int32), jnp.asarray([[True], [False], [True]])
+    assert attn.apply(params, x, method="decode_layer_kind") == "reference"  # the CPU's default
+    out, conv_rows, want_pool = attn.apply(params, x, valid, conv[layer, slots], pool, slots, layer, True,
+                                           method="step")
+    want_conv = conv.at[layer, slots].set(conv_rows)
+    monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
+    assert attn.apply(params, x, method="decode_layer_kind") == "interpret"
+    got, got_conv, got_pool = attn.apply(params, x, valid, conv, pool, slots, layer, method="decode_in_place")
+    live = np.asarray(valid[:, 0])
+    assert _rel_err(got[live], out[live]) < 3e-2
+    assert _rel_err(got_pool, want_pool) < 3e-2
+    assert np.array_equal(np.asarray(got_conv, np.float32), np.asarray(want_conv, np.float32))
+
+    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
+    cache = init_cache(cfg, num_blocks=4, num_slots=3, dtype=jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 5)), jnp.int32)
+    tables, rows = jnp.asarray([[1], [2]], jnp.int32), jnp.asarray([1, 2], jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
+    _, cache = step(ids, positions, jnp.ones((2, 5), bool), cache, tables, rows)
+    token, at = ids[:, :1], jnp.full((2, 1), 5)
+    fused, _ = step(token, at, jnp.ones((2, 1), bool), cache, tables, rows, decode=True)
+    monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "reference")
+    plain, _ = step(token, at, jnp.ones((2, 1), bool), cache, tables, rows, decode=True)
+    assert _rel_err(fused, plain) < 3e-2

@@ -128,3 +128,59 @@ def test_wy_inverse_precisions_on_gpu(wy_inverse, g_max):
         ref = kda_ref.chunk_kda(*(x.astype(jnp.float32) for x in (q, k, v, g, beta)), initial_state=h0,
                                 output_final_state=True, use_qk_l2norm_in_kernel=True, lengths=lengths)
     assert _rel(o, ref[0]) < 2e-2 and _rel(s, ref[1]) < 2e-2
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+@pytest.mark.parametrize("batch,padding_row", [(1, False), (16, True), (5, True)])
+def test_decode_layer_on_gpu(lower_bound, batch, padding_row):
+    """The one-kernel KDA decode step compiled at the medium hybrid's layer (16 heads x 128, conv 4) against the jnp
+    reference on the same GPU: conv caches equal; the written states and the outputs to bf16 rounding, whether the
+    reference's conv runs in float32 as the kernel's does or in the model's bf16 arithmetic (XLA on the GPU may keep
+    float32 where the kernel rounds the conv outputs to bf16: `xla_allow_excess_precision`); the other slots
+    untouched."""
+    from dayzero.kernels.kda import decode_layer
+    from test_kda_kernels import decode_layer_inputs
+
+    seed = _seed()
+    args = decode_layer_inputs(seed, batch, 16, 128, slots_total=40, padding_row=padding_row)
+    options = dict(layer=1, eps=1e-5, lower_bound=lower_bound)
+    got = jax.jit(lambda *a: decode_layer.decode_step(*a, **options))(*args)
+    with jax.default_matmul_precision("highest"):
+        same = jax.jit(lambda *a: decode_layer.reference(*a, **options, conv_dtype=jnp.float32))(*args)
+        model = jax.jit(lambda *a: decode_layer.reference(*a, **options))(*args)
+    written = np.zeros(args[9].shape[:2], bool)
+    written[1, np.asarray(args[10])] = True
+    assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(same[1], np.float32))
+    assert np.array_equal(np.asarray(got[2])[~written], np.asarray(args[9])[~written])
+    for want in (same, model):
+        assert _rel(np.asarray(got[2])[written], np.asarray(want[2])[written]) < 1e-2
+        assert _rel(got[0], want[0]) < 2e-2
+
+
+def test_model_decode_with_the_decode_layer_kernel_on_gpu(monkeypatch):
+    """A bf16 hybrid with 128-wide KDA heads: a cached decode step's logits and caches with the one-kernel KDA decode
+    layer against the same step through the separate ops (both compiled on the GPU), to bf16 rounding."""
+    from dayzero.kernels.kda import decode_layer
+    from dayzero.model import Model
+    from dayzero.model.cache import init_cache
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(kda_num_heads=2, kda_head_dim=128)
+    model = Model.random(cfg, dtype="bfloat16", seed=3)
+    rng = np.random.default_rng(4)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 9)), jnp.int32)
+    tables, rows = jnp.asarray([[1], [2]], jnp.int32), jnp.asarray([1, 2], jnp.int32)
+    step = jax.jit(lambda p, *a, decode: model.module.apply({"params": p}, *a, method="step", decode=decode),
+                   static_argnames="decode")
+    cache = init_cache(cfg, num_blocks=4, num_slots=3, dtype=jnp.bfloat16)
+    _, cache = step(model.params, ids, jnp.broadcast_to(jnp.arange(9), (2, 9)), jnp.ones((2, 9), bool), cache,
+                    tables, rows, decode=False)
+    token, at, valid = ids[:, :1], jnp.full((2, 1), 9), jnp.asarray([[True], [False]])
+    outs = {}
+    for kind in ("pallas", "reference"):
+        monkeypatch.setattr(decode_layer, "choose", lambda impl=None, kind=kind: kind)
+        run = jax.jit(lambda p, *a: model.module.apply({"params": p}, *a, method="step", decode=True))
+        outs[kind] = run(model.params, token, at, valid, cache, tables, rows)
+    assert _rel(outs["pallas"][0][0], outs["reference"][0][0]) < 2e-2
+    for name in ("conv", "state"):
+        assert _rel(outs["pallas"][1][name], outs["reference"][1][name]) < 1e-2
