@@ -306,3 +306,17 @@ def test_model_decode_layer_path_equals_step(seed, monkeypatch):
     monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "reference")
     plain, _ = step(token, at, jnp.ones((2, 1), bool), cache, tables, rows, decode=True)
     assert _rel_err(fused, plain) < 3e-2
+
+
+def test_decode_layer_names_what_it_does_not_take():
+    """Head dims that are not powers of two >= 16, or float32 activations: a ValueError naming the layer's shape;
+    `supported` says so first, and the model then keeps its separate ops."""
+    from dayzero.kernels.kda import decode_layer
+
+    assert decode_layer.supported(16, 128, 128, 128, 4, jnp.bfloat16)
+    assert not decode_layer.supported(3, 8, 8, 8, 4, jnp.bfloat16)  # tiny's KDA heads
+    assert not decode_layer.supported(2, 16, 16, 16, 4, jnp.float32)
+    assert not decode_layer.supported(2, 16, 32, 16, 4, jnp.bfloat16)  # K != V
+    args = decode_layer_inputs(0, 2, 2, 16, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="heads 2 x 16.*float32"):
+        decode_layer.decode_step(*args, layer=0, eps=1e-5, lower_bound=None, interpret=True)

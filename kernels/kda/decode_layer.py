@@ -17,9 +17,8 @@ GPU time per layer on the H200, benchmarks/NOTES_serving.md). A program here, fo
 Arithmetic is float32 throughout, rounded to the activations' dtype where the model's XLA path materialises a
 16-bit tensor (the conv outputs, the f_b and g_b outputs, the recurrent output); XLA may keep more precision inside
 its fusions (`xla_allow_excess_precision`), so the two agree to 16-bit rounding, not bit for bit. Rows of length 0
-(padding) leave both caches as they were and output zeros. Needs K = V a power of two >= 16, the
-low rank R a power of two >= 16, and 16-bit activations (`supported`). `reference` is the same step in jnp, for
-the tests.
+(padding) leave both caches as they were and output zeros. Needs K = V a power of two >= 16, the low rank R a power
+of two >= 16, and 16-bit activations (`supported`). `reference` is the same step in jnp, for the tests.
 """
 
 from __future__ import annotations
@@ -38,7 +37,9 @@ from .pallas import _params
 # Whether CUDA runs this kernel by default: tests/gpu/test_kda_gpu.py's decode-layer cases pass on the H200 (jax 0.11.2,
 # 2026-12-01), and the medium hybrid's decode step measured faster with it (benchmarks/NOTES_serving.md).
 GPU_VERIFIED = True
-NUM_WARPS = 4  # the model's launch (`model.kda.KimiDeltaAttention.decode_in_place` passes it)
+# The model's launch width (`model.kda.KimiDeltaAttention.decode_in_place` passes it): 4 warps measured fastest on the
+# H200 at batch 1, 16 and 64 against 2 and 8 (benchmarks/kda_decode_layer.py, NOTES_serving.md).
+NUM_WARPS = 4
 
 
 def _pow2_16(n: int) -> bool:
