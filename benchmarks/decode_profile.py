@@ -3,6 +3,7 @@ with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized H
 
     python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--engine serving] [--top 25]
                                          [--xla-option NAME=VALUE] [--pallas router] [--dump PREFIX]
+                                         [--dense-fused-prologues] [--shared-in-routed]
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
 `small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
@@ -215,12 +216,20 @@ def main(argv=None) -> int:
                              "the top 8)")
     parser.add_argument("--dense-fused-prologues", action="store_true",
                         help="dense experts with DenseTiles.fused_prologues (row gather and SwiGLU in the kernels)")
+    parser.add_argument("--shared-in-routed", action="store_true",
+                        help="decode-sized MoE calls run the shared experts in the routed experts' grouped kernels "
+                             "(model.moe.SHARED_IN_ROUTED_KERNELS, for this run)")
     args = parser.parse_args(argv)
     extra = use_xla_options(args.xla_option)
     if args.pallas:
         extra["pallas"] = args.pallas
     if args.dense_fused_prologues:
         extra["dense_fused_prologues"] = True
+    if args.shared_in_routed:
+        from dayzero.model import moe as model_moe
+
+        model_moe.SHARED_IN_ROUTED_KERNELS = True  # read when the model traces; this process only
+        extra["shared_in_routed"] = True
     with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder, \
             dispatch.use_policy({"cuda": args.pallas} if args.pallas else None), \
             dense_fused_prologues(args.dense_fused_prologues):

@@ -49,6 +49,20 @@ def swiglu_as_one_expert(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_dow
                                     interpret=kind == "interpret")
 
 
+def routed_and_shared(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                      w_down: jax.Array, shared: tuple[jax.Array, jax.Array, jax.Array],
+                      impl: str | None = None) -> jax.Array | None:
+    """The routed experts (as `moe_experts`) plus a shared-expert SwiGLU MLP (gate [H, S], up [H, S], down [S, H],
+    S a multiple of the experts' I) in one set of `moe_dense` grouped kernels, the MLP as S / I extra experts that
+    every token uses with weight 1: x [N, H] -> [N, H] of x.dtype. None where dispatch does not pick those kernels
+    (`impl` overrides): the caller then runs the two its own way."""
+    kind = _dense_kernel_kind(w_gate.shape[1], w_gate.shape[2], impl)
+    if kind == "reference":
+        return None
+    return moe_dense.grouped_swiglu(x, topk_ids, topk_weights, w_gate, w_up, w_down, interpret=kind == "interpret",
+                                    shared=shared)
+
+
 def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                 w_down: jax.Array, block_m: int | None | str = "auto", impl: str | None = None) -> jax.Array:
     """x [N, H], topk_ids [N, k] int, topk_weights [N, k] f32, w_gate/w_up [E, H, I], w_down [E, I, H] -> [N, H].

@@ -11,7 +11,9 @@ used weight tile once, straight from the stacked [E, K, N] experts, and do only 
 - decode-sized calls have few tiles, so K is split over up to `k_slices` programs per output tile (enough programs
   to keep HBM busy); the float32 partial sums [slices, rows, N] are added up by a small XLA reduction;
 - gate and up share one kernel (the same x tile feeds both), then SwiGLU in XLA and the down kernel; with
-  `DenseTiles.fused_prologues` the row gather and the SwiGLU happen in the kernels' operand loads instead.
+  `DenseTiles.fused_prologues` the row gather and the SwiGLU happen in the kernels' operand loads instead;
+- a shared-expert MLP can ride along (`grouped_swiglu(shared=)`): split over its intermediate columns into parts
+  of the experts' shape, it runs as extra experts of the same two kernels, read in place from its own weights.
 
 Block sizes are the largest powers of two dividing the dims up to the tile's setting (Triton needs power-of-two
 blocks; on a GPU each must be >= 16 to feed a dot, see `supported`). Rounding follows `moe.moe_experts`: weights
@@ -98,37 +100,54 @@ def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue):
     return x_ref[pl.ds(r0, bm), pl.ds(k0, sk)]
 
 
-def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue):
+def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, n_routed, has_shared):
     token_ref = refs[0] if prologue == "gather" else None  # the rows' tokens come first where they are gathered
     x_ref, *refs = refs[1:] if prologue == "gather" else refs
-    w_refs, o_ref = refs[:n_w], refs[n_w]
+    w_refs, shared_refs, o_ref = refs[:n_w], refs[n_w:n_w * (1 + has_shared)], refs[-1]
     t, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = tile_expert_ref[t]
+    r0 = pl.multiple_of(t * bm, bm)
+    n0 = pl.multiple_of(j * bn, bn)
 
-    @pl.when(expert >= 0)
-    def _():
-        r0 = pl.multiple_of(t * bm, bm)
-        n0 = pl.multiple_of(j * bn, bn)
-
+    def run(block):  # block(i, k0): weight i's [sk, bn] block at rows k0.. of this tile's expert
         def step(i, accs):
             k0 = pl.multiple_of((s * steps + i) * sk, sk)
             xb = _load_rows(x_ref, token_ref, r0, k0, bm=bm, sk=sk, prologue=prologue)
-            return tuple(acc + tiling.mm(xb, w[expert, pl.ds(k0, sk), pl.ds(n0, bn)].astype(xb.dtype))
-                         for w, acc in zip(w_refs, accs))
+            return tuple(acc + tiling.mm(xb, block(w, k0).astype(xb.dtype)) for w, acc in enumerate(accs))
 
         accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(n_w)))
         for i, acc in enumerate(accs):
             o_ref[s, pl.ds(r0, bm), i, pl.ds(n0, bn)] = acc
 
+    def routed(i, k0):
+        return w_refs[i][expert, pl.ds(k0, sk), pl.ds(n0, bn)]
+
+    if not has_shared:
+        pl.when(expert >= 0)(lambda: run(routed))
+        return
+    part = expert - n_routed  # which N-column part of the shared MLP this tile runs
+
+    def shared(i, k0):
+        w = shared_refs[i]
+        if len(w.shape) == 2:  # [K, parts * N]: the part's columns
+            n_dim = w_refs[i].shape[2]
+            return w[pl.ds(k0, sk), pl.ds(pl.multiple_of(part * n_dim + n0, bn), bn)]
+        return w[part, pl.ds(k0, sk), pl.ds(n0, bn)]  # [parts, K, N]
+
+    pl.when((expert >= 0) & (expert < n_routed))(lambda: run(routed))
+    pl.when(expert >= n_routed)(lambda: run(shared))
+
 
 def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax.Array, ...], tiles: DenseTiles,
                    interpret: bool = False, token_of_row: jax.Array | None = None,
-                   prologue: str | None = None) -> jax.Array:
+                   prologue: str | None = None, shared: tuple[jax.Array, ...] | None = None) -> jax.Array:
     """x_rows [R, K] (R a multiple of block_m; tile t = rows [t*block_m, (t+1)*block_m) uses expert tile_expert[t],
     -1: unused), weights: each [E, K, N] -> float32 [R, len(weights), N] (rows of unused tiles undefined).
 
     `prologue` (see `_load_rows`): "gather" takes the tokens [T, K] as x_rows and the rows' tokens `token_of_row`
-    [R] (R from it); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up."""
+    [R] (R from it); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `shared` (one per weight):
+    an MLP's weight split in P parts of the experts' shape, as extra experts E .. E + P - 1; each either [K, P * N]
+    (part p its columns p*N ..) or [P, K, N]."""
     weights_k = weights[0].shape[1]
     if prologue == "gather":
         n_rows, k_dim = token_of_row.shape[0], x_rows.shape[1]
@@ -149,7 +168,7 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     wanted = -(-tiles.min_programs // (grid[0] * grid[1]))
     slices = max(d for d in range(1, min(tiles.k_slices, wanted, k_steps) + 1) if k_steps % d == 0)
     kernel = functools.partial(_grouped_kernel, n_w=len(weights), bm=bm, bn=bn, sk=sk, steps=k_steps // slices,
-                               prologue=prologue)
+                               prologue=prologue, n_routed=weights[0].shape[0], has_shared=shared is not None)
     partial = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((slices, n_rows, len(weights), n_dim), jnp.float32),
@@ -158,30 +177,51 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
         interpret=interpret,
         name="moe_dense_gate_up" if len(weights) == 2 else "moe_dense_down",
     )(tile_expert.astype(jnp.int32), *([token_of_row.astype(jnp.int32)] if prologue == "gather" else []), x_rows,
-      *weights)
+      *weights, *(shared or ()))
     return partial[0] if slices == 1 else jnp.sum(partial, axis=0)
 
 
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                   w_down: jax.Array, tiles: DenseTiles | None = None, interpret: bool = False) -> jax.Array:
+                   w_down: jax.Array, tiles: DenseTiles | None = None, interpret: bool = False,
+                   shared: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """x [N, H], topk_ids [N, k] int, topk_weights [N, k] f32, w_gate/w_up [E, H, I], w_down [E, I, H] -> [N, H] of
-    x.dtype (see the module docstring; `tiles` default: `choose_tiles`)."""
+    x.dtype (see the module docstring; `tiles` default: `choose_tiles`).
+
+    `shared` (gate [H, S], up [H, S], down [S, H], S a multiple of I): a shared-expert MLP that every token runs
+    unweighted, added in: its S / I parts of I columns run as experts E .. E + S/I - 1 of the same kernels (a SwiGLU
+    splits over its intermediate columns), so y = routed + shared comes out of one combine in float32."""
     n_tokens = x.shape[0]
     n_experts = w_gate.shape[0]
+    shared_up = shared_down = None
+    if shared is not None:
+        s_gate, s_up, s_down = shared
+        inter = w_gate.shape[2]
+        if s_gate.shape != s_up.shape or s_gate.shape[0] != w_gate.shape[1] or s_gate.shape[1] % inter \
+                or s_down.shape != s_gate.shape[::-1]:
+            raise ValueError(f"shared MLP {s_gate.shape} / {s_up.shape} / {s_down.shape} does not split into experts "
+                             f"of {w_gate.shape[1:]} / {w_down.shape[1:]}")
+        parts = s_gate.shape[1] // inter
+        topk_ids = jnp.concatenate([topk_ids.astype(jnp.int32), jnp.broadcast_to(
+            jnp.arange(n_experts, n_experts + parts, dtype=jnp.int32), (n_tokens, parts))], axis=1)
+        topk_weights = jnp.concatenate([topk_weights.astype(jnp.float32), jnp.ones((n_tokens, parts), jnp.float32)],
+                                       axis=1)
+        shared_up, shared_down = (s_gate, s_up), (s_down.reshape(parts, inter, s_down.shape[1]),)
+        n_experts += parts
     tiles = tiles or choose_tiles(topk_ids.size, n_experts)
     sched = moe_tiles.schedule(topk_ids, n_experts, tiles.block_m)
     if tiles.fused_prologues:
         # padding rows of used tiles read zeros (so their hidden rows are silu(0) * 0 = 0); rows of unused tiles stay
         # undefined, but no program of the down kernel and no pair of `combine` reads them
         gate_up = grouped_matmul(x, sched.tile_expert, (w_gate, w_up), tiles, interpret,
-                                 token_of_row=sched.token_of_row, prologue="gather").astype(x.dtype)
+                                 token_of_row=sched.token_of_row, prologue="gather", shared=shared_up).astype(x.dtype)
         out = grouped_matmul(gate_up.reshape(gate_up.shape[0], -1), sched.tile_expert, (w_down,), tiles, interpret,
-                             prologue="swiglu")
+                             prologue="swiglu", shared=shared_down)
     else:
         padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row N: the padding rows' zeros
         rows = padded[sched.token_of_row]
-        gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret).astype(x.dtype)
+        gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret,
+                                 shared=shared_up).astype(x.dtype)
         real = (sched.token_of_row < n_tokens)[:, None]  # rows of unused tiles hold whatever the output buffer held
         hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
-        out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret)
+        out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down)
     return moe_tiles.combine(out[:, 0].astype(x.dtype), sched, topk_weights).astype(x.dtype)

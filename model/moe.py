@@ -24,6 +24,11 @@ from .mla import dense
 # 2026-12-01) batch-1 decode went from 1.88-1.95 to 1.71 ms per token with them; batch 16 measured 3.62 ms against
 # 3.54-3.59 without (not an A/B run in one process), so larger batches keep XLA's GEMMs.
 SHARED_GROUPED_MAX_TOKENS = 8
+# Whether those calls run the shared experts inside the routed experts' grouped kernels (bf16 experts on one device:
+# `kernels.moe.routed_and_shared`, the shared MLP as extra experts), one set of kernels for both instead of two.
+# Prepared and CPU-verified (tests/test_moe_dense.py), not yet measured on a GPU, so off; benchmarks/decode_profile.py
+# --shared-in-routed switches it on for a run.
+SHARED_IN_ROUTED_KERNELS = False
 
 
 class MLP(nn.Module):
@@ -265,6 +270,15 @@ class MoE(nn.Module):
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")(flat)
+        if (SHARED_IN_ROUTED_KERNELS and cfg.num_shared_experts and cfg.quant_method != "mxfp4" and self.mesh is None
+                and not self.is_initializing() and flat.shape[0] <= SHARED_GROUPED_MAX_TOKENS):
+            params = self.variables["params"]
+            experts, mlp = params["experts"], params["shared_experts"]
+            y = moe_kernels.routed_and_shared(flat, ids, weights, experts["w_gate"], experts["w_up"],
+                                              experts["w_down"],
+                                              tuple(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj")))
+            if y is not None:
+                return y.reshape(x.shape), workspace
         y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(flat, ids, weights, workspace)
         y = y.reshape(x.shape)
         if cfg.num_shared_experts:

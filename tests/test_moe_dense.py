@@ -73,6 +73,8 @@ def test_lowers_to_triton_at_model_shapes(n_tokens):
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a), *args) == 2
         fused = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), fused_prologues=True)
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=fused), *args) == 2
+        shared = (spec((hidden, 2 * inter), jnp.bfloat16),) * 2 + (spec((2 * inter, hidden), jnp.bfloat16),)
+        assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a[:6], shared=a[6:]), *args, *shared) == 2
 
 
 def test_dispatch_and_tiles():
@@ -111,3 +113,59 @@ def test_shared_expert_runs_as_one_grouped_expert_at_decode_sizes(seed, monkeypa
     w = params["params"]
     assert moe.swiglu_as_one_expert(x[0], w["gate_proj"]["kernel"], w["up_proj"]["kernel"],
                                     w["down_proj"]["kernel"]) is None  # CPU: the caller's dense layers run
+
+
+@pytest.mark.parametrize("n_tokens,parts,fused", [(1, 2, False), (5, 1, False), (3, 3, True)])
+def test_shared_mlp_as_extra_experts(seed, n_tokens, parts, fused):
+    """A shared-expert SwiGLU MLP (intermediate `parts` x the experts') passed as `shared`: the routed experts' output
+    plus the MLP's, against the float64 oracle of both; one token (its own schedule), several, the fused loads; a
+    shared MLP that does not split into the experts' shape is refused by name."""
+    rng = np.random.default_rng(seed)
+    hidden, inter = 32, 16
+    x, ids, weights, wg, wu, wd = _case(rng, n_tokens, 6, hidden, inter, 2)
+    sg, su = (rng.standard_normal((hidden, parts * inter)).astype(np.float32) * 0.3 for _ in range(2))
+    sd = rng.standard_normal((parts * inter, hidden)).astype(np.float32) * 0.3
+    tiles = moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=2, min_programs=16, fused_prologues=fused)
+    got = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles", "interpret"))(
+        *(jnp.asarray(a) for a in (x, ids, weights, wg, wu, wd)), tiles=tiles, interpret=True,
+        shared=tuple(jnp.asarray(a) for a in (sg, su, sd)))
+    shared_out = dense_oracle(x, np.zeros((n_tokens, 1), np.int32), np.ones((n_tokens, 1), np.float32),
+                              sg[None], su[None], sd[None])
+    want = np.asarray(dense_oracle(x, ids, weights, wg, wu, wd)) + np.asarray(shared_out)
+    err = rel_err(got, want)
+    assert got.shape == (n_tokens, hidden) and err < 1e-5, f"{err:.2e} (seed={seed})"
+    with pytest.raises(ValueError, match="does not split"):
+        moe_dense.grouped_swiglu(*(jnp.asarray(a) for a in (x, ids, weights, wg, wu, wd)), tiles=tiles,
+                                 interpret=True, shared=(jnp.asarray(sg[:, :-1]), jnp.asarray(su[:, :-1]),
+                                                         jnp.asarray(sd[:-1])))
+
+
+def test_model_moe_with_shared_in_routed_kernels(seed, monkeypatch):
+    """The MoE block with `SHARED_IN_ROUTED_KERNELS` (interpret mode) equals the block that runs the shared experts
+    apart (the CPU's XLA paths), at decode sizes; above SHARED_GROUPED_MAX_TOKENS tokens the block keeps them apart."""
+    from dayzero.model import moe as model_moe
+    from dayzero.model.presets import tiny
+
+    cfg = tiny()
+    rng = np.random.default_rng(seed)
+    block = model_moe.MoE(cfg, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, cfg.hidden_size)), jnp.float32)
+    params = block.init(jax.random.key(seed % 1000), x)
+    with jax.default_matmul_precision("highest"):
+        want, _ = block.apply(params, x)
+        monkeypatch.setattr(model_moe, "SHARED_IN_ROUTED_KERNELS", True)
+        monkeypatch.setenv(dispatch.ENV_OVERRIDE, "interpret")
+        calls = []
+        original = moe_dense.grouped_swiglu
+
+        def recorded(*args, **kwargs):
+            calls.append(kwargs.get("shared"))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(moe_dense, "grouped_swiglu", recorded)
+        got, _ = block.apply(params, x)
+        assert len(calls) == 1 and calls[0] is not None  # one call, the shared MLP in it
+        assert rel_err(got, want) < 1e-5
+        many = jnp.concatenate([x, x[:, ::-1]], axis=1)  # 12 tokens
+        block.apply(params, many)
+        assert len(calls) == 2 and calls[1] is None  # the routed experts alone; the shared MLP its own way

@@ -71,3 +71,28 @@ def test_shared_expert_as_one_grouped_expert(n_tokens):
                                                           x.astype(jnp.float32))
     rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     assert rel < 2e-2, rel
+
+
+@pytest.mark.parametrize("n_tokens", [1, 8])
+@pytest.mark.parametrize("fused", [False, True])
+def test_shared_mlp_in_routed_kernels(n_tokens, fused):
+    """The medium hybrid's MoE layer (64 experts top-6, 2048 x 768) with its 1536-wide shared MLP as two extra experts
+    of the routed kernels (`grouped_swiglu(shared=)`), against the routed kernels plus the MLP at float32 precision."""
+    key = jax.random.key(n_tokens)
+    wg, wu, wd = _layer(key, 64, 2048, 768, jnp.bfloat16)
+    sg, su = (jax.random.normal(jax.random.fold_in(key, i), (2048, 1536), jnp.bfloat16) * 0.02 for i in (1, 2))
+    sd = jax.random.normal(jax.random.fold_in(key, 3), (1536, 2048), jnp.bfloat16) * 0.02
+    x = jax.random.normal(jax.random.fold_in(key, 4), (n_tokens, 2048), jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng(n_tokens).permuted(np.tile(np.arange(64), (n_tokens, 1)), axis=1)[:, :6],
+                      jnp.int32)
+    weights = jax.random.uniform(jax.random.fold_in(key, 5), (n_tokens, 6), jnp.float32)
+    tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * 8, 66), fused_prologues=fused)
+    got = jax.jit(lambda *a: moe_dense.grouped_swiglu(*a[:6], tiles=tiles, shared=a[6:]))(
+        x, ids, weights, wg, wu, wd, sg, su, sd).astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        f32 = lambda a: a.astype(jnp.float32)
+        routed = jax.jit(lambda *a: moe.moe_experts(*a, block_m=None))(f32(x), ids, weights, f32(wg), f32(wu), f32(wd))
+        h = f32(x)
+        want = routed + (jax.nn.silu(h @ f32(sg)) * (h @ f32(su))) @ f32(sd)
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert np.all(np.isfinite(np.asarray(got))) and rel < 2e-2, rel
