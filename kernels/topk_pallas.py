@@ -115,9 +115,10 @@ def fits(num_keys: int, k: int, max_keys: int = MAX_KEYS) -> bool:
 
 def select(scores: jax.Array, k: int, max_keys: int = MAX_KEYS, interpret: bool = False) -> jax.Array:
     """scores [R, S] float32 (-inf = not allowed) -> [R, k] int32: the indices of the k best, ascending, -1 after
-    them where fewer than k are allowed. `max_keys` (a power of two) bounds a program's keys; rows must `fits`: a row of more than `max_keys` scores has its sub-blocks of
-    b (the least power of two leaving at most `max_keys` maxima) selected by their maxima, then the k * b scores of
-    the chosen ones (< S where 2k <= max_keys) are selected the same way."""
+    them where fewer than k are allowed. `max_keys` (a power of two) bounds a program's keys; rows must `fits`: a
+    row of more than `max_keys` scores has its sub-blocks of b (the least power of two leaving at most `max_keys`
+    maxima) selected by their maxima, then the k * b scores of the chosen ones (< S where 2k <= max_keys) are
+    selected the same way."""
     rows, num_keys = scores.shape
     if max(num_keys, k) <= max_keys:
         return _select_pass(scores, k, num_keys, interpret)

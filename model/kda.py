@@ -19,6 +19,7 @@ import numpy as np
 from dayzero.kernels import kda as kda_kernels
 from dayzero.kernels import short_conv
 from dayzero.kernels.kda import decode_layer
+from dayzero.kernels.kda import reference as kda_reference
 
 from . import sharding
 from .config import ModelConfig
@@ -36,18 +37,11 @@ def _dt_bias_init(key, shape, dtype):
 
 
 def forget_gate(raw: jax.Array, a_log: jax.Array, dt_bias: jax.Array, lower_bound: float | None) -> jax.Array:
-    """Per-channel log-decay g [B, T, H, K] float32 from the f_b_proj output raw [B, T, H*K].
-
-    Default: g = -exp(A_log) * softplus(raw + dt_bias) (softplus linear above 20).
-    With a lower bound: g = lower_bound * sigmoid(exp(A_log) * (raw + dt_bias)), in (lower_bound, 0).
-    """
+    """Per-channel log-decay g [B, T, H, K] float32 from the f_b_proj output raw [B, T, H*K]: `log_decay` of
+    raw + dt_bias with A_log per head (-exp(A_log) * softplus, or the lower-bounded sigmoid form)."""
     heads = a_log.shape[0]
     x = (raw.astype(jnp.float32) + dt_bias.astype(jnp.float32)).reshape(*raw.shape[:-1], heads, -1)
-    rate = jnp.exp(a_log.astype(jnp.float32))[:, None]
-    if lower_bound is not None:
-        return lower_bound * jax.nn.sigmoid(rate * x)
-    softplus = jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
-    return -rate * softplus
+    return kda_reference.log_decay(x, a_log.astype(jnp.float32)[:, None], lower_bound)
 
 
 class ShortConv(nn.Module):

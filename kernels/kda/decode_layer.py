@@ -57,14 +57,6 @@ def choose(impl: str | None = None) -> str:
     return dispatch.choose("kda_decode_layer", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
 
 
-def _gate(raw, a_log, lower_bound):
-    """The forget gate's log-decay from raw = f_b output + dt_bias (float32), model/kda.py's `forget_gate`."""
-    rate = jnp.exp(a_log)
-    if lower_bound is not None:
-        return lower_bound * jax.nn.sigmoid(rate * raw)
-    return -rate * jnp.where(raw > 20.0, raw, jnp.log1p(jnp.exp(jnp.minimum(raw, 20.0))))
-
-
 def _kernel(slot_ref, len_ref, qkv_ref, fgb_ref, qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref,
             conv_ref, pool_ref, o_ref, conv_out_ref, pool_out_ref, *, layer, heads, head_dim, low_rank, width, scale,
             eps, lower_bound):
@@ -94,7 +86,7 @@ def _kernel(slot_ref, len_ref, qkv_ref, fgb_ref, qw_ref, kw_ref, vw_ref, fb_ref,
         return rnd(jnp.sum(a[:, None] * w, axis=0))
 
     q, k, v = conv(0, qw_ref), conv(1, kw_ref), conv(2, vw_ref)
-    g = _gate(low_rank_up(0, fb_ref) + dtb_ref[chans], alog_ref[h], lower_bound)
+    g = kda_reference.log_decay(low_rank_up(0, fb_ref) + dtb_ref[chans], alog_ref[h], lower_bound)
     beta = jax.nn.sigmoid(fgb_ref[b, 2 * low_rank + h].astype(jnp.float32))
     g = jnp.where(live, g, 0.0)
     beta = jnp.where(live, beta, 0.0)
@@ -170,7 +162,8 @@ def reference(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, con
         states.append(st)
     q, k, v = streams
     raw = (fgb[:, :low_rank] @ f_b).astype(act).astype(jnp.float32) + dt_bias.astype(jnp.float32)
-    g = _gate(raw.reshape(batch, 1, heads, head_dim), a_log.astype(jnp.float32)[:, None], lower_bound)
+    g = kda_reference.log_decay(raw.reshape(batch, 1, heads, head_dim), a_log.astype(jnp.float32)[:, None],
+                                lower_bound)
     beta = jax.nn.sigmoid(fgb[:, None, 2 * low_rank:].astype(jnp.float32))
     o, state = kda_reference.fused_recurrent_kda(q, k, v, g, beta, initial_state=state_pool[layer, slots],
                                                  output_final_state=True, use_qk_l2norm_in_kernel=True,

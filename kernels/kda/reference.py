@@ -15,6 +15,16 @@ import jax
 import jax.numpy as jnp
 
 
+def log_decay(x: jax.Array, a_log: jax.Array, lower_bound: float | None) -> jax.Array:
+    """The KDA forget gate's activation: x = f_b output + dt_bias (float32), a_log broadcasting against it (A_log per
+    head) -> the per-channel log-decay g. Default: -exp(A_log) * softplus(x) (softplus linear above 20); with a lower
+    bound: lower_bound * sigmoid(exp(A_log) * x), in (lower_bound, 0)."""
+    rate = jnp.exp(a_log)
+    if lower_bound is not None:
+        return lower_bound * jax.nn.sigmoid(rate * x)
+    return -rate * jnp.where(x > 20.0, x, jnp.log1p(jnp.exp(jnp.minimum(x, 20.0))))
+
+
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
     """x / sqrt(sum(x^2) + eps) over the last axis (fla's form: eps inside the root, not a max)."""
     return x / jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
