@@ -3,7 +3,8 @@ with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized H
 
     python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--engine serving] [--top 25]
                                          [--xla-option NAME=VALUE] [--pallas router] [--dump PREFIX]
-                                         [--dense-fused-prologues] [--shared-in-routed]
+                                         [--dense-fused-prologues] [--shared-apart] [--dense-epilogue-min-pairs N]
+                                         [--router-dot]
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
 `small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
@@ -216,20 +217,35 @@ def main(argv=None) -> int:
                              "the top 8)")
     parser.add_argument("--dense-fused-prologues", action="store_true",
                         help="dense experts with DenseTiles.fused_prologues (row gather and SwiGLU in the kernels)")
-    parser.add_argument("--shared-in-routed", action="store_true",
-                        help="decode-sized MoE calls run the shared experts in the routed experts' grouped kernels "
-                             "(model.moe.SHARED_IN_ROUTED_KERNELS, for this run)")
+    parser.add_argument("--shared-apart", action="store_true",
+                        help="decode-sized MoE calls run the shared experts apart from the routed experts' grouped "
+                             "kernels (model.moe.SHARED_IN_ROUTED_KERNELS off, for this run)")
+    parser.add_argument("--dense-epilogue-min-pairs", type=int, metavar="PAIRS",
+                        help="dense expert calls of at least PAIRS token-expert pairs compute the SwiGLU in the "
+                             "gate/up kernel (moe_dense.EPILOGUE_MIN_PAIRS, for this run)")
+    parser.add_argument("--router-dot", action="store_true",
+                        help="router logits by XLA's dot at every size (model.moe.REDUCE_LOGITS_MAX_TOKENS 0)")
     args = parser.parse_args(argv)
     extra = use_xla_options(args.xla_option)
     if args.pallas:
         extra["pallas"] = args.pallas
     if args.dense_fused_prologues:
         extra["dense_fused_prologues"] = True
-    if args.shared_in_routed:
+    if args.shared_apart:
         from dayzero.model import moe as model_moe
 
-        model_moe.SHARED_IN_ROUTED_KERNELS = True  # read when the model traces; this process only
-        extra["shared_in_routed"] = True
+        model_moe.SHARED_IN_ROUTED_KERNELS = False  # read when the model traces; this process only
+        extra["shared_apart"] = True
+    if args.router_dot:
+        from dayzero.model import moe as model_moe
+
+        model_moe.REDUCE_LOGITS_MAX_TOKENS = 0  # read when the model traces; this process only
+        extra["router_dot"] = True
+    if args.dense_epilogue_min_pairs is not None:
+        from dayzero.kernels import moe_dense
+
+        moe_dense.EPILOGUE_MIN_PAIRS = args.dense_epilogue_min_pairs  # read when choose_tiles runs; this process only
+        extra["dense_epilogue_min_pairs"] = args.dense_epilogue_min_pairs
     with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder, \
             dispatch.use_policy({"cuda": args.pallas} if args.pallas else None), \
             dense_fused_prologues(args.dense_fused_prologues):

@@ -50,18 +50,30 @@ class DenseTiles:
     num_warps: int = 4
     num_stages: int = 3
     # The XLA steps around the kernels moved into their operand loads: the gate/up kernel reads each row's token
-    # from x by index (zeros for padding rows), instead of an XLA gather writing the rows first, and the down kernel
-    # computes silu(gate) * up as it loads them, instead of an XLA fusion writing the hidden rows. Two kernels fewer
-    # per MoE layer (at batch 1 and 16 on the H200 those two took ~4 and ~10 us per layer, NOTES_serving.md). Not
-    # yet measured on a GPU, so off by default.
+    # from x by index (zeros for padding rows), instead of an XLA gather writing the rows first, and (without
+    # `swiglu_epilogue`) the down kernel computes silu(gate) * up as it loads them, instead of an XLA fusion writing
+    # the hidden rows. Two kernels fewer per MoE layer (at batch 1 and 16 on the H200 those two took ~4 and ~10 us
+    # per layer). Off: in the whole model on the H200 the kernels grew by more than the passes they save
+    # (NOTES_serving.md, tenth session).
     fused_prologues: bool = False
+    # The gate/up kernel computes silu(gate) * up on its accumulators and writes the hidden rows in x's dtype (K not
+    # split: the SwiGLU needs complete sums), instead of float32 gate and up rows that XLA sums over K slices and
+    # turns into hidden rows in two more passes over every padded row. For batches whose tiles fill the GPU without
+    # splitting K (`choose_tiles`: calls of at least `EPILOGUE_MIN_PAIRS` pairs).
+    swiglu_epilogue: bool = False
+
+
+# Calls of at least this many token-expert pairs take `DenseTiles.swiglu_epilogue`: on the H200 (medium hybrid,
+# benchmarks/decode_profile.py, 2026-12-01, eleventh session) batch-16 decode (128 pairs with the shared experts
+# inside) took 3.092 ms of kernels per token with it against 3.171 without. 96: 16 tokens of top-6.
+EPILOGUE_MIN_PAIRS = 96
 
 
 def choose_tiles(n_pairs: int, n_experts: int) -> DenseTiles:
     """16-row tiles while experts see few rows (decode; K split for parallelism), 64-row tiles for prefill."""
     rows = n_pairs / max(1, min(n_experts, n_pairs))
     if rows <= 16:
-        return DenseTiles(block_m=16)
+        return DenseTiles(block_m=16, swiglu_epilogue=n_pairs >= EPILOGUE_MIN_PAIRS)
     if rows <= 48:
         return DenseTiles(block_m=32)
     return DenseTiles(block_m=64, num_warps=8)
@@ -100,7 +112,7 @@ def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue):
     return x_ref[pl.ds(r0, bm), pl.ds(k0, sk)]
 
 
-def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, n_routed, has_shared):
+def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, epilogue, n_routed, has_shared):
     token_ref = refs[0] if prologue == "gather" else None  # the rows' tokens come first where they are gathered
     x_ref, *refs = refs[1:] if prologue == "gather" else refs
     w_refs, shared_refs, o_ref = refs[:n_w], refs[n_w:n_w * (1 + has_shared)], refs[-1]
@@ -116,8 +128,12 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, n_
             return tuple(acc + tiling.mm(xb, block(w, k0).astype(xb.dtype)) for w, acc in enumerate(accs))
 
         accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(n_w)))
+        if epilogue == "swiglu":  # each projection rounded to the output dtype first, as the unfused path does
+            gate, up = (acc.astype(o_ref.dtype).astype(jnp.float32) for acc in accs)
+            o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = (jax.nn.silu(gate) * up).astype(o_ref.dtype)
+            return
         for i, acc in enumerate(accs):
-            o_ref[s, pl.ds(r0, bm), i, pl.ds(n0, bn)] = acc
+            o_ref[s, pl.ds(r0, bm), i, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
 
     def routed(i, k0):
         return w_refs[i][expert, pl.ds(k0, sk), pl.ds(n0, bn)]
@@ -140,9 +156,12 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, n_
 
 def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax.Array, ...], tiles: DenseTiles,
                    interpret: bool = False, token_of_row: jax.Array | None = None,
-                   prologue: str | None = None, shared: tuple[jax.Array, ...] | None = None) -> jax.Array:
+                   prologue: str | None = None, shared: tuple[jax.Array, ...] | None = None,
+                   epilogue: str | None = None, out_dtype=jnp.float32) -> jax.Array:
     """x_rows [R, K] (R a multiple of block_m; tile t = rows [t*block_m, (t+1)*block_m) uses expert tile_expert[t],
-    -1: unused), weights: each [E, K, N] -> float32 [R, len(weights), N] (rows of unused tiles undefined).
+    -1: unused), weights: each [E, K, N] -> [R, len(weights), N] (rows of unused tiles undefined), float32 sums
+    rounded to `out_dtype` (once, after the K slices are added up). `epilogue` "swiglu" (two weights, gate and up):
+    [R, N] of out_dtype, silu(gate) * up with each rounded to out_dtype first; K is then not split.
 
     `prologue` (see `_load_rows`): "gather" takes the tokens [T, K] as x_rows and the rows' tokens `token_of_row`
     [R] (R from it); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `shared` (one per weight):
@@ -159,6 +178,8 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
         raise ValueError(f"unknown prologue {prologue!r} (None, 'gather' or 'swiglu')")
     if k_dim != weights_k:
         raise ValueError(f"rows of {k_dim} features for weights of {weights_k} inputs")
+    if epilogue not in (None, "swiglu") or (epilogue == "swiglu" and len(weights) != 2):
+        raise ValueError(f"epilogue {epilogue!r} for {len(weights)} weights (None, or 'swiglu' for gate and up)")
     n_dim = weights[0].shape[2]
     bm = tiles.block_m
     bn = _pow2_divisor(n_dim, tiles.block_n)
@@ -166,19 +187,24 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     k_steps = k_dim // sk
     grid = (n_rows // bm, n_dim // bn)
     wanted = -(-tiles.min_programs // (grid[0] * grid[1]))
-    slices = max(d for d in range(1, min(tiles.k_slices, wanted, k_steps) + 1) if k_steps % d == 0)
+    slices = 1 if epilogue else max(d for d in range(1, min(tiles.k_slices, wanted, k_steps) + 1)
+                                    if k_steps % d == 0)
     kernel = functools.partial(_grouped_kernel, n_w=len(weights), bm=bm, bn=bn, sk=sk, steps=k_steps // slices,
-                               prologue=prologue, n_routed=weights[0].shape[0], has_shared=shared is not None)
+                               prologue=prologue, epilogue=epilogue, n_routed=weights[0].shape[0],
+                               has_shared=shared is not None)
+    out_shape = (n_rows, n_dim) if epilogue else (slices, n_rows, len(weights), n_dim)
     partial = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((slices, n_rows, len(weights), n_dim), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype if slices == 1 else jnp.float32),
         grid=grid + (slices,),
         compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
         interpret=interpret,
         name="moe_dense_gate_up" if len(weights) == 2 else "moe_dense_down",
     )(tile_expert.astype(jnp.int32), *([token_of_row.astype(jnp.int32)] if prologue == "gather" else []), x_rows,
       *weights, *(shared or ()))
-    return partial[0] if slices == 1 else jnp.sum(partial, axis=0)
+    if epilogue:
+        return partial
+    return partial[0] if slices == 1 else jnp.sum(partial, axis=0).astype(out_dtype)
 
 
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -209,19 +235,25 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
         n_experts += parts
     tiles = tiles or choose_tiles(topk_ids.size, n_experts)
     sched = moe_tiles.schedule(topk_ids, n_experts, tiles.block_m)
-    if tiles.fused_prologues:
-        # padding rows of used tiles read zeros (so their hidden rows are silu(0) * 0 = 0); rows of unused tiles stay
-        # undefined, but no program of the down kernel and no pair of `combine` reads them
-        gate_up = grouped_matmul(x, sched.tile_expert, (w_gate, w_up), tiles, interpret,
-                                 token_of_row=sched.token_of_row, prologue="gather", shared=shared_up).astype(x.dtype)
-        out = grouped_matmul(gate_up.reshape(gate_up.shape[0], -1), sched.tile_expert, (w_down,), tiles, interpret,
-                             prologue="swiglu", shared=shared_down)
+    if tiles.fused_prologues:  # padding rows of used tiles read zeros, so their hidden rows are silu(0) * 0 = 0
+        rows, gather = x, dict(token_of_row=sched.token_of_row, prologue="gather")
     else:
         padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row N: the padding rows' zeros
-        rows = padded[sched.token_of_row]
-        gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret,
-                                 shared=shared_up).astype(x.dtype)
-        real = (sched.token_of_row < n_tokens)[:, None]  # rows of unused tiles hold whatever the output buffer held
+        rows, gather = padded[sched.token_of_row], {}
+    down_prologue = None
+    if tiles.swiglu_epilogue:
+        hidden = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
+                                epilogue="swiglu", out_dtype=x.dtype, **gather)
+    elif tiles.fused_prologues:  # the down kernel computes the SwiGLU as it loads gate and up
+        gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
+                                 out_dtype=x.dtype, **gather)
+        hidden, down_prologue = gate_up.reshape(gate_up.shape[0], -1), "swiglu"
+    else:
+        gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
+                                 out_dtype=x.dtype)
+        real = (sched.token_of_row < n_tokens)[:, None]  # rows of unused tiles hold whatever the buffer held
         hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
-        out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down)
-    return moe_tiles.combine(out[:, 0].astype(x.dtype), sched, topk_weights).astype(x.dtype)
+    # rows of unused tiles stay undefined, but no program of the down kernel and no pair of `combine` reads them
+    out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
+                         prologue=down_prologue, out_dtype=x.dtype)
+    return moe_tiles.combine(out[:, 0], sched, topk_weights).astype(x.dtype)

@@ -73,24 +73,31 @@ def _sorted_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Sched
 
 
 def _compare_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Schedule:
-    """`schedule` by comparisons (O(pairs x (pairs + rows + experts)) work, no sort or scatter): the same Schedule."""
+    """`schedule` by comparisons (O(pairs x (pairs + rows)) work, no sort or scatter): the same Schedule, from three
+    broadcast-and-reduce passes (each one fusion on a GPU, where the bincount / cumsum form took six):
+    1. a pair's rank among its expert's pairs: the earlier pairs of the same expert;
+    2. the tiles of lower-numbered experts, which come first: a tile opens at each pair of rank 0, block_m, ...;
+    3. each row's (token, expert), packed in one int32 by matching the row against every pair's row (a row holds at
+       most one pair; no match: a padding row). A tile's expert is that of its first row, which is always a pair."""
     n_tokens, top_k = topk_ids.shape
     n_pairs = n_tokens * top_k
     flat = topk_ids.reshape(-1).astype(jnp.int32)
-    experts = jnp.arange(n_experts, dtype=jnp.int32)
-    sizes = jnp.sum(flat[None, :] == experts[:, None], axis=1, dtype=jnp.int32)  # [E]
-    tiles = (sizes + block_m - 1) // block_m
-    tile_end = jnp.sum(jnp.where(experts[None, :] <= experts[:, None], tiles[None, :], 0), axis=1)  # inclusive cumsum
-    first_row = (tile_end - tiles) * block_m
     pair = jnp.arange(n_pairs, dtype=jnp.int32)
     same_before = (flat[None, :] == flat[:, None]) & (pair[None, :] < pair[:, None])  # [P, P]: q before p, same expert
-    row_of_pair = first_row[flat] + jnp.sum(same_before, axis=1, dtype=jnp.int32)
+    rank = jnp.sum(same_before, axis=1, dtype=jnp.int32)
+    opens_tile = rank % block_m == 0
+    tiles_before = jnp.sum((flat[None, :] < flat[:, None]) & opens_tile[None, :], axis=1, dtype=jnp.int32)
+    row_of_pair = tiles_before * block_m + rank
     n_tiles = max_tiles(n_pairs, n_experts, block_m)
     row = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
-    match = row[:, None] == row_of_pair[None, :]  # [R, P]: at most one pair per row
-    token_of_row = jnp.where(jnp.any(match, axis=1),
-                             jnp.sum(jnp.where(match, pair[None, :] // top_k, 0), axis=1, dtype=jnp.int32), n_tokens)
-    return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, _tile_expert(tile_end, n_tiles), sizes)
+    radix = n_experts + 1
+    code = (pair // top_k) * radix + flat + 1  # [P] token and expert of each pair, never 0
+    packed = jnp.sum(jnp.where(row[:, None] == row_of_pair[None, :], code[None, :], 0), axis=1, dtype=jnp.int32)
+    token_of_row = jnp.where(packed > 0, (packed - 1) // radix, n_tokens)
+    tile_expert = jnp.where(packed[::block_m] > 0, (packed[::block_m] - 1) % radix, -1)
+    experts = jnp.arange(n_experts, dtype=jnp.int32)
+    sizes = jnp.sum(flat[None, :] == experts[:, None], axis=1, dtype=jnp.int32)  # [E] (unused by dense experts)
+    return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, tile_expert, sizes)
 
 
 def _tile_expert(tile_end: jax.Array, n_tiles: int) -> jax.Array:

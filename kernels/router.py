@@ -1,4 +1,6 @@
-"""MoE router in one Pallas (Triton) kernel: logits, scores, top-k choice and routing weights of a block of tokens.
+"""MoE router in Pallas (Triton): logits, scores, top-k choice and routing weights of a block of tokens in one
+kernel (`route_tokens`), or everything after the logits in one kernel (`select_experts`, the CUDA default: XLA's
+product reads the weight with the whole GPU, this kernel replaces the ~5 small XLA kernels after it).
 
 `model.moe.route` in XLA is about eight kernels per MoE layer at decode (the weight's f32 convert, a cuBLAS gemv,
 the score and bias fusion, a sort for top-k, the gather of the chosen scores, the renormalisation); on the H200 they
@@ -14,7 +16,8 @@ took ~11 us per layer at batch 1 (benchmarks/NOTES_serving.md). Here one program
 Takes what the kernel can hold: no expert groups (`n_group` 1), E a power of two from 16 to `MAX_EXPERTS` (the
 block's logits stay in registers), k <= E, and a weight of at most `MAX_WEIGHT_ELEMENTS` (one program reads all of
 it, so a decode step's router runs on one multiprocessor: fine for the medium hybrid's 64 x 2048, 256 KB; a
-DeepSeek-size router would want the experts split over programs). Elsewhere the XLA route runs.
+DeepSeek-size router would want the experts split over programs). `select_experts` starts at the scores and takes
+any weight (the same limits otherwise). Elsewhere the XLA route runs.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from . import dispatch, tiles as tiling
 # against ~11 us; one program reads the whole weight on one multiprocessor), so it stays off unless asked for
 # (impl="pallas" or DAYZERO_KERNELS).
 GPU_VERIFIED = False
+# The same for `select_experts` (the router after XLA's logits product): tests/gpu/test_router_gpu.py passes on the
+# H200, and the medium hybrid's decode took 1.351 / 2.968 ms of kernels per token at batch 1 / 16 with it against
+# 1.468 / 3.032 without (benchmarks/decode_profile.py, 2026-12-01, eleventh session).
+SELECT_GPU_VERIFIED = True
 BLOCK_M = 16
 MAX_EXPERTS = 256
 MAX_WEIGHT_ELEMENTS = 1 << 18
@@ -39,9 +46,8 @@ MAX_WEIGHT_ELEMENTS = 1 << 18
 
 def supported(n_experts: int, hidden: int, top_k: int, n_group: int = 1) -> bool:
     """Whether the kernel takes this router (see the module docstring)."""
-    power_of_two = n_experts & (n_experts - 1) == 0
-    return (n_group == 1 and power_of_two and 16 <= n_experts <= MAX_EXPERTS and 1 <= top_k <= n_experts
-            and n_experts * hidden <= MAX_WEIGHT_ELEMENTS and tiling.dots_fit(_block_k(n_experts, hidden)))
+    return (select_supported(n_experts, top_k, n_group) and n_experts * hidden <= MAX_WEIGHT_ELEMENTS
+            and tiling.dots_fit(_block_k(n_experts, hidden)))
 
 
 def _block_k(n_experts: int, hidden: int) -> int:
@@ -67,16 +73,23 @@ def _router_kernel(x_ref, w_ref, bias_ref, ids_ref, weights_ref, *, n_tokens, to
         return acc + tiling.mm_nt(x_ref[rows, cols], w_ref[:, cols].astype(x_ref.dtype))
 
     logits = jax.lax.fori_loop(0, hidden // block_k, step, jnp.zeros((BLOCK_M, n_experts), jnp.float32))
+    ids_ref[...], weights_ref[...] = _choose(logits, bias_ref[...], ids_ref.shape[1], top_k=top_k, sigmoid=sigmoid,
+                                             renormalize=renormalize, scale=scale)
+
+
+def _choose(logits, bias, k_pad: int, *, top_k, sigmoid, renormalize, scale):
+    """float32 logits [M, E], bias [E] -> (ids [M, k_pad] int32, weights [M, k_pad] float32; slots past top_k 0)."""
+    n_rows, n_experts = logits.shape
     if sigmoid:
         scores = jax.nn.sigmoid(logits)
     else:
         exp = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
         scores = exp / jnp.sum(exp, axis=1, keepdims=True)
-    choice = scores + bias_ref[...][None, :]
-    col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, n_experts), 1)
-    slot = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, k_pad), 1)
-    ids = jnp.zeros((BLOCK_M, k_pad), jnp.int32)
-    weights = jnp.zeros((BLOCK_M, k_pad), jnp.float32)
+    choice = scores + bias[None, :]
+    col = jax.lax.broadcasted_iota(jnp.int32, (n_rows, n_experts), 1)
+    slot = jax.lax.broadcasted_iota(jnp.int32, (n_rows, k_pad), 1)
+    ids = jnp.zeros((n_rows, k_pad), jnp.int32)
+    weights = jnp.zeros((n_rows, k_pad), jnp.float32)
     for i in range(top_k):
         best = jnp.max(choice, axis=1, keepdims=True)
         # the lowest column holding the maximum (NaN rows fall back to the last expert: an index in range)
@@ -87,8 +100,14 @@ def _router_kernel(x_ref, w_ref, bias_ref, ids_ref, weights_ref, *, n_tokens, to
         choice = jnp.where(picked, -jnp.inf, choice)
     if renormalize and top_k > 1:  # unused slots hold 0
         weights = weights / (jnp.sum(weights, axis=1, keepdims=True) + 1e-20)
-    ids_ref[...] = ids
-    weights_ref[...] = weights * scale
+    return ids, weights * scale
+
+
+def _select_kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, n_tokens, top_k, sigmoid, renormalize, scale):
+    token = pl.program_id(0) * BLOCK_M + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
+    rows = jnp.where(token < n_tokens, token, 0)  # rows past the last token read token 0; their outputs are dropped
+    ids_ref[...], weights_ref[...] = _choose(logits_ref[rows, :], bias_ref[...], ids_ref.shape[1], top_k=top_k,
+                                             sigmoid=sigmoid, renormalize=renormalize, scale=scale)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "sigmoid", "renormalize", "scale", "interpret"))
@@ -101,25 +120,60 @@ def route_tokens(x: jax.Array, weight: jax.Array, bias: jax.Array | None, *, top
     n_experts = weight.shape[0]
     if not supported(n_experts, hidden, top_k):
         raise ValueError(f"router kernel: {n_experts} experts x {hidden}, top-{top_k} not supported")
+    bias = jnp.zeros((n_experts,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    kernel = functools.partial(_router_kernel, n_tokens=n_tokens, top_k=top_k, block_k=_block_k(n_experts, hidden),
+                               sigmoid=sigmoid, renormalize=renormalize, scale=scale)
+    return _launch(kernel, (x, weight, bias), n_tokens, top_k, "moe_router", interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "sigmoid", "renormalize", "scale", "interpret"))
+def select_experts(logits: jax.Array, bias: jax.Array | None, *, top_k: int, sigmoid: bool, renormalize: bool,
+                   scale: float, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The router after its logits, in one kernel: float32 logits [N, E] (XLA's product, which spreads the weight's
+    read over the GPU), correction bias [E] or None -> (topk_ids [N, k] int32, topk_weights [N, k] float32), as
+    `model.moe.route` computes them. Needs `select_supported(E, k)`."""
+    n_tokens, n_experts = logits.shape
+    if not select_supported(n_experts, top_k):
+        raise ValueError(f"router select kernel: {n_experts} experts, top-{top_k} not supported")
+    bias = jnp.zeros((n_experts,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    kernel = functools.partial(_select_kernel, n_tokens=n_tokens, top_k=top_k, sigmoid=sigmoid,
+                               renormalize=renormalize, scale=scale)
+    return _launch(kernel, (logits.astype(jnp.float32), bias), n_tokens, top_k, "moe_router_select", interpret)
+
+
+def _launch(kernel, operands, n_tokens: int, top_k: int, name: str, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """One program per `BLOCK_M` tokens writing (ids, weights) [n_tokens, top_k] (padded to [BLOCK_M * programs,
+    pow2(top_k)] inside)."""
     k_pad = tiling.pow2_at_least(top_k)
     n_pad = tiling.round_up(n_tokens, BLOCK_M)
-    bias = jnp.zeros((n_experts,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     out = pl.BlockSpec((BLOCK_M, k_pad), lambda i: (i, 0))
     ids, weights = pl.pallas_call(
-        functools.partial(_router_kernel, n_tokens=n_tokens, top_k=top_k, block_k=_block_k(n_experts, hidden),
-                          sigmoid=sigmoid, renormalize=renormalize, scale=scale),
+        kernel,
         grid=(n_pad // BLOCK_M,),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 3,
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(operands),
         out_specs=[out, out],
         out_shape=[jax.ShapeDtypeStruct((n_pad, k_pad), jnp.int32), jax.ShapeDtypeStruct((n_pad, k_pad), jnp.float32)],
         compiler_params=tiling.compiler_params(4, 2),
         interpret=interpret,
-        name="moe_router",
-    )(x, weight, bias)
+        name=name,
+    )(*operands)
     return ids[:n_tokens, :top_k], weights[:n_tokens, :top_k]
+
+
+def select_supported(n_experts: int, top_k: int, n_group: int = 1) -> bool:
+    """Whether `select_experts` takes this router: no expert groups, E a power of two from 16 to `MAX_EXPERTS`
+    (the block's logits stay in registers), k <= E."""
+    power_of_two = n_experts & (n_experts - 1) == 0
+    return n_group == 1 and power_of_two and 16 <= n_experts <= MAX_EXPERTS and 1 <= top_k <= n_experts
 
 
 def choose(n_experts: int, hidden: int, top_k: int, n_group: int, impl: str | None = None) -> str:
     """"pallas" / "interpret" where dispatch picks the kernel and it takes the router, else "reference"."""
     kind = dispatch.choose("router", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
     return kind if kind == "reference" or supported(n_experts, hidden, top_k, n_group) else "reference"
+
+
+def choose_select(n_experts: int, top_k: int, n_group: int, impl: str | None = None) -> str:
+    """The same for `select_experts` (dispatch name "router_select")."""
+    kind = dispatch.choose("router_select", ("reference", "pallas"), impl, gpu_verified=SELECT_GPU_VERIFIED)
+    return kind if kind == "reference" or select_supported(n_experts, top_k, n_group) else "reference"

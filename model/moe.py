@@ -24,11 +24,18 @@ from .mla import dense
 # 2026-12-01) batch-1 decode went from 1.88-1.95 to 1.71 ms per token with them; batch 16 measured 3.62 ms against
 # 3.54-3.59 without (not an A/B run in one process), so larger batches keep XLA's GEMMs.
 SHARED_GROUPED_MAX_TOKENS = 8
-# Whether those calls run the shared experts inside the routed experts' grouped kernels (bf16 experts on one device:
-# `kernels.moe.routed_and_shared`, the shared MLP as extra experts), one set of kernels for both instead of two.
-# Prepared and CPU-verified (tests/test_moe_dense.py), not yet measured on a GPU, so off; benchmarks/decode_profile.py
-# --shared-in-routed switches it on for a run.
-SHARED_IN_ROUTED_KERNELS = False
+# Whether decode-sized calls run the shared experts inside the routed experts' grouped kernels (bf16 experts on one
+# device: `kernels.moe.routed_and_shared`, the shared MLP as extra experts), one set of kernels for both instead of
+# two. On the H200 (medium hybrid, benchmarks/decode_profile.py, 2026-12-01, eleventh session): batch 1 1.472 ms of
+# kernels per token against 1.601 without, batch 16 3.171 against 3.262 (tests/gpu/test_moe_dense_gpu.py passed).
+SHARED_IN_ROUTED_KERNELS = True
+# Token counts up to which that applies: at 16 tokens each part of the shared MLP (its columns cut to the experts'
+# width) fills one 16-row tile.
+SHARED_IN_ROUTED_MAX_TOKENS = 16
+# Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
+# the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
+# token at batch 1 / 16 against 1.397 / 2.990 with the dot (benchmarks/decode_profile.py --router-dot).
+REDUCE_LOGITS_MAX_TOKENS = 16
 
 
 class MLP(nn.Module):
@@ -84,7 +91,12 @@ def restricting_groups(cfg: ModelConfig) -> int:
 def router_logits(x: jax.Array, weight: jax.Array) -> jax.Array:
     """x [N, D] @ weight [E, D]^T -> float32 logits [N, E]. Operands of one 16-bit dtype stay in it: their products
     are exact in the float32 accumulator, as upcast ones are, and no float32 copy of the weight is made per step
-    (on the H200 that convert was its own kernel in every MoE layer of a decode step). Otherwise both go to float32."""
+    (on the H200 that convert was its own kernel in every MoE layer of a decode step). Otherwise both go to float32.
+    Calls of up to `REDUCE_LOGITS_MAX_TOKENS` tokens multiply and sum in one fusion instead of a dot, which XLA
+    runs there as a cuBLAS float32 gemv behind converts of both operands, or a split-K GEMM and its reduction."""
+    if x.shape[0] <= REDUCE_LOGITS_MAX_TOKENS:
+        products = x[:, None, :].astype(jnp.float32) * weight[None, :, :].astype(jnp.float32)
+        return jnp.sum(products, axis=-1)
     if x.dtype != weight.dtype or jnp.dtype(x.dtype).itemsize > 2:
         x, weight = x.astype(jnp.float32), weight.astype(jnp.float32)
     return jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -92,7 +104,8 @@ def router_logits(x: jax.Array, weight: jax.Array) -> jax.Array:
 
 class Router(nn.Module):
     """Params: `weight` [E, D] (checkpoint layout, model dtype) and `e_score_correction_bias` [E] float32.
-    `one_kernel`: route with `kernels.router` where dispatch picks it (off on a mesh: the kernel is not sharded)."""
+    `one_kernel`: route with `kernels.router` where dispatch picks it (off on a mesh: the kernels are not sharded):
+    the whole router in one kernel, or XLA's logits product and then the rest in one kernel."""
 
     config: ModelConfig
     dtype: jnp.dtype
@@ -108,11 +121,16 @@ class Router(nn.Module):
         kind = (router_kernel.choose(cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token,
                                      restricting_groups(cfg))
                 if self.one_kernel else "reference")
+        options = dict(top_k=cfg.num_experts_per_token, sigmoid=cfg.router_activation == "sigmoid",
+                       renormalize=cfg.renormalize, scale=float(cfg.routed_scaling_factor))
         if kind != "reference":
-            return router_kernel.route_tokens(
-                x, weight, bias, top_k=cfg.num_experts_per_token, sigmoid=cfg.router_activation == "sigmoid",
-                renormalize=cfg.renormalize, scale=float(cfg.routed_scaling_factor), interpret=kind == "interpret")
-        return route(router_logits(x, weight), bias, cfg)
+            return router_kernel.route_tokens(x, weight, bias, **options, interpret=kind == "interpret")
+        logits = router_logits(x, weight)
+        kind = (router_kernel.choose_select(cfg.num_experts, cfg.num_experts_per_token, restricting_groups(cfg))
+                if self.one_kernel else "reference")
+        if kind != "reference":
+            return router_kernel.select_experts(logits, bias, **options, interpret=kind == "interpret")
+        return route(logits, bias, cfg)
 
 
 PROJECTIONS = ("w_gate", "w_up", "w_down")
@@ -271,7 +289,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         ids, weights = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")(flat)
         if (SHARED_IN_ROUTED_KERNELS and cfg.num_shared_experts and cfg.quant_method != "mxfp4" and self.mesh is None
-                and not self.is_initializing() and flat.shape[0] <= SHARED_GROUPED_MAX_TOKENS):
+                and not self.is_initializing() and flat.shape[0] <= SHARED_IN_ROUTED_MAX_TOKENS):
             params = self.variables["params"]
             experts, mlp = params["experts"], params["shared_experts"]
             y = moe_kernels.routed_and_shared(flat, ids, weights, experts["w_gate"], experts["w_up"],

@@ -33,13 +33,14 @@ _grouped = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles", "interpre
     ((9, 8, 64, 96, 3), "random", moe_dense.DenseTiles(block_m=4, block_n=16, step_k=16, k_slices=2)),
     ((37, 5, 48, 80, 2), "one_expert_takes_all", moe_dense.DenseTiles(block_m=8, block_n=16, step_k=16, k_slices=1)),
 ])
-@pytest.mark.parametrize("fused", [False, True])  # row gather and SwiGLU in the kernels' operand loads, or in XLA
-def test_matches_oracle(seed, shape, kind, tiles, fused):
+# "fused": row gather and SwiGLU in the kernels' operand loads; "epilogue": the SwiGLU on the gate/up kernel's sums
+@pytest.mark.parametrize("variant", ["xla", "fused", "epilogue"])
+def test_matches_oracle(seed, shape, kind, tiles, variant):
     """Odd dims (blocks cut to their power-of-two divisors), K split or not, pairs sharing experts, one expert
     spread over several tiles while others sit idle."""
     rng = np.random.default_rng(seed)
     args = _case(rng, *shape, kind=kind)
-    tiles = dataclasses.replace(tiles, fused_prologues=fused)
+    tiles = dataclasses.replace(tiles, fused_prologues=variant == "fused", swiglu_epilogue=variant == "epilogue")
     got = _grouped(*(jnp.asarray(a) for a in args), tiles=tiles, interpret=True)
     err = rel_err(got, dense_oracle(*args))
     assert got.dtype == jnp.float32 and err < 1e-5, f"{shape}: {err:.2e} (seed={seed})"
@@ -73,15 +74,24 @@ def test_lowers_to_triton_at_model_shapes(n_tokens):
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a), *args) == 2
         fused = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), fused_prologues=True)
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=fused), *args) == 2
+        epilogue = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), swiglu_epilogue=True)
+        assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=epilogue), *args) == 2
         shared = (spec((hidden, 2 * inter), jnp.bfloat16),) * 2 + (spec((2 * inter, hidden), jnp.bfloat16),)
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a[:6], shared=a[6:]), *args, *shared) == 2
 
 
-def test_dispatch_and_tiles():
-    """CPU runs the XLA paths; decode-sized calls take 16-row tiles with K split, prefill 64-row tiles."""
+def test_dispatch_and_tiles(monkeypatch):
+    """CPU runs the XLA paths; decode-sized calls take 16-row tiles with K split, prefill 64-row tiles; the SwiGLU
+    epilogue from EPILOGUE_MIN_PAIRS pairs on; an epilogue the kernels do not have is refused by name."""
     assert dispatch.choose("moe_dense", ("reference", "pallas"), platform="cpu") == "reference"
     assert not moe_dense.supported(40, 24) and moe_dense.supported(2048, 768)
     assert moe_dense.choose_tiles(6, 64).block_m == 16 and moe_dense.choose_tiles(2048 * 6, 64).block_m == 64
+    monkeypatch.setattr(moe_dense, "EPILOGUE_MIN_PAIRS", 64)
+    assert moe_dense.choose_tiles(96, 64).swiglu_epilogue and not moe_dense.choose_tiles(48, 64).swiglu_epilogue
+    x, w = jnp.zeros((16, 32)), jnp.zeros((2, 32, 16))
+    with pytest.raises(ValueError, match="epilogue"):
+        moe_dense.grouped_matmul(x, jnp.zeros((1,), jnp.int32), (w,), moe_dense.DenseTiles(), interpret=True,
+                                 epilogue="swiglu")
 
 
 def test_shared_expert_runs_as_one_grouped_expert_at_decode_sizes(seed, monkeypatch):
@@ -142,7 +152,8 @@ def test_shared_mlp_as_extra_experts(seed, n_tokens, parts, fused):
 
 def test_model_moe_with_shared_in_routed_kernels(seed, monkeypatch):
     """The MoE block with `SHARED_IN_ROUTED_KERNELS` (interpret mode) equals the block that runs the shared experts
-    apart (the CPU's XLA paths), at decode sizes; above SHARED_GROUPED_MAX_TOKENS tokens the block keeps them apart."""
+    apart (the CPU's XLA paths), at decode sizes; above SHARED_IN_ROUTED_MAX_TOKENS tokens the block keeps them
+    apart."""
     from dayzero.model import moe as model_moe
     from dayzero.model.presets import tiny
 
@@ -163,6 +174,7 @@ def test_model_moe_with_shared_in_routed_kernels(seed, monkeypatch):
             return original(*args, **kwargs)
 
         monkeypatch.setattr(moe_dense, "grouped_swiglu", recorded)
+        monkeypatch.setattr(model_moe, "SHARED_IN_ROUTED_MAX_TOKENS", 8)
         got, _ = block.apply(params, x)
         assert len(calls) == 1 and calls[0] is not None  # one call, the shared MLP in it
         assert rel_err(got, want) < 1e-5

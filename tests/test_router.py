@@ -22,18 +22,25 @@ def _config(n_experts, top_k, activation, renormalize, hidden=64, scale=2.5):
 @pytest.mark.parametrize("n_tokens,n_experts,top_k,activation,renormalize,bias", [
     (1, 64, 6, "sigmoid", True, True), (21, 32, 3, "softmax", False, False), (40, 16, 1, "sigmoid", True, True),
     (17, 64, 8, "softmax", True, True)])
-def test_matches_the_xla_route(seed, n_tokens, n_experts, top_k, activation, renormalize, bias):
+@pytest.mark.parametrize("kernel", ["route_tokens", "select_experts"])
+def test_matches_the_xla_route(seed, n_tokens, n_experts, top_k, activation, renormalize, bias, kernel):
     """Odd token counts (partial row blocks), both activations, with and without the correction bias and the
-    renormalisation, top-1 up to top-8: the same experts in the same order, weights to float32 rounding."""
+    renormalisation, top-1 up to top-8: the same experts in the same order, weights to float32 rounding. The whole
+    router in one kernel, or the kernel of its steps after the logits (given the same logits)."""
     rng = np.random.default_rng(seed)
     cfg = _config(n_experts, top_k, activation, renormalize)
     x = jnp.asarray(rng.standard_normal((n_tokens, cfg.hidden_size)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((n_experts, cfg.hidden_size)) * 0.3, jnp.float32)
     b = jnp.asarray(rng.standard_normal(n_experts) * 0.1, jnp.float32) if bias else None
-    ids, weights = router.route_tokens(x, w, b, top_k=top_k, sigmoid=activation == "sigmoid",
-                                       renormalize=renormalize, scale=cfg.routed_scaling_factor, interpret=True)
+    options = dict(top_k=top_k, sigmoid=activation == "sigmoid", renormalize=renormalize,
+                   scale=cfg.routed_scaling_factor, interpret=True)
     with jax.default_matmul_precision("highest"):
-        want_ids, want_weights = route(x @ w.T, b, cfg)
+        logits = x @ w.T
+        want_ids, want_weights = route(logits, b, cfg)
+        if kernel == "route_tokens":
+            ids, weights = router.route_tokens(x, w, b, **options)
+        else:
+            ids, weights = router.select_experts(logits, b, **options)
     assert ids.shape == want_ids.shape == (n_tokens, top_k) and ids.dtype == jnp.int32
     assert np.array_equal(np.asarray(ids), np.asarray(want_ids)), f"seed={seed}"
     np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=2e-6, atol=1e-7)
@@ -51,9 +58,13 @@ def test_ties_break_like_top_k():
     np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-6)
 
 
+_select = router.select_experts
+
+
 def test_model_router_uses_it_where_dispatch_picks_it(seed, monkeypatch):
-    """The Router module: the kernel under DAYZERO_KERNELS=interpret equals the XLA route; the CPU's default and a
-    mesh (one_kernel=False) keep XLA; grouped routing (DeepSeek's n_group) is not taken."""
+    """The Router module: the kernel under DAYZERO_KERNELS=interpret equals the XLA route, and so does the select
+    kernel after XLA's logits where the whole kernel does not take the weight; the CPU's default and a mesh
+    (one_kernel=False) keep XLA; grouped routing (DeepSeek's n_group) is not taken."""
     cfg = _config(64, 6, "sigmoid", True, hidden=96).replace(router_bias=True)
     x = jnp.asarray(np.random.default_rng(seed).standard_normal((5, 96)), jnp.float32)
     params = Router(cfg, jnp.float32).init(jax.random.key(0), x)
@@ -67,6 +78,17 @@ def test_model_router_uses_it_where_dispatch_picks_it(seed, monkeypatch):
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=2e-6)
     assert np.array_equal(np.asarray(mesh_like[0]), np.asarray(want[0]))
     assert router.choose(64, 96, 6, n_group=1, impl="interpret") == "interpret"
+    monkeypatch.setattr(router, "MAX_WEIGHT_ELEMENTS", 1024)  # the whole kernel refuses: logits in XLA, then select
+    calls = []
+    monkeypatch.setattr(router, "select_experts", lambda *a, **k: calls.append(1) or _select(*a, **k))
+    with jax.default_matmul_precision("highest"):
+        selected = Router(cfg, jnp.float32).apply(params, x)
+    assert calls and np.array_equal(np.asarray(selected[0]), np.asarray(want[0]))
+    np.testing.assert_allclose(np.asarray(selected[1]), np.asarray(want[1]), rtol=2e-6)
+    assert router.choose_select(256, 8, n_group=8, impl="interpret") == "reference"  # expert groups
+    assert router.choose_select(256, 8, n_group=1, impl="interpret") == "interpret"  # any weight size
+    monkeypatch.undo()
+    monkeypatch.setenv(dispatch.ENV_OVERRIDE, "interpret")
     assert router.choose(256, 7168, 8, n_group=8, impl="interpret") == "reference"  # DeepSeek's expert groups
     assert router.choose(384, 7168, 8, n_group=1, impl="interpret") == "reference"  # not a power of two
     assert router.choose(256, 7168, 8, n_group=1, impl="interpret") == "reference"  # weight too big for one program
@@ -86,3 +108,6 @@ def test_lowers_to_triton_at_model_shapes(n_tokens):
         fn = lambda x, w, b, k=top_k: router.route_tokens(x, w, b, top_k=k, sigmoid=True, renormalize=True,
                                                          scale=2.5)
         assert count_triton_kernels(fn, *args) == 1
+        select = lambda logits, b, k=top_k: router.select_experts(logits, b, top_k=k, sigmoid=True, renormalize=True,
+                                                                  scale=2.5)
+        assert count_triton_kernels(select, spec((n_tokens, n_experts), jnp.float32), args[2]) == 1

@@ -32,7 +32,8 @@ def _layer(key, n_experts, hidden, inter, dtype):
     ((64, 6, 2048, 768), 77, jnp.bfloat16, True), ((64, 6, 2048, 768), 1031, jnp.bfloat16, False),
     ((64, 6, 2048, 768), 5, jnp.float32, False), ((256, 8, 7168, 2048), 1, jnp.bfloat16, False),
     ((256, 8, 7168, 2048), 64, jnp.bfloat16, False)])
-@pytest.mark.parametrize("fused", [False, True])  # DenseTiles.fused_prologues: row gather and SwiGLU in the kernels
+# "fused": DenseTiles.fused_prologues (row gather and SwiGLU in the operand loads); "epilogue": swiglu_epilogue
+@pytest.mark.parametrize("fused", [False, "fused", "epilogue"])
 def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed, fused):
     n_experts, top_k, hidden, inter = shape
     key = jax.random.key(seed)
@@ -43,7 +44,8 @@ def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed, fused)
     w = jax.random.uniform(jax.random.fold_in(key, 2), (n_tokens, top_k), jnp.float32)
     x = jax.random.normal(jax.random.fold_in(key, 3), (n_tokens, hidden), dtype)
     if fused:
-        tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), fused_prologues=True)
+        tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), fused_prologues=fused == "fused",
+                                    swiglu_epilogue=fused == "epilogue")
         got = _grouped(x, ids.astype(jnp.int32), w, *weights, tiles=tiles)
     else:
         got = _experts(x, ids.astype(jnp.int32), w, *weights, impl="pallas")
@@ -73,8 +75,8 @@ def test_shared_expert_as_one_grouped_expert(n_tokens):
     assert rel < 2e-2, rel
 
 
-@pytest.mark.parametrize("n_tokens", [1, 8])
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("n_tokens", [1, 8, 16])
+@pytest.mark.parametrize("fused", [False, True, "epilogue"])
 def test_shared_mlp_in_routed_kernels(n_tokens, fused):
     """The medium hybrid's MoE layer (64 experts top-6, 2048 x 768) with its 1536-wide shared MLP as two extra experts
     of the routed kernels (`grouped_swiglu(shared=)`), against the routed kernels plus the MLP at float32 precision."""
@@ -86,7 +88,8 @@ def test_shared_mlp_in_routed_kernels(n_tokens, fused):
     ids = jnp.asarray(np.random.default_rng(n_tokens).permuted(np.tile(np.arange(64), (n_tokens, 1)), axis=1)[:, :6],
                       jnp.int32)
     weights = jax.random.uniform(jax.random.fold_in(key, 5), (n_tokens, 6), jnp.float32)
-    tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * 8, 66), fused_prologues=fused)
+    tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * 8, 66), fused_prologues=fused is True,
+                                swiglu_epilogue=fused == "epilogue")
     got = jax.jit(lambda *a: moe_dense.grouped_swiglu(*a[:6], tiles=tiles, shared=a[6:]))(
         x, ids, weights, wg, wu, wd, sg, su, sd).astype(jnp.float32)
     with jax.default_matmul_precision("highest"):

@@ -1,6 +1,7 @@
 """The one-kernel MoE router (kernels/router.py) compiled for real (Triton) on the GPU against the XLA route at
-float32 precision, at the medium hybrid's router from one token to a prefill chunk. Passing here is what lets
-`router.GPU_VERIFIED` become True."""
+float32 precision, at the medium hybrid's router from one token to a prefill chunk; likewise the kernel of the
+router's steps after its logits. Passing here is what lets `router.GPU_VERIFIED` / `SELECT_GPU_VERIFIED` become
+True."""
 
 from __future__ import annotations
 
@@ -19,17 +20,23 @@ pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") fo
 
 @pytest.mark.parametrize("n_tokens", [1, 16, 77, 2048])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_router_matches_xla_route(seed, n_tokens, dtype):
+@pytest.mark.parametrize("kernel", ["route_tokens", "select_experts"])
+def test_router_matches_xla_route(seed, n_tokens, dtype, kernel):
+    """The whole router in one kernel, or (select_experts) the rest of it after the logits' XLA product."""
     cfg = medium_hybrid()
     key = jax.random.key(seed)
     x = jax.random.normal(key, (n_tokens, cfg.hidden_size), dtype)
     w = (jax.random.normal(jax.random.fold_in(key, 1), (cfg.num_experts, cfg.hidden_size)) * 0.02).astype(dtype)
     bias = jax.random.normal(jax.random.fold_in(key, 2), (cfg.num_experts,), jnp.float32) * 0.01
-    ids, weights = jax.jit(lambda x, w, b: router.route_tokens(
-        x, w, b, top_k=cfg.num_experts_per_token, sigmoid=True, renormalize=cfg.renormalize,
-        scale=cfg.routed_scaling_factor))(x, w, bias)
+    options = dict(top_k=cfg.num_experts_per_token, sigmoid=True, renormalize=cfg.renormalize,
+                   scale=cfg.routed_scaling_factor)
     with jax.default_matmul_precision("highest"):
         logits = x.astype(jnp.float32) @ w.astype(jnp.float32).T
+    if kernel == "route_tokens":
+        ids, weights = jax.jit(lambda x, w, b: router.route_tokens(x, w, b, **options))(x, w, bias)
+    else:  # given the reference's logits (XLA's own float32 product may run TF32: not this kernel's doing)
+        ids, weights = jax.jit(lambda l, b: router.select_experts(l, b, **options))(logits, bias)
+    with jax.default_matmul_precision("highest"):
         want_ids, want_weights = jax.jit(lambda l, b: route(l, b, cfg))(logits, bias)
     ids, want_ids = np.asarray(ids), np.asarray(want_ids)
     choice = np.asarray(jax.nn.sigmoid(logits) + bias)
