@@ -4,7 +4,7 @@ with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized H
     python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--engine serving] [--top 25]
                                          [--xla-option NAME=VALUE] [--pallas router] [--dump PREFIX]
                                          [--dense-fused-prologues] [--shared-apart] [--dense-epilogue-min-pairs N]
-                                         [--router-dot]
+                                         [--router-dot] [--dense-pair-partials]
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
 `small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
@@ -184,15 +184,16 @@ def run(args, hlo_folder: str) -> dict:
 
 
 @contextlib.contextmanager
-def dense_fused_prologues(on: bool):
-    """Within: `moe_dense.choose_tiles` picks its tiles with fused_prologues=True (an A/B for this run only)."""
-    if not on:
+def dense_tiles_with(**options):
+    """Within: `moe_dense.choose_tiles` picks its tiles with these DenseTiles fields set (an A/B for this run only;
+    none: unchanged)."""
+    if not options:
         yield
         return
     from dayzero.kernels import moe_dense
 
     chosen = moe_dense.choose_tiles
-    moe_dense.choose_tiles = lambda *a: dataclasses.replace(chosen(*a), fused_prologues=True)
+    moe_dense.choose_tiles = lambda *a: dataclasses.replace(chosen(*a), **options)
     try:
         yield
     finally:
@@ -223,14 +224,20 @@ def main(argv=None) -> int:
     parser.add_argument("--dense-epilogue-min-pairs", type=int, metavar="PAIRS",
                         help="dense expert calls of at least PAIRS token-expert pairs compute the SwiGLU in the "
                              "gate/up kernel (moe_dense.EPILOGUE_MIN_PAIRS, for this run)")
+    parser.add_argument("--dense-pair-partials", action="store_true",
+                        help="dense experts with DenseTiles.pair_partials (split-K partial sums of the pairs' rows "
+                             "only)")
     parser.add_argument("--router-dot", action="store_true",
                         help="router logits by XLA's dot at every size (model.moe.REDUCE_LOGITS_MAX_TOKENS 0)")
     args = parser.parse_args(argv)
     extra = use_xla_options(args.xla_option)
     if args.pallas:
         extra["pallas"] = args.pallas
+    tile_options = {}
     if args.dense_fused_prologues:
-        extra["dense_fused_prologues"] = True
+        extra["dense_fused_prologues"] = tile_options["fused_prologues"] = True
+    if args.dense_pair_partials:
+        extra["dense_pair_partials"] = tile_options["pair_partials"] = True
     if args.shared_apart:
         from dayzero.model import moe as model_moe
 
@@ -248,7 +255,7 @@ def main(argv=None) -> int:
         extra["dense_epilogue_min_pairs"] = args.dense_epilogue_min_pairs
     with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder, \
             dispatch.use_policy({"cuda": args.pallas} if args.pallas else None), \
-            dense_fused_prologues(args.dense_fused_prologues):
+            dense_tiles_with(**tile_options):
         dump_hlo_to(hlo_folder)
         summary = run(args, hlo_folder)
     device = jax.devices()[0]

@@ -137,8 +137,8 @@ def kda_cases() -> dict:
 
 def moe_dense_cases() -> dict:
     """The dense-expert grouped matmuls at the medium hybrid's layer (64 experts, top-6, 2048 x 768, bf16) at 1 and
-    16 tokens, with the XLA row gather and SwiGLU, with them in the kernels' operand loads, and (16 tokens) with the
-    SwiGLU as the gate/up kernel's epilogue."""
+    16 tokens, with the XLA row gather and SwiGLU, with them in the kernels' operand loads, and with the SwiGLU as the
+    gate/up kernel's epilogue (16 tokens) or the partial sums of the pairs' rows only (1 token)."""
     import dataclasses
 
     from dayzero.kernels import moe_dense
@@ -150,10 +150,12 @@ def moe_dense_cases() -> dict:
         shapes = (S((n_tokens, hidden), jnp.bfloat16), S((n_tokens, top_k), jnp.int32),
                   S((n_tokens, top_k), jnp.float32), S((n_experts, hidden, inter), jnp.bfloat16),
                   S((n_experts, hidden, inter), jnp.bfloat16), S((n_experts, inter, hidden), jnp.bfloat16))
-        for fused in (False, True, "epilogue")[:3 if n_tokens > 1 else 2]:
+        for fused in (False, True, "epilogue" if n_tokens > 1 else "pairs"):
             tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts),
-                                        fused_prologues=fused is True, swiglu_epilogue=fused == "epilogue")
-            name = f"moe_dense T{n_tokens}" + {False: "", True: " fused_prologues", "epilogue": " epilogue"}[fused]
+                                        fused_prologues=fused is True, swiglu_epilogue=fused == "epilogue",
+                                        pair_partials=fused == "pairs")
+            name = f"moe_dense T{n_tokens}" + {False: "", True: " fused_prologues", "epilogue": " epilogue",
+                                               "pairs": " pair_partials"}[fused]
             cases[name] = (lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)
     return cases
 

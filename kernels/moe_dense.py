@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from . import moe_tiles, tiles as tiling
 
@@ -61,6 +62,12 @@ class DenseTiles:
     # turns into hidden rows in two more passes over every padded row. For batches whose tiles fill the GPU without
     # splitting K (`choose_tiles`: calls of at least `EPILOGUE_MIN_PAIRS` pairs).
     swiglu_epilogue: bool = False
+    # Where K is split (decode), the kernels write their float32 partial sums for the pairs' rows only and XLA adds
+    # up just those rows (`_pair_partials_swiglu`), instead of every padded row of every tile: at one token 7 of
+    # 112 rows are pairs, and the partials of both kernels are ~5.5 MB each per medium-hybrid layer. The MXFP4
+    # kernels' split-K path does the same. Not yet measured on a GPU, so off (benchmarks/decode_profile.py
+    # --dense-pair-partials turns it on for a run).
+    pair_partials: bool = False
 
 
 # Calls of at least this many token-expert pairs take `DenseTiles.swiglu_epilogue`: on the H200 (medium hybrid,
@@ -112,7 +119,9 @@ def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue):
     return x_ref[pl.ds(r0, bm), pl.ds(k0, sk)]
 
 
-def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, epilogue, n_routed, has_shared):
+def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, epilogue, n_routed, has_shared,
+                    masked):
+    valid_ref, refs = (refs[0], refs[1:]) if masked else (None, refs)  # rows to store (the rest stay unwritten)
     token_ref = refs[0] if prologue == "gather" else None  # the rows' tokens come first where they are gathered
     x_ref, *refs = refs[1:] if prologue == "gather" else refs
     w_refs, shared_refs, o_ref = refs[:n_w], refs[n_w:n_w * (1 + has_shared)], refs[-1]
@@ -133,7 +142,12 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, ep
             o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = (jax.nn.silu(gate) * up).astype(o_ref.dtype)
             return
         for i, acc in enumerate(accs):
-            o_ref[s, pl.ds(r0, bm), i, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
+            if masked:
+                # (the plane as a traced int32: a bare Python int trips masked-store discharge in interpret mode)
+                pltriton.store(o_ref.at[s, pl.ds(r0, bm), jnp.int32(i), pl.ds(n0, bn)], acc.astype(o_ref.dtype),
+                               mask=(valid_ref[pl.ds(r0, bm)] != 0)[:, None])
+            else:
+                o_ref[s, pl.ds(r0, bm), i, pl.ds(n0, bn)] = acc.astype(o_ref.dtype)
 
     def routed(i, k0):
         return w_refs[i][expert, pl.ds(k0, sk), pl.ds(n0, bn)]
@@ -157,11 +171,15 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, ep
 def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax.Array, ...], tiles: DenseTiles,
                    interpret: bool = False, token_of_row: jax.Array | None = None,
                    prologue: str | None = None, shared: tuple[jax.Array, ...] | None = None,
-                   epilogue: str | None = None, out_dtype=jnp.float32) -> jax.Array:
+                   epilogue: str | None = None, out_dtype=jnp.float32, row_valid: jax.Array | None = None,
+                   sum_slices: bool = True) -> jax.Array:
     """x_rows [R, K] (R a multiple of block_m; tile t = rows [t*block_m, (t+1)*block_m) uses expert tile_expert[t],
     -1: unused), weights: each [E, K, N] -> [R, len(weights), N] (rows of unused tiles undefined), float32 sums
     rounded to `out_dtype` (once, after the K slices are added up). `epilogue` "swiglu" (two weights, gate and up):
-    [R, N] of out_dtype, silu(gate) * up with each rounded to out_dtype first; K is then not split.
+    [R, N] of out_dtype, silu(gate) * up with each rounded to out_dtype first; K is then not split. `row_valid` [R]
+    int (not with the epilogue): only rows where it is nonzero are written. `sum_slices` False: the per-slice sums
+    [slices, R, len(weights), N] as they are (float32, or out_dtype when K is not split), for the caller to reduce
+    over just the rows it reads.
 
     `prologue` (see `_load_rows`): "gather" takes the tokens [T, K] as x_rows and the rows' tokens `token_of_row`
     [R] (R from it); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `shared` (one per weight):
@@ -178,8 +196,9 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
         raise ValueError(f"unknown prologue {prologue!r} (None, 'gather' or 'swiglu')")
     if k_dim != weights_k:
         raise ValueError(f"rows of {k_dim} features for weights of {weights_k} inputs")
-    if epilogue not in (None, "swiglu") or (epilogue == "swiglu" and len(weights) != 2):
-        raise ValueError(f"epilogue {epilogue!r} for {len(weights)} weights (None, or 'swiglu' for gate and up)")
+    if epilogue not in (None, "swiglu") or (epilogue == "swiglu" and (len(weights) != 2 or row_valid is not None)):
+        raise ValueError(f"epilogue {epilogue!r} for {len(weights)} weights (None, or 'swiglu' for gate and up, all "
+                         f"rows written)")
     n_dim = weights[0].shape[2]
     bm = tiles.block_m
     bn = _pow2_divisor(n_dim, tiles.block_n)
@@ -191,7 +210,7 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
                                     if k_steps % d == 0)
     kernel = functools.partial(_grouped_kernel, n_w=len(weights), bm=bm, bn=bn, sk=sk, steps=k_steps // slices,
                                prologue=prologue, epilogue=epilogue, n_routed=weights[0].shape[0],
-                               has_shared=shared is not None)
+                               has_shared=shared is not None, masked=row_valid is not None)
     out_shape = (n_rows, n_dim) if epilogue else (slices, n_rows, len(weights), n_dim)
     partial = pl.pallas_call(
         kernel,
@@ -200,9 +219,9 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
         compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
         interpret=interpret,
         name="moe_dense_gate_up" if len(weights) == 2 else "moe_dense_down",
-    )(tile_expert.astype(jnp.int32), *([token_of_row.astype(jnp.int32)] if prologue == "gather" else []), x_rows,
-      *weights, *(shared or ()))
-    if epilogue:
+    )(tile_expert.astype(jnp.int32), *([] if row_valid is None else [row_valid.astype(jnp.int32)]),
+      *([token_of_row.astype(jnp.int32)] if prologue == "gather" else []), x_rows, *weights, *(shared or ()))
+    if epilogue or not sum_slices:
         return partial
     return partial[0] if slices == 1 else jnp.sum(partial, axis=0).astype(out_dtype)
 
@@ -240,6 +259,9 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     else:
         padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row N: the padding rows' zeros
         rows, gather = padded[sched.token_of_row], {}
+    if tiles.pair_partials and not (tiles.swiglu_epilogue or tiles.fused_prologues):
+        return _pair_partials_swiglu(rows, sched, topk_weights, (w_gate, w_up), (w_down,), shared_up, shared_down,
+                                     tiles, interpret)
     down_prologue = None
     if tiles.swiglu_epilogue:
         hidden = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
@@ -257,3 +279,26 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
                          prologue=down_prologue, out_dtype=x.dtype)
     return moe_tiles.combine(out[:, 0], sched, topk_weights).astype(x.dtype)
+
+
+def _pair_partials_swiglu(rows: jax.Array, sched: moe_tiles.Schedule, topk_weights: jax.Array, gate_up: tuple,
+                          down: tuple, shared_up, shared_down, tiles: DenseTiles, interpret: bool) -> jax.Array:
+    """`grouped_swiglu` after the schedule with `DenseTiles.pair_partials`: rows [R, H] (padding rows zero) -> [T, H]
+    of rows.dtype. Both kernels store only the pairs' rows; each sum over K slices reads only those rows, so the
+    gate/up sums come out per pair [P, 2, I] and go back into the padded row layout for the down kernel (padding
+    rows zero); the down sums per pair feed the weighted combine directly. Rounding as the default path."""
+    dtype = rows.dtype
+    n_tokens, top_k = sched.row_of_pair.shape
+    pair_rows = sched.row_of_pair.reshape(-1)
+    n_pairs, n_rows = pair_rows.shape[0], rows.shape[0]
+    row_valid = (sched.token_of_row < n_tokens).astype(jnp.int32)
+    common = dict(tiles=tiles, interpret=interpret, out_dtype=dtype, row_valid=row_valid, sum_slices=False)
+    sums = jnp.sum(grouped_matmul(rows, sched.tile_expert, gate_up, shared=shared_up, **common)[:, pair_rows]
+                   .astype(jnp.float32), axis=0).astype(dtype)  # [P, 2, I]
+    hidden_pairs = (jax.nn.silu(sums[:, 0]) * sums[:, 1]).astype(dtype)
+    pair_of_row = jnp.full((n_rows,), n_pairs, jnp.int32).at[pair_rows].set(jnp.arange(n_pairs, dtype=jnp.int32))
+    hidden = jnp.concatenate([hidden_pairs, jnp.zeros((1, hidden_pairs.shape[1]), dtype)])[pair_of_row]
+    out = jnp.sum(grouped_matmul(hidden, sched.tile_expert, down, shared=shared_down, **common)[:, pair_rows, 0]
+                  .astype(jnp.float32), axis=0).astype(dtype)  # [P, H]
+    picked = out.reshape(n_tokens, top_k, -1).astype(jnp.float32)
+    return jnp.sum(picked * topk_weights.astype(jnp.float32)[..., None], axis=1).astype(dtype)

@@ -27,7 +27,8 @@ SHARED_GROUPED_MAX_TOKENS = 8
 # Whether decode-sized calls run the shared experts inside the routed experts' grouped kernels (bf16 experts on one
 # device: `kernels.moe.routed_and_shared`, the shared MLP as extra experts), one set of kernels for both instead of
 # two. On the H200 (medium hybrid, benchmarks/decode_profile.py, 2026-12-01, eleventh session): batch 1 1.472 ms of
-# kernels per token against 1.601 without, batch 16 3.171 against 3.262 (tests/gpu/test_moe_dense_gpu.py passed).
+# kernels per token against 1.601 without, batch 16 3.171 against 3.262 (tests/gpu/test_moe_dense_gpu.py -k
+# shared_mlp 9/9).
 SHARED_IN_ROUTED_KERNELS = True
 # Token counts up to which that applies: at 16 tokens each part of the shared MLP (its columns cut to the experts'
 # width) fills one 16-row tile.

@@ -33,14 +33,16 @@ _grouped = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles", "interpre
     ((9, 8, 64, 96, 3), "random", moe_dense.DenseTiles(block_m=4, block_n=16, step_k=16, k_slices=2)),
     ((37, 5, 48, 80, 2), "one_expert_takes_all", moe_dense.DenseTiles(block_m=8, block_n=16, step_k=16, k_slices=1)),
 ])
-# "fused": row gather and SwiGLU in the kernels' operand loads; "epilogue": the SwiGLU on the gate/up kernel's sums
-@pytest.mark.parametrize("variant", ["xla", "fused", "epilogue"])
+# "fused": row gather and SwiGLU in the kernels' operand loads; "epilogue": the SwiGLU on the gate/up kernel's sums;
+# "pairs": partial sums stored and reduced for the pairs' rows only
+@pytest.mark.parametrize("variant", ["xla", "fused", "epilogue", "pairs"])
 def test_matches_oracle(seed, shape, kind, tiles, variant):
     """Odd dims (blocks cut to their power-of-two divisors), K split or not, pairs sharing experts, one expert
     spread over several tiles while others sit idle."""
     rng = np.random.default_rng(seed)
     args = _case(rng, *shape, kind=kind)
-    tiles = dataclasses.replace(tiles, fused_prologues=variant == "fused", swiglu_epilogue=variant == "epilogue")
+    tiles = dataclasses.replace(tiles, fused_prologues=variant == "fused", swiglu_epilogue=variant == "epilogue",
+                                pair_partials=variant == "pairs")
     got = _grouped(*(jnp.asarray(a) for a in args), tiles=tiles, interpret=True)
     err = rel_err(got, dense_oracle(*args))
     assert got.dtype == jnp.float32 and err < 1e-5, f"{shape}: {err:.2e} (seed={seed})"
@@ -76,6 +78,8 @@ def test_lowers_to_triton_at_model_shapes(n_tokens):
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=fused), *args) == 2
         epilogue = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), swiglu_epilogue=True)
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=epilogue), *args) == 2
+        pairs = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), pair_partials=True)
+        assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=pairs), *args) == 2
         shared = (spec((hidden, 2 * inter), jnp.bfloat16),) * 2 + (spec((2 * inter, hidden), jnp.bfloat16),)
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a[:6], shared=a[6:]), *args, *shared) == 2
 
@@ -125,7 +129,7 @@ def test_shared_expert_runs_as_one_grouped_expert_at_decode_sizes(seed, monkeypa
                                     w["down_proj"]["kernel"]) is None  # CPU: the caller's dense layers run
 
 
-@pytest.mark.parametrize("n_tokens,parts,fused", [(1, 2, False), (5, 1, False), (3, 3, True)])
+@pytest.mark.parametrize("n_tokens,parts,fused", [(1, 2, False), (5, 1, False), (3, 3, True), (4, 2, "pairs")])
 def test_shared_mlp_as_extra_experts(seed, n_tokens, parts, fused):
     """A shared-expert SwiGLU MLP (intermediate `parts` x the experts') passed as `shared`: the routed experts' output
     plus the MLP's, against the float64 oracle of both; one token (its own schedule), several, the fused loads; a
@@ -135,7 +139,8 @@ def test_shared_mlp_as_extra_experts(seed, n_tokens, parts, fused):
     x, ids, weights, wg, wu, wd = _case(rng, n_tokens, 6, hidden, inter, 2)
     sg, su = (rng.standard_normal((hidden, parts * inter)).astype(np.float32) * 0.3 for _ in range(2))
     sd = rng.standard_normal((parts * inter, hidden)).astype(np.float32) * 0.3
-    tiles = moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=2, min_programs=16, fused_prologues=fused)
+    tiles = moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=2, min_programs=16,
+                                 fused_prologues=fused is True, pair_partials=fused == "pairs")
     got = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles", "interpret"))(
         *(jnp.asarray(a) for a in (x, ids, weights, wg, wu, wd)), tiles=tiles, interpret=True,
         shared=tuple(jnp.asarray(a) for a in (sg, su, sd)))

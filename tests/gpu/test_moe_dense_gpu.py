@@ -1,6 +1,7 @@
 """The dense-expert grouped matmuls (kernels/moe_dense.py) compiled for real (Triton) on the GPU, against the XLA
 ragged_dot path at float32 precision, at the medium-hybrid and DeepSeek shapes from one token to a prefill chunk,
-skewed loads included. Passing here is what lets `moe_dense.GPU_VERIFIED` become True."""
+skewed loads included. Passing here is what lets `moe_dense.GPU_VERIFIED` become True. Run this file alone on a GPU
+(`-n 1`): the DeepSeek-size float32 references take ~60 GB with XLA's autotuning (tests/gpu/README.md)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def _layer(key, n_experts, hidden, inter, dtype):
     ((64, 6, 2048, 768), 77, jnp.bfloat16, True), ((64, 6, 2048, 768), 1031, jnp.bfloat16, False),
     ((64, 6, 2048, 768), 5, jnp.float32, False), ((256, 8, 7168, 2048), 1, jnp.bfloat16, False),
     ((256, 8, 7168, 2048), 64, jnp.bfloat16, False)])
-# "fused": DenseTiles.fused_prologues (row gather and SwiGLU in the operand loads); "epilogue": swiglu_epilogue
-@pytest.mark.parametrize("fused", [False, "fused", "epilogue"])
+# "fused": DenseTiles.fused_prologues (row gather and SwiGLU in the operand loads); "epilogue": swiglu_epilogue;
+# "pairs": pair_partials
+@pytest.mark.parametrize("fused", [False, "fused", "epilogue", "pairs"])
 def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed, fused):
     n_experts, top_k, hidden, inter = shape
     key = jax.random.key(seed)
@@ -45,7 +47,7 @@ def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed, fused)
     x = jax.random.normal(jax.random.fold_in(key, 3), (n_tokens, hidden), dtype)
     if fused:
         tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), fused_prologues=fused == "fused",
-                                    swiglu_epilogue=fused == "epilogue")
+                                    swiglu_epilogue=fused == "epilogue", pair_partials=fused == "pairs")
         got = _grouped(x, ids.astype(jnp.int32), w, *weights, tiles=tiles)
     else:
         got = _experts(x, ids.astype(jnp.int32), w, *weights, impl="pallas")
@@ -76,7 +78,7 @@ def test_shared_expert_as_one_grouped_expert(n_tokens):
 
 
 @pytest.mark.parametrize("n_tokens", [1, 8, 16])
-@pytest.mark.parametrize("fused", [False, True, "epilogue"])
+@pytest.mark.parametrize("fused", [False, True, "epilogue", "pairs"])
 def test_shared_mlp_in_routed_kernels(n_tokens, fused):
     """The medium hybrid's MoE layer (64 experts top-6, 2048 x 768) with its 1536-wide shared MLP as two extra experts
     of the routed kernels (`grouped_swiglu(shared=)`), against the routed kernels plus the MLP at float32 precision."""
@@ -89,7 +91,7 @@ def test_shared_mlp_in_routed_kernels(n_tokens, fused):
                       jnp.int32)
     weights = jax.random.uniform(jax.random.fold_in(key, 5), (n_tokens, 6), jnp.float32)
     tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * 8, 66), fused_prologues=fused is True,
-                                swiglu_epilogue=fused == "epilogue")
+                                swiglu_epilogue=fused == "epilogue", pair_partials=fused == "pairs")
     got = jax.jit(lambda *a: moe_dense.grouped_swiglu(*a[:6], tiles=tiles, shared=a[6:]))(
         x, ids, weights, wg, wu, wd, sg, su, sd).astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
