@@ -238,21 +238,19 @@ def main(argv=None) -> int:
         extra["dense_fused_prologues"] = tile_options["fused_prologues"] = True
     if args.dense_pair_partials:
         extra["dense_pair_partials"] = tile_options["pair_partials"] = True
+    from dayzero.kernels import moe_dense
+    from dayzero.model import moe as model_moe
+
+    overrides = []  # (module, constant, value, label): read when the model traces; this process only
     if args.shared_apart:
-        from dayzero.model import moe as model_moe
-
-        model_moe.SHARED_IN_ROUTED_KERNELS = False  # read when the model traces; this process only
-        extra["shared_apart"] = True
+        overrides.append((model_moe, "SHARED_IN_ROUTED_KERNELS", False, "shared_apart"))
     if args.router_dot:
-        from dayzero.model import moe as model_moe
-
-        model_moe.REDUCE_LOGITS_MAX_TOKENS = 0  # read when the model traces; this process only
-        extra["router_dot"] = True
+        overrides.append((model_moe, "REDUCE_LOGITS_MAX_TOKENS", 0, "router_dot"))
     if args.dense_epilogue_min_pairs is not None:
-        from dayzero.kernels import moe_dense
-
-        moe_dense.EPILOGUE_MIN_PAIRS = args.dense_epilogue_min_pairs  # read when choose_tiles runs; this process only
-        extra["dense_epilogue_min_pairs"] = args.dense_epilogue_min_pairs
+        overrides.append((moe_dense, "EPILOGUE_MIN_PAIRS", args.dense_epilogue_min_pairs, "dense_epilogue_min_pairs"))
+    for module, constant, value, label in overrides:
+        setattr(module, constant, value)
+        extra[label] = value if label == "dense_epilogue_min_pairs" else True
     with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder, \
             dispatch.use_policy({"cuda": args.pallas} if args.pallas else None), \
             dense_tiles_with(**tile_options):

@@ -9,9 +9,11 @@ used weight tile once, straight from the stacked [E, K, N] experts, and do only 
 - the grid is (row tile, output-column tile, K slice). Each program walks its slice of K in `step_k` steps:
   x rows [block_m, step_k] times W[expert][step_k, block_n] on the tensor cores, float32 accumulation;
 - decode-sized calls have few tiles, so K is split over up to `k_slices` programs per output tile (enough programs
-  to keep HBM busy); the float32 partial sums [slices, rows, N] are added up by a small XLA reduction;
+  to keep HBM busy); the float32 partial sums [slices, rows, N] are added up by a small XLA reduction (with
+  `DenseTiles.pair_partials`, stored and added up for the pairs' rows only);
 - gate and up share one kernel (the same x tile feeds both), then SwiGLU in XLA and the down kernel; with
-  `DenseTiles.fused_prologues` the row gather and the SwiGLU happen in the kernels' operand loads instead;
+  `DenseTiles.swiglu_epilogue` (K not split) the gate/up kernel applies the SwiGLU to its sums, and with
+  `DenseTiles.fused_prologues` the row gather (and the SwiGLU) happen in the kernels' operand loads instead;
 - a shared-expert MLP can ride along (`grouped_swiglu(shared=)`): split over its intermediate columns into parts
   of the experts' shape, it runs as extra experts of the same two kernels, read in place from its own weights.
 
