@@ -241,16 +241,16 @@ def main(argv=None) -> int:
     from dayzero.kernels import moe_dense
     from dayzero.model import moe as model_moe
 
-    overrides = []  # (module, constant, value, label): read when the model traces; this process only
+    overrides = []  # (module, constant, value): read when the model traces; this process only
     if args.shared_apart:
-        overrides.append((model_moe, "SHARED_IN_ROUTED_KERNELS", False, "shared_apart"))
+        overrides.append((model_moe, "SHARED_IN_ROUTED_KERNELS", False))
     if args.router_dot:
-        overrides.append((model_moe, "REDUCE_LOGITS_MAX_TOKENS", 0, "router_dot"))
+        overrides.append((model_moe, "REDUCE_LOGITS_MAX_TOKENS", 0))
     if args.dense_epilogue_min_pairs is not None:
-        overrides.append((moe_dense, "EPILOGUE_MIN_PAIRS", args.dense_epilogue_min_pairs, "dense_epilogue_min_pairs"))
-    for module, constant, value, label in overrides:
+        overrides.append((moe_dense, "EPILOGUE_MIN_PAIRS", args.dense_epilogue_min_pairs))
+    for module, constant, value in overrides:
         setattr(module, constant, value)
-        extra[label] = value if label == "dense_epilogue_min_pairs" else True
+        extra[constant] = value  # the results line names the constant and the value the run took
     with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder, \
             dispatch.use_policy({"cuda": args.pallas} if args.pallas else None), \
             dense_tiles_with(**tile_options):

@@ -8,8 +8,8 @@ The medium hybrid's KDA layer (16 heads x 128, hidden 2048, bf16): `LAYERS` laye
 cache slice, chained in one jitted call (the caches donated and passed on, as the engine's decode does), one token
 per row. Device time per layer, kernels per layer and the longest kernels per layer (instance numbers folded) from a
 profiler trace of one call after a warm-up; the bytes roofline is the layer's weights plus its rows' states (read and
-written) and conv states at the HBM copy bandwidth measured in the same run. Both variants include the layer's input and output projections; both compile with the
-model's GPU compiler options (`dispatch.compiler_options`).
+written) and conv states at the HBM copy bandwidth measured in the same run. Both variants include the layer's input
+and output projections; both compile with the model's GPU compiler options (`dispatch.compiler_options`).
 """
 
 from __future__ import annotations

@@ -259,8 +259,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     if tiles.fused_prologues:  # padding rows of used tiles read zeros, so their hidden rows are silu(0) * 0 = 0
         rows, gather = x, dict(token_of_row=sched.token_of_row, prologue="gather")
     else:
-        padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row N: the padding rows' zeros
-        rows, gather = padded[sched.token_of_row], {}
+        rows, gather = moe_tiles.take_or_zero(x, sched.token_of_row), {}  # padding rows zero
     if tiles.pair_partials and not (tiles.swiglu_epilogue or tiles.fused_prologues):
         return _pair_partials_swiglu(rows, sched, topk_weights, (w_gate, w_up), (w_down,), shared_up, shared_down,
                                      tiles, interpret)
@@ -275,7 +274,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     else:
         gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
                                  out_dtype=x.dtype)
-        real = (sched.token_of_row < n_tokens)[:, None]  # rows of unused tiles hold whatever the buffer held
+        real = sched.real_rows()[:, None]  # rows of unused tiles hold whatever the buffer held
         hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
     # rows of unused tiles stay undefined, but no program of the down kernel and no pair of `combine` reads them
     out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
@@ -290,17 +289,13 @@ def _pair_partials_swiglu(rows: jax.Array, sched: moe_tiles.Schedule, topk_weigh
     gate/up sums come out per pair [P, 2, I] and go back into the padded row layout for the down kernel (padding
     rows zero); the down sums per pair feed the weighted combine directly. Rounding as the default path."""
     dtype = rows.dtype
-    n_tokens, top_k = sched.row_of_pair.shape
     pair_rows = sched.row_of_pair.reshape(-1)
-    n_pairs, n_rows = pair_rows.shape[0], rows.shape[0]
-    row_valid = (sched.token_of_row < n_tokens).astype(jnp.int32)
-    common = dict(tiles=tiles, interpret=interpret, out_dtype=dtype, row_valid=row_valid, sum_slices=False)
+    common = dict(tiles=tiles, interpret=interpret, out_dtype=dtype, row_valid=sched.real_rows().astype(jnp.int32),
+                  sum_slices=False)
     sums = jnp.sum(grouped_matmul(rows, sched.tile_expert, gate_up, shared=shared_up, **common)[:, pair_rows]
                    .astype(jnp.float32), axis=0).astype(dtype)  # [P, 2, I]
     hidden_pairs = (jax.nn.silu(sums[:, 0]) * sums[:, 1]).astype(dtype)
-    pair_of_row = jnp.full((n_rows,), n_pairs, jnp.int32).at[pair_rows].set(jnp.arange(n_pairs, dtype=jnp.int32))
-    hidden = jnp.concatenate([hidden_pairs, jnp.zeros((1, hidden_pairs.shape[1]), dtype)])[pair_of_row]
+    hidden = moe_tiles.take_or_zero(hidden_pairs, sched.pair_of_row())
     out = jnp.sum(grouped_matmul(hidden, sched.tile_expert, down, shared=shared_down, **common)[:, pair_rows, 0]
                   .astype(jnp.float32), axis=0).astype(dtype)  # [P, H]
-    picked = out.reshape(n_tokens, top_k, -1).astype(jnp.float32)
-    return jnp.sum(picked * topk_weights.astype(jnp.float32)[..., None], axis=1).astype(dtype)
+    return moe_tiles.weighted_sum(out.reshape(*sched.row_of_pair.shape, -1), topk_weights).astype(dtype)

@@ -74,8 +74,7 @@ def tiled_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_g
     n_experts = w_gate.shape[0]
     sched = moe_tiles.schedule(topk_ids, n_experts, block_m)
     n_tiles = sched.tile_expert.shape[0]
-    padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])  # row N: the padding rows' zeros
-    rows = padded[sched.token_of_row].reshape(n_tiles, block_m, x.shape[1])
+    rows = moe_tiles.take_or_zero(x, sched.token_of_row).reshape(n_tiles, block_m, x.shape[1])
     expert = jnp.maximum(sched.tile_expert, 0)  # unused tiles hold zero rows; any expert will do
 
     def project(a, w):

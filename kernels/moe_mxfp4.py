@@ -402,14 +402,12 @@ def expert_pairs(p: Plan, ew: ExpertWeights, hidden_dtype, tiles: Tiles, interpr
     pairs' rows only -> per-pair outputs [T * k, D] float32 (pairs in topk_ids order)."""
     common = dict(fmt=ew.fmt, tiles=tiles, interpret=interpret)
     rows = p.sched.row_of_pair.reshape(-1)
-    n_pairs, n_rows = rows.shape[0], p.x_rows.shape[0]
-    row_valid = (p.sched.token_of_row < p.sched.row_of_pair.shape[0]).astype(jnp.int32)
+    row_valid = p.sched.real_rows().astype(jnp.int32)
     if _k_split(ew.gate.shape[2], tiles)[1] > 1:
         gu = jnp.sum(_gate_up(p, ew, jnp.float32, common, row_valid)[:, rows], axis=0)  # [P, 2, parity, I/2]
         g, u = gu[:, 0], gu[:, 1]
         h_pairs = (g / (1.0 + jnp.exp(-g)) * u).astype(hidden_dtype)
-        pair_of_row = jnp.full((n_rows,), n_pairs, jnp.int32).at[rows].set(jnp.arange(n_pairs, dtype=jnp.int32))
-        h = jnp.concatenate([h_pairs, jnp.zeros((1,) + h_pairs.shape[1:], hidden_dtype)])[pair_of_row]
+        h = moe_tiles.take_or_zero(h_pairs, p.sched.pair_of_row())
     else:
         h = _gate_up(p, ew, hidden_dtype, common)
     if _k_split(ew.down.shape[2], tiles)[1] > 1:
@@ -444,7 +442,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     p = plan(x, topk_ids, ew, slot_of_expert, n_experts, tiles)
     if _split_k(ew, tiles):
         pairs = expert_pairs(p, ew, x.dtype, tiles, interpret).reshape(*topk_ids.shape, -1)
-        return jnp.sum(pairs * topk_weights.astype(jnp.float32)[..., None], axis=1).astype(x.dtype)
+        return moe_tiles.weighted_sum(pairs, topk_weights).astype(x.dtype)
     rows = expert_rows(p, ew, x.dtype, tiles, interpret)
     return moe_tiles.combine(rows, p.sched, topk_weights).astype(x.dtype)
 

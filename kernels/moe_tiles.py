@@ -36,6 +36,16 @@ class Schedule(NamedTuple):
     tile_expert: jax.Array
     group_sizes: jax.Array
 
+    def real_rows(self) -> jax.Array:
+        """[R] bool: the rows that hold a pair (the rest are padding)."""
+        return self.token_of_row < self.row_of_pair.shape[0]
+
+    def pair_of_row(self) -> jax.Array:
+        """[R] int32: the pair each row holds, as an index into row_of_pair's flat order; P for padding rows."""
+        rows = self.row_of_pair.reshape(-1)
+        return jnp.full(self.token_of_row.shape, rows.shape[0], jnp.int32).at[rows].set(
+            jnp.arange(rows.shape[0], dtype=jnp.int32))
+
 
 def max_tiles(n_pairs: int, n_experts: int, block_m: int) -> int:
     """Static upper bound on the tiles any routing of `n_pairs` pairs over `n_experts` experts needs."""
@@ -120,7 +130,16 @@ def _single_token_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) ->
                     jnp.bincount(flat, length=n_experts).astype(jnp.int32))
 
 
+def take_or_zero(values: jax.Array, index: jax.Array) -> jax.Array:
+    """values [N, ...], index [R] in [0, N] -> [R, ...]: values[index], zeros where index is N (padding rows)."""
+    return jnp.concatenate([values, jnp.zeros((1,) + values.shape[1:], values.dtype)])[index]
+
+
+def weighted_sum(picked: jax.Array, topk_weights: jax.Array) -> jax.Array:
+    """picked [T, k, D] per-pair expert outputs -> [T, D] float32: weighted by the routing weights, summed."""
+    return jnp.sum(picked.astype(jnp.float32) * topk_weights.astype(jnp.float32)[..., None], axis=1)  # no dot: no TF32
+
+
 def combine(rows: jax.Array, sched: Schedule, topk_weights: jax.Array) -> jax.Array:
     """rows [R, D] expert outputs -> [T, D] float32: each token's outputs weighted by its routing weights, summed."""
-    picked = rows[sched.row_of_pair].astype(jnp.float32)  # [T, k, D]
-    return jnp.sum(picked * topk_weights.astype(jnp.float32)[..., None], axis=1)  # no dot: no TF32 on GPUs
+    return weighted_sum(rows[sched.row_of_pair], topk_weights)

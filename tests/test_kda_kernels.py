@@ -215,7 +215,8 @@ def decode_layer_inputs(seed, batch, heads, head_dim, width=4, layers=2, slots_t
     lengths = jnp.asarray([0] * pad + [1] * (batch - pad), jnp.int32)
     return (arr((batch, 3 * dim)), arr((batch, 2 * rank + heads)), tuple(arr((dim, width), 0.5) for _ in range(3)),
             arr((rank, dim), 0.3), jnp.asarray(np.log(rng.uniform(1, 16, heads)), jnp.float32),
-            arr((dim,), 0.5, jnp.float32), arr((rank, dim), 0.3), jnp.asarray(1 + 0.1 * rng.standard_normal(head_dim), dtype),
+            arr((dim,), 0.5, jnp.float32), arr((rank, dim), 0.3),
+            jnp.asarray(1 + 0.1 * rng.standard_normal(head_dim), dtype),
             arr((layers, slots_total, 3, dim, width - 1)), arr((layers, slots_total, heads, head_dim, head_dim), 0.1,
                                                                 jnp.float32), slots, lengths)
 

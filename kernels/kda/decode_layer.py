@@ -10,7 +10,7 @@ GPU time per layer on the H200, benchmarks/NOTES_serving.md). A program here, fo
 2. the forget gate of the head's K channels from f_b (its [R, K] columns, R the low rank) applied to the row's f_a
    output, + dt_bias, then -exp(A_log) softplus (or the lower-bounded sigmoid form); beta = sigmoid(b);
 3. the delta-rule step on the head's [K, V] state at (layer, slot[b]) of the state pool, in place: q and k
-   l2-normalised, q scaled by K^-1/2, the output from the decayed state (`pallas._delta_step`'s form);
+   l2-normalised, q scaled by K^-1/2, the output from the decayed state (`pallas._delta_step`);
 4. the gated RMSNorm of the head's output (rounded to the activations' dtype first, as the model's is) with
    sigmoid(g_b applied to the row's g_a output).
 
@@ -31,8 +31,7 @@ from jax.experimental import pallas as pl
 
 from .. import dispatch, short_conv
 from . import reference as kda_reference
-from .pallas import _EPS as L2_EPS
-from .pallas import _params
+from .pallas import _delta_step, _l2normalize, _params
 
 # Whether CUDA runs this kernel by default: tests/gpu/test_kda_gpu.py's decode-layer cases pass on the H200 (jax 0.11.2,
 # 2026-12-01), and the medium hybrid's decode step measured faster with it (benchmarks/NOTES_serving.md).
@@ -88,16 +87,10 @@ def _kernel(slot_ref, len_ref, qkv_ref, fgb_ref, qw_ref, kw_ref, vw_ref, fb_ref,
     q, k, v = conv(0, qw_ref), conv(1, kw_ref), conv(2, vw_ref)
     g = kda_reference.log_decay(low_rank_up(0, fb_ref) + dtb_ref[chans], alog_ref[h], lower_bound)
     beta = jax.nn.sigmoid(fgb_ref[b, 2 * low_rank + h].astype(jnp.float32))
-    g = jnp.where(live, g, 0.0)
-    beta = jnp.where(live, beta, 0.0)
-    q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2_EPS) * scale
-    k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2_EPS)
-
-    state = state * jnp.exp(g)[:, None]
-    q_state = jnp.sum(q[:, None] * state, axis=0)
-    delta = beta * (v - jnp.sum(k[:, None] * state, axis=0))
-    pool_out_ref[layer, slot, h, :, :] = state + k[:, None] * delta[None, :]
-    o = rnd(jnp.where(live, q_state + jnp.sum(q * k) * delta, 0.0))
+    token = (_l2normalize(q), _l2normalize(k), v, jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0), live)
+    state, o = _delta_step(state, token, scale, output_before_update=True)  # a padding row keeps its state
+    pool_out_ref[layer, slot, h, :, :] = state
+    o = rnd(o)
 
     gate = low_rank_up(low_rank, gb_ref)
     normed = o * jax.lax.rsqrt(jnp.sum(o * o) / head_dim + eps)

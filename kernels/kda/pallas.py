@@ -744,12 +744,16 @@ def _load_token(t, q_ref, k_ref, v_ref, g_ref, b_ref, *, l2norm, length):
     q = q_ref[t, :].astype(jnp.float32)
     k = k_ref[t, :].astype(jnp.float32)
     if l2norm:
-        q = q * jax.lax.rsqrt(jnp.sum(q * q) + _EPS)
-        k = k * jax.lax.rsqrt(jnp.sum(k * k) + _EPS)
+        q, k = _l2normalize(q), _l2normalize(k)
     live = t < length
     g = jnp.where(live, g_ref[t, :].astype(jnp.float32), 0.0)
     beta = jnp.where(live, b_ref[t].astype(jnp.float32), 0.0)
     return q, k, v_ref[t, :].astype(jnp.float32), g, beta, live
+
+
+def _l2normalize(x):
+    """x [K] float32 / sqrt(sum(x^2) + eps) (fla's form, as `reference.l2norm`)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x) + _EPS)
 
 
 def _delta_step(state, token, scale, output_before_update):
