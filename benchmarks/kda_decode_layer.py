@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from dayzero.kernels import dispatch
 from dayzero.kernels.kda import decode_layer
 from dayzero.model.kda import KimiDeltaAttention
+from dayzero.model.norms import RMSNorm
 from dayzero.model.presets import get_preset
 
 from gpu_trace import gpu_kernels, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
@@ -38,14 +39,17 @@ LAYERS = 12
 def chained(attn, variant: str):
     """jit(params, x, valid, slots, conv, pool) -> (x, conv, pool) through LAYERS layers of `variant`."""
     def run(params, x, valid, slots, conv, pool):
-        for layer, p in enumerate(params):
+        for layer, p in enumerate(params):  # each layer: x + attention(rms_norm(x)), unit norm weight
+            norm_weight = jnp.ones((x.shape[-1],), jnp.float32)
             if variant == "xla":
-                out, rows, pool = attn.apply(p, x, valid, conv[layer, slots], pool, slots, layer, True,
+                h = RMSNorm(attn.config.rms_norm_eps).apply({"params": {"weight": norm_weight}}, x)
+                out, rows, pool = attn.apply(p, h, valid, conv[layer, slots], pool, slots, layer, True,
                                              method="step")
                 conv = conv.at[layer, slots].set(rows.astype(conv.dtype))
+                x = x + out
             else:
-                out, conv, pool = attn.apply(p, x, valid, conv, pool, slots, layer, method="decode_in_place")
-            x = out
+                x, conv, pool = attn.apply(p, x, norm_weight, valid, conv, pool, slots, layer,
+                                           method="decode_in_place")
         return x, conv, pool
 
     return jax.jit(run, donate_argnums=(4, 5), compiler_options=dispatch.compiler_options() or None)

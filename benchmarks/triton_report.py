@@ -176,6 +176,23 @@ def router_cases() -> dict:
     return cases
 
 
+def projection_cases() -> dict:
+    """The decode projections at the medium hybrid's KDA layer: the input norm + q|k|v|f_a|g_a|b and o_proj with the
+    residual, 1 and 16 rows, bf16, default tiles."""
+    from dayzero.kernels import projection
+
+    S = jax.ShapeDtypeStruct
+    bf = lambda *shape: S(shape, jnp.bfloat16)
+    inputs = (bf(2048, 2048), bf(2048, 2048), bf(2048, 2048), bf(2048, 128), bf(2048, 128), bf(2048, 16))
+    cases = {}
+    for rows in (1, 16):
+        cases[f"inputs M{rows}"] = (lambda x, n, *w: projection.project(x, (w[:3], w[3:]), norm_weight=n, eps=1e-5),
+                                    (bf(rows, 2048), S((2048,), jnp.float32), *inputs))
+        cases[f"o_proj M{rows}"] = (lambda o, r, w: projection.project(o, ((w,),), residual=r),
+                                    (bf(rows, 2048), bf(rows, 2048), bf(2048, 2048)))
+    return cases
+
+
 def sparse_mla_cases() -> dict:
     """Sparse MLA decode (the fused variant, the default, and heads_split 32 x 32; at 16 heads with 32 or 16 keys per
     step) and prefill at DeepSeek-V3.2's shapes (128 heads, latent 512 + 64, top-2048, bf16), batch 16."""
@@ -270,7 +287,7 @@ def moe_mxfp4_cases() -> dict:
 
 
 CASES = {"indexer": indexer_cases, "kda": kda_cases, "moe_dense": moe_dense_cases, "moe_mxfp4": moe_mxfp4_cases,
-         "router": router_cases, "sparse_mla": sparse_mla_cases, "topk": topk_cases}
+         "projection": projection_cases, "router": router_cases, "sparse_mla": sparse_mla_cases, "topk": topk_cases}
 
 
 def main(argv=None) -> int:

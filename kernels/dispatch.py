@@ -65,6 +65,7 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({k.name: k for k in (
     Kernel("moe_dense"),    # kernels/moe.py -> moe_dense: grouped SwiGLU matmuls over dense (bf16/fp32) experts
     Kernel("router"),       # kernels/router.py: the MoE router (logits, scores, top-k, weights) in one kernel
     Kernel("router_select"),  # kernels/router.py: the router's scores, top-k and weights after XLA's logits
+    Kernel("projection"),   # kernels/projection.py: decode-sized projections (norm in, residual out) in one kernel
 )})
 
 

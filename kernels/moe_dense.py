@@ -67,8 +67,10 @@ class DenseTiles:
     # Where K is split (decode), the kernels write their float32 partial sums for the pairs' rows only and XLA adds
     # up just those rows (`_pair_partials_swiglu`), instead of every padded row of every tile: at one token 7 of
     # 112 rows are pairs, and the partials of both kernels are ~5.5 MB each per medium-hybrid layer. The MXFP4
-    # kernels' split-K path does the same. Not yet measured on a GPU, so off (benchmarks/decode_profile.py
-    # --dense-pair-partials turns it on for a run).
+    # kernels' split-K path does the same. Off: on the H200 (benchmarks/decode_profile.py --dense-pair-partials,
+    # 2026-12-02) batch-1 decode took 1.351 ms of kernels per token with it against 1.356 without (15 more kernels
+    # per token for the sums over just the pairs' rows); tests/gpu/test_moe_dense_gpu.py -k pairs passes at the
+    # medium shapes.
     pair_partials: bool = False
 
 

@@ -65,12 +65,16 @@ class DecoderLayer(nn.Module):
 
     def step(self, x, positions, valid, cache: dict, block_tables, slots, decode: bool, workspace=None):
         """Cached step of this layer; returns (x, cache, workspace)."""
-        h = self.input_layernorm(x)
         index = layer_slots(self.config)[self.layer]
-        if self.is_kda and decode and self.self_attn.decode_layer_kind(h) != "reference":
-            h, conv, state = self.self_attn.decode_in_place(h, valid, cache["conv"], cache["state"], slots, index)
-            cache = dict(cache, conv=conv, state=state)
-        elif self.is_kda:
+        if self.is_kda and decode and self.self_attn.decode_layer_kind(x) != "reference":
+            # the input norm and the residual add happen inside (with the projections, in one kernel each)
+            norm_weight = self.input_layernorm.variables["params"]["weight"]
+            x, conv, state = self.self_attn.decode_in_place(x, norm_weight, valid, cache["conv"], cache["state"],
+                                                            slots, index)
+            x, workspace = self._mlp(x, workspace)
+            return x, dict(cache, conv=conv, state=state), workspace
+        h = self.input_layernorm(x)
+        if self.is_kda:
             h, conv, state = self.self_attn.step(h, valid, cache["conv"][index, slots], cache["state"], slots, index,
                                                  decode)
             cache = dict(cache, conv=cache["conv"].at[index, slots].set(conv.astype(cache["conv"].dtype)),

@@ -9,6 +9,7 @@ gate, beta, the delta-rule scan, a gated RMSNorm and the output projection.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.kernels import kda as kda_kernels
-from dayzero.kernels import short_conv
+from dayzero.kernels import projection, short_conv
 from dayzero.kernels.kda import decode_layer
 from dayzero.kernels.kda import reference as kda_reference
 
@@ -123,22 +124,31 @@ class KimiDeltaAttention(nn.Module):
             return "reference"
         return decode_layer.choose()
 
-    def decode_in_place(self, x, valid, conv_cache, state_pool, slots, layer: int):
+    def decode_in_place(self, x, norm_weight, valid, conv_cache, state_pool, slots, layer: int):
         """One decode token per row through `kernels.kda.decode_layer` (needs `decode_layer_kind(x)` != "reference"):
-        x [B, 1, D], valid [B, 1], conv_cache [L, S, 3, dim, W - 1] and state_pool [L, S, H, K, V] (every KDA
-        layer's; row b uses slot slots[b] of layer `layer`, both updated in place) -> (out [B, 1, D], conv_cache,
-        state_pool)."""
+        x [B, 1, D] the layer's input before its input RMSNorm (weight `norm_weight` [D]), valid [B, 1], conv_cache
+        [L, S, 3, dim, W - 1] and state_pool [L, S, H, K, V] (every KDA layer's; row b uses slot slots[b] of layer
+        `layer`, both updated in place) -> (x + attention(norm(x)) [B, 1, D], conv_cache, state_pool).
+
+        The norm and the six input projections are one `kernels.projection` call where dispatch picks it (q|k|v and
+        f_a|g_a|b come out side by side, as the step kernel takes them), and so are o_proj and the residual add."""
+        cfg = self.config
         rows = x[:, 0]
-        qkv = jnp.concatenate([self.q_proj(rows), self.k_proj(rows), self.v_proj(rows)], axis=-1)
-        fgb = jnp.concatenate([self.f_a_proj(rows), self.g_a_proj(rows), self.b_proj(rows)], axis=-1)
         weight = lambda module, name="kernel": module.variables["params"][name]
+        inputs = (tuple(weight(p) for p in (self.q_proj, self.k_proj, self.v_proj)),
+                  tuple(weight(p) for p in (self.f_a_proj, self.g_a_proj, self.b_proj)))
+        proj = projection.choose(rows.shape[0], rows.shape[1], tuple(w.shape[1] for g in inputs for w in g))
+        project = (projection.reference if proj == "reference"
+                   else functools.partial(projection.project, interpret=proj == "interpret"))
+        qkv, fgb = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps)
         o, conv_cache, state_pool = decode_layer.decode_step(
             qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
             weight(self.f_b_proj), self.A_log, self.dt_bias, weight(self.g_b_proj), weight(self.o_norm, "weight"),
-            conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=self.config.rms_norm_eps,
-            lower_bound=self.config.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
+            conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=cfg.rms_norm_eps,
+            lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
             interpret=self.decode_layer_kind(x) == "interpret")
-        return self.o_proj(o)[:, None], conv_cache, state_pool
+        (out,) = project(o, ((weight(self.o_proj),),), residual=rows)
+        return out[:, None], conv_cache, state_pool
 
     def step(self, x, valid, conv_state, state_pool, slots, layer: int, decode: bool):
         """Continues from slot states: x [B, T, D], valid [B, T] (padding at the end of rows), conv_state

@@ -267,35 +267,46 @@ def test_decode_layer_lowers_to_triton():
 
 
 def test_model_decode_layer_path_equals_step(seed, monkeypatch):
-    """KimiDeltaAttention at decode: the one-kernel path (`decode_in_place`, interpret mode) against `step`'s ops on
-    the gathered states (the CPU's reference kernels), in bf16; then the whole decoder's cached decode step, both ways,
-    gives the same next tokens' logits to bf16 rounding."""
+    """KimiDeltaAttention at decode: the one-kernel path (`decode_in_place`, interpret mode; the input norm, the
+    projections and the residual add by XLA, then by `kernels.projection` in interpret mode) against the layer's
+    norm, `step`'s ops on the gathered states (the CPU's reference kernels) and the residual add, in bf16; then the
+    whole decoder's cached decode step (projections in interpret mode), both ways, gives the same next tokens'
+    logits to bf16 rounding."""
+    from dayzero.kernels import projection
     from dayzero.kernels.kda import decode_layer
     from dayzero.model import Model
     from dayzero.model.cache import init_cache
     from dayzero.model.kda import KimiDeltaAttention
+    from dayzero.model.norms import RMSNorm
     from dayzero.model.presets import tiny
 
     cfg = tiny().replace(kda_num_heads=2, kda_head_dim=16)
     rng = np.random.default_rng(seed)
-    batch, slots_total, layer = 3, 5, 1
+    batch, slots_total, layer = 4, 5, 1
     attn = KimiDeltaAttention(cfg, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((batch, 1, cfg.hidden_size)), jnp.bfloat16)
+    # x small beside the attention's output, so that got - x keeps it to bf16 rounding (the norm undoes the scale)
+    x = jnp.asarray(rng.standard_normal((batch, 1, cfg.hidden_size)) * 0.02, jnp.bfloat16)
+    norm_weight = jnp.asarray(rng.uniform(0.5, 1.5, cfg.hidden_size), jnp.float32)
+    h = RMSNorm(cfg.rms_norm_eps).apply({"params": {"weight": norm_weight}}, x)
     params = attn.init(jax.random.key(seed % 1000), x)
     conv = jnp.asarray(rng.standard_normal((2, slots_total, 3, cfg.kda_dim, cfg.kda_conv_size - 1)), jnp.bfloat16)
     pool = jnp.asarray(rng.standard_normal((2, slots_total, 2, 16, 16)) * 0.1, jnp.float32)
-    slots, valid = jnp.asarray([4, 0, 2], jnp.int32), jnp.asarray([[True], [False], [True]])
+    slots, valid = jnp.asarray([4, 0, 2, 3], jnp.int32), jnp.asarray([[True], [False], [True], [True]])
     assert attn.apply(params, x, method="decode_layer_kind") == "reference"  # the CPU's default
-    out, conv_rows, want_pool = attn.apply(params, x, valid, conv[layer, slots], pool, slots, layer, True,
+    out, conv_rows, want_pool = attn.apply(params, h, valid, conv[layer, slots], pool, slots, layer, True,
                                            method="step")
     want_conv = conv.at[layer, slots].set(conv_rows)
     monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
     assert attn.apply(params, x, method="decode_layer_kind") == "interpret"
-    got, got_conv, got_pool = attn.apply(params, x, valid, conv, pool, slots, layer, method="decode_in_place")
+    chosen = projection.choose
     live = np.asarray(valid[:, 0])
-    assert _rel_err(got[live], out[live]) < 3e-2
-    assert _rel_err(got_pool, want_pool) < 3e-2
-    assert np.array_equal(np.asarray(got_conv, np.float32), np.asarray(want_conv, np.float32))
+    for projections in ("reference", "interpret"):
+        monkeypatch.setattr(projection, "choose", lambda *a, impl=None, p=projections: chosen(*a, impl=p))
+        got, got_conv, got_pool = attn.apply(params, x, norm_weight, valid, conv, pool, slots, layer,
+                                             method="decode_in_place")
+        assert _rel_err(got[live] - x[live], out[live]) < 3e-2, projections
+        assert _rel_err(got_pool, want_pool) < 3e-2, projections
+        assert np.array_equal(np.asarray(got_conv, np.float32), np.asarray(want_conv, np.float32)), projections
 
     model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
     cache = init_cache(cfg, num_blocks=4, num_slots=3, dtype=jnp.bfloat16)

@@ -1,0 +1,111 @@
+"""Decode-sized projections on the GPU: `kernels.projection.project` (one kernel per call, the input norm and the
+residual add inside) against the same in XLA (`projection.reference`), at the medium hybrid's KDA layer shapes.
+
+    python3 benchmarks/projection.py [--results benchmarks/RESULTS.md] [--batches 1,16] [--tiles 128x64s4p256k8,64x128s4p1k1]
+
+Per layer: the input RMSNorm and the six input projections (q|k|v and f_a|g_a|b, 2048 -> 6144 + 272), then o_proj
+(2048 -> 2048) with the residual add, `LAYERS` layers with their own weights chained in one jitted call (o_proj
+takes the q part of the first call's output, so every layer depends on the one before). Device time per layer from
+a profiler trace of one call after a warm-up; the roofline is the layer's weight bytes at the HBM copy bandwidth
+measured in the same run. Tiles are written `<block_n>x<step_k>s<stages>p<min_programs>k<k_slices>[w<warps>]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from dayzero.kernels import dispatch, projection
+from dayzero.model.presets import get_preset
+
+from gpu_trace import device_us_per_call  # benchmarks/gpu_trace.py: a script's own folder is on sys.path
+from results import append_line, git_commit  # benchmarks/results.py
+from timing import hbm_copy_bandwidth  # benchmarks/timing.py
+
+LAYERS = 12
+
+
+def parse_tiles(text: str) -> projection.ProjectionTiles:
+    """'128x64s4p256k8' or '128x64s4p256k8w8' (block_n x step_k, stages, min_programs, k_slices, warps) ->
+    ProjectionTiles."""
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)p(\d+)k(\d+)(?:w(\d+))?", text)
+    if not m:
+        raise SystemExit(f"--tiles: '{text}' is not <block_n>x<step_k>s<stages>p<min_programs>k<k_slices>[w<warps>]")
+    n, k, s, p, ks, w = m.groups()
+    return projection.ProjectionTiles(block_n=int(n), step_k=int(k), num_stages=int(s), min_programs=int(p),
+                                      k_slices=int(ks), num_warps=int(w or 4))
+
+
+def layer_weights(cfg, key) -> list[dict]:
+    """Per layer: the input norm weight, the two input groups and o_proj, bf16 like the model's Dense kernels."""
+    d, dim, hd, heads = cfg.hidden_size, cfg.kda_dim, cfg.kda_head_dim, cfg.kda_num_heads
+    layers = []
+    for layer in range(LAYERS):
+        k = jax.random.fold_in(key, layer)
+        w = lambda i, n, rows=d: (jax.random.normal(jax.random.fold_in(k, i), (rows, n), jnp.float32)
+                                  * 0.02).astype(jnp.bfloat16)
+        layers.append({"norm": jnp.ones((d,), jnp.float32), "qkv": (w(0, dim), w(1, dim), w(2, dim)),
+                       "fgb": (w(3, hd), w(4, hd), w(5, heads)), "o": w(6, d, rows=dim)})
+    return layers
+
+
+def chained(project, eps: float):
+    """jit(layers, x) -> x through LAYERS layers of (norm + input projections, o_proj + residual) by `project`."""
+    def run(layers, x):
+        for p in layers:
+            qkv, fgb = project(x, (p["qkv"], p["fgb"]), norm_weight=p["norm"], eps=eps)
+            o = qkv[:, :p["o"].shape[0]] + fgb[:, :1]  # the layer's output depends on both groups
+            (x,) = project(o, ((p["o"],),), residual=x)
+        return x
+
+    return jax.jit(run, compiler_options=dispatch.compiler_options() or None)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", default="benchmarks/RESULTS.md")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--tiles", default="128x64s3p1024k8w2,128x64s3p1024k8,256x64s3p1024k8w2,128x32s4p1024k8w2,"
+                                           "128x128s4p512k4")
+    parser.add_argument("--preset", default="medium_hybrid")
+    args = parser.parse_args(argv)
+    cfg = get_preset(args.preset)
+    layers = layer_weights(cfg, jax.random.key(0))
+    weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(layers[0]))
+    copy_bw = hbm_copy_bandwidth()
+    res = {"hbm_copy_TBps": round(copy_bw / 1e12, 3), "layer_weight_MB": round(weight_bytes / 1e6, 2),
+           "roofline_us_per_layer": round(weight_bytes / copy_bw * 1e6, 2)}
+    variants = [("xla", projection.reference)] + [
+        (name, lambda *a, tiles=parse_tiles(name), **k: projection.project(*a, tiles=tiles, **k))
+        for name in args.tiles.split(",")]
+    for batch in (int(b) for b in args.batches.split(",")):
+        x = jax.random.normal(jax.random.fold_in(jax.random.key(1), batch), (batch, cfg.hidden_size), jnp.bfloat16)
+        row, want = {}, None
+        for name, project in variants:
+            fn = chained(project, cfg.rms_norm_eps)
+            out = fn(layers, x)
+            us, top = device_us_per_call(fn, layers, x, calls=LAYERS, top=4)
+            err = None if want is None else float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
+            want = out.astype(jnp.float32) if want is None else want
+            row[name] = {"us_per_layer": round(us, 2), "pct_of_roofline": round(100 * weight_bytes / copy_bw * 1e6
+                                                                               / us, 1) if us else None,
+                         "max_abs_diff_vs_xla": err, "top_us": top}
+            print(f"B{batch} {name}: {us:.2f} us per layer (roofline {res['roofline_us_per_layer']}), "
+                  f"max |diff| vs xla {err}", flush=True)
+        res[f"B{batch}"] = row
+    device = jax.devices()[0]
+    append_line(args.results, f"- {datetime.date.today()} projection.py, {device.device_kind}, commit {git_commit()}, "
+                              f"jax {jax.__version__}, {args.preset} KDA layer's projections at decode (input norm + "
+                              f"q|k|v|f_a|g_a|b, o_proj + residual; {LAYERS} layers chained, device time per layer, "
+                              f"roofline the weights at HBM copy bandwidth): {json.dumps(res)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

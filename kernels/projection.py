@@ -1,0 +1,255 @@
+"""Decode-sized linear projections in Pallas (Triton): a few rows times several weights in one kernel, with the
+input RMSNorm computed as each block loads and an optional residual added before the store.
+
+At decode a layer's projections read megabytes of weights for 1-16 rows. XLA runs each as a split-K GEMM or a gemv
+(the KDA layer's q|k|v product at ~2 TB/s on the H200, its f_a|g_a|b product behind a copy of their weights made
+every step), plus the input norm's two kernels and the concatenations of the outputs. `project` reads each weight
+byte once, in one launch: one program per column block of one weight (and K slice), its part of K in pipelined
+steps, writing into the group's output at the weight's columns.
+
+- x [M, K] with M a power of two up to `MAX_ROWS` (the engine's decode buckets); rows are loaded as a 16-row block
+  (M < 16: row indices clamped to M - 1, so the spare rows repeat the last row and store its same values);
+- `norm_weight` [K]: x is normalised as the model's `norms.RMSNorm` does, to its rounding: the kernel multiplies
+  each block by the weight (rounded to x's dtype) as it loads, sums the rows' squares on the way and scales the
+  float32 sums by 1 / rms at the end, where the norm rounds x / rms before the weight (a second rounding of the
+  inputs, not of the sums);
+- `groups`: tuples of weights [K, N_i] (Dense kernels, x's dtype); each group comes out as one array [M, sum N_i],
+  its weights' products side by side, float32 sums rounded to x's dtype;
+- `residual` [M, N] (one group of one weight): added to the rounded product, rounded again (the layer's `x + h`).
+
+Where the column blocks alone are too few programs to stream the weights, K is split (`ProjectionTiles`): each
+program then writes a float32 partial sum (with the norm, the first program of each slice also the rows' squares
+over it) and XLA adds them up, scales, rounds and adds the residual.
+
+`reference` is the same in plain XLA; `choose` picks between them (dispatch name "projection").
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import dispatch, tiles as tiling
+
+# Whether CUDA runs the kernel by default: tests/gpu/test_projection_gpu.py passes on the H200 (2026-12-02), and the
+# medium hybrid's batch-1 decode took 1.270 ms of kernels per token with it against 1.356 without
+# (benchmarks/decode_profile.py, twelfth session).
+GPU_VERIFIED = True
+MAX_ROWS = 16
+BLOCK_ROWS = 16  # rows per dot (Triton's smallest M)
+# `choose` takes the kernel for calls of at most this many rows: at 16 rows XLA's split-K GEMM streams the medium
+# hybrid's KDA projections faster (benchmarks/projection.py on the H200, 2026-12-02: 14.0 us per layer against 19.8;
+# at 1 row 26.3 against 20.0).
+CHOOSE_MAX_ROWS = 8
+
+
+@dataclass(frozen=True)
+class ProjectionTiles:
+    """block_n: output columns per program (at most: the largest power of two dividing a weight's width); step_k: K
+    per pipelined step. K is split in up to `k_slices` slices (powers of two dividing its steps) until there are
+    `min_programs` programs; with K split, the kernel writes float32 partial sums and XLA adds them up, scales by
+    the norm's 1 / rms, rounds and adds the residual."""
+
+    block_n: int = 128
+    step_k: int = 64
+    num_warps: int = 2
+    num_stages: int = 3
+    min_programs: int = 1024
+    k_slices: int = 8
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Programs [start, start + count) run weight `weight` of group `group`, `width` columns each, written at
+    column `column` + (program - start) * width of the group's output."""
+
+    weight: int
+    group: int
+    column: int
+    width: int
+    start: int
+    count: int
+
+
+def _pow2_divisor(n: int, limit: int) -> int:
+    d = 1
+    while d * 2 <= limit and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _plan(widths: list[tuple[int, int, int]], k_steps: int, tiles: ProjectionTiles) -> tuple[tuple[_Block, ...], int]:
+    """(program blocks, K slices) for weights given as (group, column in the group, N) over `k_steps` K steps."""
+    blocks, start = [], 0
+    for i, (group, column, n) in enumerate(widths):
+        size = _pow2_divisor(n, tiles.block_n)
+        blocks.append(_Block(i, group, column, size, start, n // size))
+        start += n // size
+    slices = 1
+    while slices * 2 <= tiles.k_slices and k_steps % (slices * 2) == 0 and start * slices < tiles.min_programs:
+        slices *= 2
+    return tuple(blocks), slices
+
+
+def supported(rows: int, k_dim: int, widths: tuple[int, ...]) -> bool:
+    """Whether the kernel takes x [rows, k_dim] times weights of these widths: rows a power of two up to
+    `MAX_ROWS`, K and every width multiples of 16 (Triton dot blocks)."""
+    return (0 < rows <= MAX_ROWS and rows & (rows - 1) == 0 and k_dim % 16 == 0 and bool(widths)
+            and all(n % 16 == 0 for n in widths))
+
+
+def _check(x, groups, norm_weight, residual):
+    if x.ndim != 2:
+        raise ValueError(f"projection: x must be [rows, K], got {x.shape}")
+    rows, k_dim = x.shape
+    if not groups or not all(groups):
+        raise ValueError("projection: needs at least one group of at least one weight")
+    for g, group in enumerate(groups):
+        for i, w in enumerate(group):
+            if w.ndim != 2 or w.shape[0] != k_dim or w.dtype != x.dtype:
+                raise ValueError(f"projection: group {g} weight {i} is {w.dtype}{list(w.shape)}; x {x.dtype}"
+                                 f"{list(x.shape)} needs {x.dtype}[{k_dim}, N]")
+    if norm_weight is not None and norm_weight.shape != (k_dim,):
+        raise ValueError(f"projection: norm weight {norm_weight.shape} for {k_dim} features")
+    if residual is not None:
+        if len(groups) != 1 or len(groups[0]) != 1:
+            raise ValueError("projection: a residual needs exactly one group of one weight")
+        if residual.shape != (rows, groups[0][0].shape[1]):
+            raise ValueError(f"projection: residual {residual.shape} for output {(rows, groups[0][0].shape[1])}")
+
+
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """weight * (x / rms(x)) as `model.norms.RMSNorm` computes it: statistics in float32, rounded to x's dtype
+    before and after the weight."""
+    x32 = x.astype(jnp.float32)
+    normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    return (weight * normed).astype(x.dtype)
+
+
+def reference(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_weight: jax.Array | None = None,
+              eps: float = 1e-6, residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    """The XLA form of `project`: the norm, one product per weight, each group's outputs concatenated."""
+    _check(x, groups, norm_weight, residual)
+    h = x if norm_weight is None else _rms_norm(x, norm_weight, eps)
+    outs = tuple(jnp.concatenate([jnp.dot(h, w) for w in group], axis=-1) if len(group) > 1 else jnp.dot(h, group[0])
+                 for group in groups)
+    if residual is not None:
+        outs = (residual + outs[0],)
+    return outs
+
+
+def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm, has_residual, eps):
+    x_ref = refs[0]
+    norm_ref = refs[1] if has_norm else None
+    res_ref = refs[1 + has_norm] if has_residual else None
+    w_refs = refs[1 + has_norm + has_residual:1 + has_norm + has_residual + n_weights]
+    out_refs = refs[-n_groups:]
+    dtype = x_ref.dtype
+    pid, part = pl.program_id(0), pl.program_id(1)  # column block, K slice
+    partial = len(out_refs[0].shape) == 3  # [slices, M, N] float32 partial sums
+    squares_ref = refs[-n_groups - 1] if partial and has_norm else None  # [slices, M] the rows' partial squares
+    if rows == BLOCK_ROWS:
+        row_index = pl.ds(0, BLOCK_ROWS)
+    else:  # spare rows repeat the last one: the same loads, the same values stored twice
+        row_index = jnp.minimum(jax.lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0), rows - 1)
+
+    def x_block(k0):
+        return x_ref[row_index, pl.ds(k0, sk)]
+
+    if has_norm:  # x * weight per block; the rows' mean squares summed on the way, the 1 / rms applied at the end
+        def load(k0):
+            xb = x_block(k0).astype(jnp.float32)
+            return (norm_ref[pl.ds(k0, sk)].astype(jnp.float32)[None, :] * xb).astype(dtype), jnp.sum(xb * xb, 1)
+    else:
+        load = lambda k0: (x_block(k0), 0.0)
+
+    def run(block: _Block):
+        n0 = pl.multiple_of((pid - block.start) * block.width, block.width)
+        w_ref = w_refs[block.weight]
+
+        def step(i, carry):
+            acc, squares = carry
+            k0 = pl.multiple_of((part * steps + i) * sk, sk)
+            xb, xx = load(k0)
+            return acc + tiling.mm(xb, w_ref[pl.ds(k0, sk), pl.ds(n0, block.width)]), squares + xx
+
+        zeros = jnp.zeros((BLOCK_ROWS, block.width), jnp.float32), jnp.zeros((BLOCK_ROWS,), jnp.float32)
+        acc, squares = jax.lax.fori_loop(0, steps, step, zeros)
+        column = pl.multiple_of(block.column + n0, block.width)
+        if partial:  # the slice's sums (and, from its first program, the slice's squares) for XLA to add up
+            out_refs[block.group][part, row_index, pl.ds(column, block.width)] = acc
+            if has_norm:
+                @pl.when(pid == 0)
+                def _():
+                    squares_ref[part, row_index] = squares
+            return
+        if has_norm:
+            acc = acc * jax.lax.rsqrt(squares / k_dim + eps)[:, None]
+        out = acc.astype(dtype)
+        if has_residual:
+            out = (res_ref[row_index, pl.ds(n0, block.width)].astype(jnp.float32)
+                   + out.astype(jnp.float32)).astype(dtype)
+        out_refs[block.group][row_index, pl.ds(column, block.width)] = out
+
+    for block in blocks:
+        pl.when((pid >= block.start) & (pid < block.start + block.count))(functools.partial(run, block))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret"))
+def project(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_weight: jax.Array | None = None,
+            eps: float = 1e-6, residual: jax.Array | None = None, tiles: ProjectionTiles | None = None,
+            interpret: bool = False) -> tuple[jax.Array, ...]:
+    """x [M, K] -> one array [M, sum of the group's N] of x.dtype per group (see the module docstring). Needs
+    `supported(M, K, widths)`."""
+    _check(x, groups, norm_weight, residual)
+    rows, k_dim = x.shape
+    widths = [(g, sum(w.shape[1] for w in group[:i]), w.shape[1])
+              for g, group in enumerate(groups) for i, w in enumerate(group)]
+    if not supported(rows, k_dim, tuple(n for _, _, n in widths)):
+        raise ValueError(f"projection kernel: {rows} rows x {k_dim} features into widths "
+                         f"{[n for _, _, n in widths]} not supported (rows a power of two <= {MAX_ROWS}, "
+                         "K and widths multiples of 16)")
+    tiles = tiles or ProjectionTiles()
+    sk = _pow2_divisor(k_dim, tiles.step_k)
+    blocks, slices = _plan(widths, k_dim // sk, tiles)
+    kernel = functools.partial(_kernel, n_weights=len(widths), n_groups=len(groups), blocks=blocks, rows=rows,
+                               k_dim=k_dim, sk=sk, steps=k_dim // sk // slices, has_norm=norm_weight is not None,
+                               has_residual=residual is not None and slices == 1, eps=float(eps))
+    in_kernel_residual = [residual] if residual is not None and slices == 1 else []
+    operands = [x, *([norm_weight] if norm_weight is not None else []), *in_kernel_residual,
+                *(w for group in groups for w in group)]
+    widths_out = [sum(w.shape[1] for w in group) for group in groups]
+    out_shape = [jax.ShapeDtypeStruct((rows, n), x.dtype) if slices == 1 else
+                 jax.ShapeDtypeStruct((slices, rows, n), jnp.float32) for n in widths_out]
+    partial_squares = slices > 1 and norm_weight is not None
+    if partial_squares:
+        out_shape = [jax.ShapeDtypeStruct((slices, rows), jnp.float32)] + out_shape
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(sum(b.count for b in blocks), slices),
+        compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
+        interpret=interpret,
+        name="decode_projection",
+    )(*operands)
+    if slices == 1:
+        return tuple(outs)
+    scale = 1.0
+    if partial_squares:
+        squares, *outs = outs
+        scale = jax.lax.rsqrt(jnp.sum(squares, axis=0) / k_dim + eps)[:, None]
+    outs = tuple((jnp.sum(o, axis=0) * scale).astype(x.dtype) for o in outs)
+    return (residual + outs[0],) if residual is not None else outs
+
+
+def choose(rows: int, k_dim: int, widths: tuple[int, ...], impl: str | None = None) -> str:
+    """"pallas" / "interpret" where dispatch picks the kernel and it takes these shapes (at most `CHOOSE_MAX_ROWS`
+    rows unless `impl` forces it), else "reference"."""
+    kind = dispatch.choose("projection", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
+    if kind == "reference" or not supported(rows, k_dim, widths):
+        return "reference"
+    return kind if impl is not None or rows <= CHOOSE_MAX_ROWS else "reference"

@@ -1,0 +1,82 @@
+"""Decode-sized projections (kernels/projection.py) compiled for real (Triton) on the GPU, at the medium hybrid's KDA
+layer shapes, against a float32 reference of the same roundings; and the model's KDA decode step with the kernel
+against the same step without it. Passing here is what lets `projection.GPU_VERIFIED` become True."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dayzero.kernels import projection
+from dayzero.model.presets import medium_hybrid
+
+pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices()),
+                                reason="no GPU on this machine")
+
+TILES = {"default": None, "bn32": projection.ProjectionTiles(block_n=32), "k128s3":
+         projection.ProjectionTiles(step_k=128, num_stages=3), "w4": projection.ProjectionTiles(num_warps=4),
+         "unsplit": projection.ProjectionTiles(k_slices=1)}
+
+
+def _want(x, groups, norm_weight, eps, residual):
+    """The reference's roundings with float32 products at full precision (XLA's float32 dots may run TF32)."""
+    h = x if norm_weight is None else projection._rms_norm(x, norm_weight, eps)
+    with jax.default_matmul_precision("highest"):
+        outs = [jnp.concatenate([(h.astype(jnp.float32) @ w.astype(jnp.float32)) for w in g], axis=-1)
+                for g in groups]
+    if residual is not None:
+        outs = [residual.astype(jnp.float32) + outs[0].astype(x.dtype).astype(jnp.float32)]
+    return outs
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16])
+@pytest.mark.parametrize("tiles", list(TILES))
+def test_kda_layer_projections(seed, rows, tiles):
+    """The input norm + q|k|v + f_a|g_a|b, and o_proj + the residual, at 2048 features, bf16."""
+    cfg = medium_hybrid()
+    d, dim, hd, heads = cfg.hidden_size, cfg.kda_dim, cfg.kda_head_dim, cfg.kda_num_heads
+    key = jax.random.key(seed)
+    w = lambda i, k, n: (jax.random.normal(jax.random.fold_in(key, i), (k, n)) * 0.02).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.fold_in(key, 99), (rows, d), jnp.bfloat16)
+    norm = jax.random.uniform(jax.random.fold_in(key, 98), (d,), jnp.float32, 0.5, 1.5)
+    groups = ((w(0, d, dim), w(1, d, dim), w(2, d, dim)), (w(3, d, hd), w(4, d, hd), w(5, d, heads)))
+    t = TILES[tiles]
+    got = jax.jit(lambda x, n, g: projection.project(x, g, norm_weight=n, eps=cfg.rms_norm_eps, tiles=t))(
+        x, norm, groups)
+    for g, want in zip(got, _want(x, groups, norm, cfg.rms_norm_eps, None)):
+        err = np.max(np.abs(np.asarray(g, np.float32) - np.asarray(want)))
+        assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
+    o, res, wo = got[0][:, :dim], jax.random.normal(jax.random.fold_in(key, 97), (rows, d), jnp.bfloat16), w(6, dim, d)
+    (out,) = jax.jit(lambda o, r, wo: projection.project(o, ((wo,),), residual=r, tiles=t))(o, res, wo)
+    (want,) = _want(o, ((wo,),), None, 0.0, res)
+    err = np.max(np.abs(np.asarray(out, np.float32) - np.asarray(want)))
+    assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
+
+
+def test_model_kda_decode_with_projection_kernel(seed, monkeypatch):
+    """The medium hybrid's KDA layer at decode (16 rows, bf16): `decode_in_place` with the projection kernel against
+    the same with XLA's projections, on the GPU's own one-kernel step."""
+    from dayzero.model.kda import KimiDeltaAttention
+
+    cfg = medium_hybrid()
+    attn = KimiDeltaAttention(cfg, jnp.bfloat16)
+    key = jax.random.key(seed)
+    rows, slots_total, layers = 16, 17, 2
+    x = jax.random.normal(key, (rows, 1, cfg.hidden_size), jnp.bfloat16) * 0.02
+    params = attn.init(jax.random.fold_in(key, 1), x)
+    norm = jnp.ones((cfg.hidden_size,), jnp.float32)
+    conv = jax.random.normal(jax.random.fold_in(key, 2), (layers, slots_total, 3, cfg.kda_dim, cfg.kda_conv_size - 1),
+                             jnp.bfloat16)
+    pool = jax.random.normal(jax.random.fold_in(key, 3), (layers, slots_total, cfg.kda_num_heads, cfg.kda_head_dim,
+                                                          cfg.kda_head_dim)) * 0.1
+    slots, valid = jnp.arange(1, rows + 1, dtype=jnp.int32), jnp.ones((rows, 1), bool)
+    outs = {}
+    for kind in ("reference", "pallas"):
+        monkeypatch.setattr(projection, "choose", lambda *a, impl=None, kind=kind: kind)
+        run = jax.jit(lambda p, x, c, s: attn.apply(p, x, norm, valid, c, s, slots, 1, method="decode_in_place"))
+        outs[kind] = run(params, x, conv, pool)
+    for got, want in zip(outs["pallas"], outs["reference"]):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))

@@ -1,0 +1,147 @@
+"""kernels/projection.py: decode-sized projections with the input norm and the residual add in one kernel, in
+interpret mode against a float64 oracle and the XLA form, its program plan, its errors, and its Triton lowering at
+the medium hybrid's KDA layer shapes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dayzero.kernels import dispatch, projection
+from triton_lowering import count_triton_kernels
+
+SMALL = projection.ProjectionTiles(block_n=64, step_k=64, k_slices=1)
+
+
+def _oracle(x, groups, norm_weight, eps, residual):
+    """float64 numpy, rounding to x's dtype where the model does (the norm's two roundings, each product)."""
+    dt = x.dtype
+    rnd = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(dt), np.float64)
+    h = np.asarray(x, np.float64)
+    if norm_weight is not None:
+        normed = rnd(h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps))
+        h = rnd(np.asarray(norm_weight, np.float64) * normed)
+    outs = [np.concatenate([h @ np.asarray(w, np.float64) for w in group], axis=-1) for group in groups]
+    if residual is not None:
+        outs = [np.asarray(residual, np.float64) + rnd(outs[0])]
+    return outs
+
+
+def _case(rng, rows, k_dim, widths, dtype):
+    x = jnp.asarray(rng.standard_normal((rows, k_dim)), dtype)
+    weights = [jnp.asarray(rng.standard_normal((k_dim, n)) * 0.05, dtype) for n in widths]
+    norm_weight = jnp.asarray(rng.uniform(0.5, 1.5, k_dim), jnp.float32)
+    return x, weights, norm_weight
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 16])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("norm", [True, False])
+def test_matches_oracle(seed, rows, dtype, norm):
+    """Two groups (three and two weights of widths that take different block widths), the input norm on or off:
+    each output within rounding of the float64 oracle, and equal to the XLA form up to one rounding step."""
+    rng = np.random.default_rng(seed)
+    x, w, norm_weight = _case(rng, rows, 256, (128, 64, 32, 16, 48), dtype)
+    groups = ((w[0], w[1], w[2]), (w[3], w[4]))
+    nw = norm_weight if norm else None
+    got = projection.project(x, groups, norm_weight=nw, eps=1e-5, tiles=SMALL, interpret=True)
+    want = projection.reference(x, groups, norm_weight=nw, eps=1e-5)
+    oracle = _oracle(x, groups, nw, 1e-5, None)
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    for g, r, o in zip(got, want, oracle):
+        assert g.shape == r.shape == o.shape and g.dtype == x.dtype
+        scale = np.max(np.abs(o))
+        assert np.max(np.abs(np.asarray(g, np.float64) - o)) <= tol * scale
+        assert np.max(np.abs(np.asarray(g, np.float64) - np.asarray(r, np.float64))) <= tol * scale
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_residual(seed, rows):
+    """o_proj with the residual add: x + (o @ W) rounded as the layer's bf16 add, one group of one weight."""
+    rng = np.random.default_rng(seed)
+    o, (w,), _ = _case(rng, rows, 128, (256,), jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+    (got,) = projection.project(o, ((w,),), residual=residual, tiles=SMALL, interpret=True)
+    (want,) = projection.reference(o, ((w,),), residual=residual)
+    (oracle,) = _oracle(o, ((w,),), None, 0.0, residual)
+    assert np.max(np.abs(np.asarray(got, np.float64) - oracle)) <= 1e-2 * np.max(np.abs(oracle))
+    # away from rounding ties the two forms round the same sums the same way
+    assert np.mean(np.asarray(got, np.float32) == np.asarray(want, np.float32)) > 0.95
+
+
+def test_plan_covers_every_column_once():
+    """The program blocks: each weight's columns split in equal power-of-two blocks of at most `block_n`, programs
+    numbered without gaps; K split in powers of two until there are `min_programs` programs (at most `k_slices`)."""
+    tiles = projection.ProjectionTiles(block_n=128, min_programs=256, k_slices=8)
+    widths = [(0, 0, 2048), (0, 2048, 2048), (0, 4096, 2048), (1, 0, 128), (1, 128, 128), (1, 256, 16)]
+    blocks, slices = projection._plan(widths, 32, tiles)
+    start = 0
+    for b, (group, column, n) in zip(blocks, widths):
+        assert (b.group, b.column, b.start) == (group, column, start) and b.width * b.count == n
+        assert b.width == min(128, n)
+        start += b.count
+    assert start == 51 and slices == 8  # 51 x 4 < 256
+    assert projection._plan(widths, 32, dataclasses.replace(tiles, min_programs=100))[1] == 2
+    assert projection._plan(widths, 6, tiles)[1] == 2  # slices divide the K steps
+    assert projection._plan([(0, 0, 2048)], 32, dataclasses.replace(tiles, k_slices=1))[1] == 1
+
+
+@pytest.mark.parametrize("slices", [2, 4])
+def test_split_k(seed, slices):
+    """K in slices: float32 partial sums (and the rows' partial squares for the norm) added up by XLA, then the
+    norm's scale, the rounding and the residual as without the split."""
+    rng = np.random.default_rng(seed)
+    x, w, norm_weight = _case(rng, 4, 256, (128, 64, 48), jnp.bfloat16)
+    tiles = projection.ProjectionTiles(block_n=64, step_k=32, min_programs=10 ** 6, k_slices=slices)
+    assert projection._plan([(0, 0, 128)], 8, tiles)[1] == slices
+    groups = ((w[0], w[1]), (w[2],))
+    for nw in (norm_weight, None):
+        got = projection.project(x, groups, norm_weight=nw, eps=1e-5, tiles=tiles, interpret=True)
+        for g, o in zip(got, _oracle(x, groups, nw, 1e-5, None)):
+            assert g.dtype == x.dtype and np.max(np.abs(np.asarray(g, np.float64) - o)) <= 1e-2 * np.max(np.abs(o))
+    residual = jnp.asarray(rng.standard_normal((4, 128)), jnp.bfloat16)
+    (got,) = projection.project(x, ((w[0],),), residual=residual, tiles=tiles, interpret=True)
+    (oracle,) = _oracle(x, ((w[0],),), None, 0.0, residual)
+    assert np.max(np.abs(np.asarray(got, np.float64) - oracle)) <= 1e-2 * np.max(np.abs(oracle))
+
+
+def test_names_what_it_does_not_take():
+    """Rows that are not a power of two up to 16, widths or K off the 16 grid, mixed dtypes, a mismatched K, a
+    residual with more than one weight: a ValueError naming the shape; `supported` and `choose` agree."""
+    x = jnp.zeros((3, 64), jnp.bfloat16)
+    w = jnp.zeros((64, 32), jnp.bfloat16)
+    assert not projection.supported(3, 64, (32,)) and not projection.supported(32, 64, (32,))
+    assert not projection.supported(4, 64, (24,)) and projection.supported(4, 64, (32, 16))
+    assert projection.choose(3, 64, (32,), impl="interpret") == "reference"
+    assert projection.choose(4, 64, (32,), impl="interpret") == "interpret"
+    assert projection.choose(16, 64, (32,), impl="interpret") == "interpret"
+    with dispatch.use_policy({"cpu": ["projection"]}):  # a platform's default: XLA above CHOOSE_MAX_ROWS rows
+        assert projection.choose(projection.CHOOSE_MAX_ROWS, 64, (32,)) == "pallas"
+        assert projection.choose(2 * projection.CHOOSE_MAX_ROWS, 64, (32,)) == "reference"
+    with pytest.raises(ValueError, match="3 rows"):
+        projection.project(x, ((w,),), interpret=True)
+    with pytest.raises(ValueError, match="group 0 weight 1"):
+        projection.project(x[:2], ((w, w.astype(jnp.float32)),), interpret=True)
+    with pytest.raises(ValueError, match=r"needs bfloat16\[64, N\]"):
+        projection.project(x[:2], ((jnp.zeros((32, 32), jnp.bfloat16),),), interpret=True)
+    with pytest.raises(ValueError, match="one group of one weight"):
+        projection.project(x[:2], ((w, w),), residual=jnp.zeros((2, 64), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="residual"):
+        projection.project(x[:2], ((w,),), residual=jnp.zeros((2, 16), jnp.bfloat16), interpret=True)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_lowers_to_triton_at_model_shapes(rows):
+    """The medium hybrid's KDA input projections with the norm (2048 -> 3 x 2048 + 128 + 128 + 16) and o_proj with
+    the residual: one Triton kernel each."""
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    x, norm = spec(rows, 2048), spec(2048, dtype=jnp.float32)
+    ins = (spec(2048, 2048), spec(2048, 2048), spec(2048, 2048)), (spec(2048, 128), spec(2048, 128), spec(2048, 16))
+    fn = lambda x, n, *w: projection.project(x, (w[:3], w[3:]), norm_weight=n, eps=1e-5)
+    assert count_triton_kernels(fn, x, norm, *ins[0], *ins[1]) == 1
+    out = lambda o, r, w: projection.project(o, ((w,),), residual=r)
+    assert count_triton_kernels(out, x, x, spec(2048, 2048)) == 1
