@@ -1,7 +1,9 @@
-"""Decode-sized projections on the GPU: `kernels.projection.project` (one kernel per call, the input norm and the
-residual add inside) against the same in XLA (`projection.reference`), at the medium hybrid's KDA layer shapes.
+"""Decode-sized projections on the GPU: `kernels.projection.project` (one kernel per call with the input norm and
+the residual add, plus one XLA fusion adding its partial sums where K is split) against the same in XLA
+(`projection.reference`), at the medium hybrid's KDA layer shapes.
 
-    python3 benchmarks/projection.py [--results benchmarks/RESULTS.md] [--batches 1,16] [--tiles 128x64s4p256k8,64x128s4p1k1]
+    python3 benchmarks/projection.py [--results benchmarks/RESULTS.md] [--batches 1,16] \
+        [--tiles 128x64s3p1024k8w2,64x128s4p1k1]
 
 Per layer: the input RMSNorm and the six input projections (q|k|v and f_a|g_a|b, 2048 -> 6144 + 272), then o_proj
 (2048 -> 2048) with the residual add, `LAYERS` layers with their own weights chained in one jitted call (o_proj

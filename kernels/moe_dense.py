@@ -90,18 +90,11 @@ def choose_tiles(n_pairs: int, n_experts: int) -> DenseTiles:
     return DenseTiles(block_m=64, num_warps=8)
 
 
-def _pow2_divisor(n: int, limit: int) -> int:
-    """Largest power of two <= limit dividing n."""
-    b = 1
-    while b * 2 <= limit and n % (b * 2) == 0:
-        b *= 2
-    return b
-
 
 def supported(hidden: int, inter: int, tiles: DenseTiles = DenseTiles()) -> bool:
     """Whether both projections' blocks can feed Triton dots on a GPU (every block >= 16; interpret mode takes any
     shape)."""
-    blocks = [_pow2_divisor(dim, limit) for dim in (hidden, inter) for limit in (tiles.block_n, tiles.step_k)]
+    blocks = [tiling.pow2_divisor(dim, limit) for dim in (hidden, inter) for limit in (tiles.block_n, tiles.step_k)]
     return min(blocks + [tiles.block_m]) >= 16
 
 
@@ -205,8 +198,8 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
                          f"rows written)")
     n_dim = weights[0].shape[2]
     bm = tiles.block_m
-    bn = _pow2_divisor(n_dim, tiles.block_n)
-    sk = _pow2_divisor(k_dim, tiles.step_k)
+    bn = tiling.pow2_divisor(n_dim, tiles.block_n)
+    sk = tiling.pow2_divisor(k_dim, tiles.step_k)
     k_steps = k_dim // sk
     grid = (n_rows // bm, n_dim // bn)
     wanted = -(-tiles.min_programs // (grid[0] * grid[1]))

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import dispatch, moe_tiles
+from . import dispatch, moe_tiles, tiles as tiling
 from .mxfp4 import BLOCK, SCALE_NAN, ExpertWeights
 
 _HALF = BLOCK // 2
@@ -88,18 +88,11 @@ def choose_tiles(n_pairs: int, n_experts: int) -> Tiles:
     return Tiles(block_m=64, block_n=64, max_groups=4, num_stages=3)
 
 
-def _group_tile(groups: int, limit: int) -> int:
-    """Largest power of two <= limit dividing `groups`."""
-    g = 1
-    while g * 2 <= limit and groups % (g * 2) == 0:
-        g *= 2
-    return g
-
 
 def _k_split(groups: int, tiles: Tiles) -> tuple[int, int]:
     """(groups per K step, K splits) of a kernel over `groups` blocks of 32: the splits are the largest divisor of
     the K step count not above `tiles.split_k`, so every program walks the same number of whole K steps."""
-    gk = _group_tile(groups, tiles.max_groups)
+    gk = tiling.pow2_divisor(groups, tiles.max_groups)
     steps = groups // gk
     split = max(d for d in range(1, min(steps, max(1, tiles.split_k)) + 1) if steps % d == 0)
     return gk, split
@@ -481,7 +474,7 @@ def convert(ws: jax.Array, need: jax.Array, slot_expert: jax.Array, blocks: jax.
     of `ws` [S, N, n, 2, 16] (float8_e4m3fn or bfloat16) wherever need[s] != 0; other slots keep their contents
     (the workspace buffer is updated in place)."""
     n_slots, n_rows, groups = ws.shape[:3]
-    gb = _group_tile(groups, max_groups)
+    gb = tiling.pow2_divisor(groups, max_groups)
     kernel = functools.partial(_convert_kernel, fmt=jnp.dtype(ws.dtype).name, br=block_rows, gb=gb, n_rows=n_rows,
                                asm=dispatch.nvidia_ptx(interpret))
     return pl.pallas_call(

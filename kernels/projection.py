@@ -75,18 +75,12 @@ class _Block:
     count: int
 
 
-def _pow2_divisor(n: int, limit: int) -> int:
-    d = 1
-    while d * 2 <= limit and n % (d * 2) == 0:
-        d *= 2
-    return d
-
 
 def _plan(widths: list[tuple[int, int, int]], k_steps: int, tiles: ProjectionTiles) -> tuple[tuple[_Block, ...], int]:
     """(program blocks, K slices) for weights given as (group, column in the group, N) over `k_steps` K steps."""
     blocks, start = [], 0
     for i, (group, column, n) in enumerate(widths):
-        size = _pow2_divisor(n, tiles.block_n)
+        size = tiling.pow2_divisor(n, tiles.block_n)
         blocks.append(_Block(i, group, column, size, start, n // size))
         start += n // size
     slices = 1
@@ -214,7 +208,7 @@ def project(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_wei
                          f"{[n for _, _, n in widths]} not supported (rows a power of two <= {MAX_ROWS}, "
                          "K and widths multiples of 16)")
     tiles = tiles or ProjectionTiles()
-    sk = _pow2_divisor(k_dim, tiles.step_k)
+    sk = tiling.pow2_divisor(k_dim, tiles.step_k)
     blocks, slices = _plan(widths, k_dim // sk, tiles)
     kernel = functools.partial(_kernel, n_weights=len(widths), n_groups=len(groups), blocks=blocks, rows=rows,
                                k_dim=k_dim, sk=sk, steps=k_dim // sk // slices, has_norm=norm_weight is not None,

@@ -17,6 +17,14 @@ def pow2_at_least(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(int(n) - 1, 0).bit_length())
 
 
+def pow2_divisor(n: int, limit: int) -> int:
+    """Largest power of two <= limit dividing n (a tile extent that splits n evenly)."""
+    d = 1
+    while d * 2 <= limit and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-int(n) // multiple) * multiple
 

@@ -15,6 +15,7 @@ import pytest
 from mxfp4_cases import ROUTINGS, oracle, packed_experts, rel_err, routing
 from triton_lowering import count_triton_kernels, lower_for_cuda
 from dayzero.kernels import moe, moe_mxfp4, moe_tiles, moe_workspace, mxfp4
+from dayzero.kernels import tiles as tiling
 
 E, D, I = 6, 72, 40  # 72 = 2.25 blocks of 32: a padded, odd number of K groups; 40: masked column tiles
 SMALL = moe_mxfp4.Tiles(block_m=16, block_n=16, max_groups=2)  # several column tiles and K steps
@@ -69,7 +70,7 @@ def test_default_tiles_bf16_activations(seed):
     x = jnp.asarray(rng.standard_normal((60, 128)), jnp.bfloat16)
     ids, w = routing(rng, "random", 60, 2)
     tiles = moe_mxfp4.choose_tiles(120, 2)
-    assert tiles.block_m == 64 and moe_mxfp4._group_tile(4, tiles.max_groups) == 4
+    assert tiles.block_m == 64 and tiling.pow2_divisor(4, tiles.max_groups) == 4
     got, _ = _run(x, ids, w, ew, "interpret", tiles=None)
     assert got.dtype == jnp.bfloat16
     assert rel_err(got, oracle(np.asarray(x, np.float32), ids, w, ew)) < 2e-2
