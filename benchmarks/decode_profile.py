@@ -4,7 +4,7 @@ with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized H
     python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--engine serving] [--top 25]
                                          [--xla-option NAME=VALUE] [--pallas router] [--dump PREFIX]
                                          [--dense-fused-prologues] [--shared-apart] [--dense-epilogue-min-pairs N]
-                                         [--router-dot] [--dense-pair-partials]
+                                         [--router-dot] [--dense-pair-partials] [--mla-projections]
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
 `small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
@@ -229,6 +229,9 @@ def main(argv=None) -> int:
                              "only)")
     parser.add_argument("--router-dot", action="store_true",
                         help="router logits by XLA's dot at every size (model.moe.REDUCE_LOGITS_MAX_TOKENS 0)")
+    parser.add_argument("--mla-projections", action="store_true",
+                        help="MLA decode steps with the input norm, query / latent projections and o_proj in the "
+                             "projection kernel (model.mla.DECODE_PROJECTIONS on, for this run)")
     args = parser.parse_args(argv)
     extra = use_xla_options(args.xla_option)
     if args.pallas:
@@ -239,6 +242,7 @@ def main(argv=None) -> int:
     if args.dense_pair_partials:
         extra["dense_pair_partials"] = tile_options["pair_partials"] = True
     from dayzero.kernels import moe_dense
+    from dayzero.model import mla as model_mla
     from dayzero.model import moe as model_moe
 
     overrides = []  # (module, constant, value): read when the model traces; this process only
@@ -248,6 +252,8 @@ def main(argv=None) -> int:
         overrides.append((model_moe, "REDUCE_LOGITS_MAX_TOKENS", 0))
     if args.dense_epilogue_min_pairs is not None:
         overrides.append((moe_dense, "EPILOGUE_MIN_PAIRS", args.dense_epilogue_min_pairs))
+    if args.mla_projections:
+        overrides.append((model_mla, "DECODE_PROJECTIONS", True))
     for module, constant, value in overrides:
         setattr(module, constant, value)
         extra[constant] = value  # the results line names the constant and the value the run took

@@ -73,6 +73,11 @@ class DecoderLayer(nn.Module):
                                                             slots, index)
             x, workspace = self._mlp(x, workspace)
             return x, dict(cache, conv=conv, state=state), workspace
+        if not self.is_kda and decode and self.mesh is None and self.self_attn.decode_projection_kind(x) != "reference":
+            norm_weight = self.input_layernorm.variables["params"]["weight"]  # norm and residual inside
+            x, cache = self.self_attn.step(x, positions, valid, cache, index, block_tables, norm_weight=norm_weight)
+            x, workspace = self._mlp(x, workspace)
+            return x, cache, workspace
         h = self.input_layernorm(x)
         if self.is_kda:
             h, conv, state = self.self_attn.step(h, valid, cache["conv"][index, slots], cache["state"], slots, index,

@@ -11,6 +11,8 @@ to the lower position everywhere).
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -18,11 +20,18 @@ import jax.numpy as jnp
 from dayzero.kernels import attention as attention_kernels
 from dayzero.kernels import fp8_indexer
 from dayzero.kernels import indexer as indexer_kernels
-from dayzero.kernels import paged
+from dayzero.kernels import paged, projection
 
 from . import rope as rope_lib
 from .config import ModelConfig
 from .norms import LayerNorm, RMSNorm
+
+# Decode steps of up to `projection.CHOOSE_MAX_ROWS` rows run the layer's input norm with the query and latent
+# projections (q_proj or q_a_proj, and kv_a_proj_with_mqa) as one `kernels.projection` call, and o_proj with the
+# residual add as another (`MLAttention.decode_projection_kind`), where dispatch picks that kernel; layers with DSA
+# (the indexer reads the normed input) or projection biases keep XLA's. Off: not yet measured on a GPU
+# (benchmarks/decode_profile.py --mla-projections turns it on for a run).
+DECODE_PROJECTIONS = False
 
 
 def dense(features: int, dtype, use_bias: bool = False, name: str | None = None) -> nn.Dense:
@@ -114,15 +123,16 @@ class MLAttention(nn.Module):
             return rope_lib.cos_sin(cfg.rope, cfg.qk_rope_head_dim, positions, self.dtype)
         return None, None
 
-    def _queries(self, x, cos, sin):
-        """-> q_nope [B, T, H, nope], q_rope [B, T, H, rope] (roped when the model uses rope), q_latent or None."""
+    def _queries(self, x, cos, sin, projected=None):
+        """-> q_nope [B, T, H, nope], q_rope [B, T, H, rope] (roped when the model uses rope), q_latent or None.
+        `projected`: q_proj(x) (or q_a_proj(x) with a query LoRA) computed already."""
         cfg = self.config
         batch, length, _ = x.shape
         q_latent = None
-        if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
+        q = first(x) if projected is None else projected
+        if cfg.q_lora_rank is not None:
+            q_latent = self.q_a_layernorm(q)
             q = self.q_b_proj(q_latent)
         q = q.reshape(batch, length, cfg.num_heads, cfg.qk_head_dim)
         q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
@@ -130,18 +140,22 @@ class MLAttention(nn.Module):
             q_rope = rope_lib.apply_interleaved(q_rope, cos, sin)
         return q_nope, q_rope, q_latent
 
-    def _latents(self, x, cos, sin):
-        """-> normed latent [B, T, kv_lora_rank], shared rope key [B, T, rope]."""
+    def _latents(self, x, cos, sin, projected=None):
+        """-> normed latent [B, T, kv_lora_rank], shared rope key [B, T, rope]. `projected`: kv_a_proj_with_mqa(x)
+        computed already."""
         cfg = self.config
-        kv = self.kv_a_proj_with_mqa(x)
+        kv = self.kv_a_proj_with_mqa(x) if projected is None else projected
         latent = self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank])
         k_rope = kv[..., cfg.kv_lora_rank:]
         if cfg.mla_use_rope:
             k_rope = rope_lib.apply_interleaved(k_rope[:, :, None, :], cos, sin)[:, :, 0]
         return latent, k_rope
 
-    def _absorbed(self, q_nope, q_rope, latent_cache, layer: int, block_tables, query_positions, indices):
-        """Absorbed MLA over the paged latents of `layer` (W_UK folded into q, W_UV after) -> [B, T, D]."""
+    def _absorbed(self, q_nope, q_rope, latent_cache, layer: int, block_tables, query_positions, indices,
+                  out_project=None):
+        """Absorbed MLA over the paged latents of `layer` (W_UK folded into q, W_UV after) -> [B, T, D].
+        `out_project(o [B, T, H * v], o_proj's kernel)`: o_proj by other means (the decode projections with the
+        residual added)."""
         cfg = self.config
         batch, length, heads, nope = q_nope.shape
         if self.is_initializing():  # the absorbed path reads kv_b_proj's kernel without calling it
@@ -151,7 +165,10 @@ class MLAttention(nn.Module):
         o_latent = attention_kernels.sparse_mla(q_absorbed, q_rope, latent_cache, layer, block_tables,
                                                 query_positions, indices, scale=cfg.mla_softmax_scale)
         o = jnp.einsum("bthr,rhv->bthv", o_latent, w_kv[..., nope:].astype(o_latent.dtype))
-        return self.o_proj(o.reshape(batch, length, heads * cfg.v_head_dim))
+        o = o.reshape(batch, length, heads * cfg.v_head_dim)
+        if out_project is not None:
+            return out_project(o, self.o_proj.variables["params"]["kernel"])
+        return self.o_proj(o)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Whole sequence: x [B, T, D], positions [B, T] (each row 0, 1, ..., T - 1) -> [B, T, D]."""
@@ -173,15 +190,43 @@ class MLAttention(nn.Module):
         o = attention_kernels.masked_attention(q, k, kv_up[..., nope:], allowed, scale=cfg.mla_softmax_scale)
         return self.o_proj(o.reshape(batch, length, heads * v_dim))
 
-    def step(self, x, positions, valid, cache: dict, layer: int, block_tables):
+    def decode_projection_kind(self, x) -> str:
+        """Which implementation `step` with a `norm_weight` runs its projections with for these rows x [B, 1, D]:
+        "pallas" / "interpret" (`kernels.projection`, where `DECODE_PROJECTIONS` is on, dispatch picks it and it
+        takes the shapes) or "reference" (also for DSA layers, projection biases and at init)."""
+        cfg = self.config
+        if not DECODE_PROJECTIONS or self.is_initializing() or x.shape[1] != 1 or cfg.use_dsa or cfg.attention_bias:
+            return "reference"
+        first = cfg.num_heads * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
+        return projection.choose(x.shape[0], x.shape[2], (first, cfg.kv_lora_rank + cfg.qk_rope_head_dim))
+
+    def step(self, x, positions, valid, cache: dict, layer: int, block_tables, norm_weight=None):
         """New tokens against the paged cache. x [B, T, D], positions/valid [B, T], cache {"latent": [L, N, 64,
         R + E], "index_keys": [L, N, 64, Di] (DSA), "index_scales": [L, N, 64, 1] (FP8 indexer)}, `layer` this
         layer's index among MLA layers, block_tables [B, max_blocks] -> (out [B, T, D], cache with the new tokens
-        written). One token per row (decode) takes the split decode kernels."""
+        written). One token per row (decode) takes the split decode kernels.
+
+        With `norm_weight` [D] (only where `decode_projection_kind(x)` != "reference"), x is the layer's input
+        before its input RMSNorm and out is x + attention(norm(x)): the norm with the query and latent projections
+        is one `kernels.projection` call, o_proj with the residual add another."""
         cfg = self.config
         cos, sin = self._rope(positions)
-        q_nope, q_rope, q_latent = self._queries(x, cos, sin)
-        latent, k_rope = self._latents(x, cos, sin)
+        projected, out_project = (None, None), None
+        if norm_weight is not None:
+            kind = self.decode_projection_kind(x)
+            if kind == "reference":
+                raise ValueError("MLAttention.step: a norm weight is for the decode projections, which these rows "
+                                 f"{x.shape} do not take")
+            project = functools.partial(projection.project, interpret=kind == "interpret")
+            first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
+            rows = x[:, 0]
+            q, kv = project(rows, ((first.variables["params"]["kernel"],),
+                                   (self.kv_a_proj_with_mqa.variables["params"]["kernel"],)),
+                            norm_weight=norm_weight, eps=cfg.rms_norm_eps)
+            projected = q[:, None], kv[:, None]
+            out_project = lambda o, w: project(o[:, 0], ((w,),), residual=rows)[0][:, None]
+        q_nope, q_rope, q_latent = self._queries(x, cos, sin, projected[0])
+        latent, k_rope = self._latents(x, cos, sin, projected[1])
         query_positions = jnp.where(valid, positions, -1)
         cache = dict(cache)
         cache["latent"] = paged.write(cache["latent"], layer, block_tables, positions, valid,
@@ -195,5 +240,6 @@ class MLAttention(nn.Module):
                                                     scales)
             indices = self.indexer.select(x, q_latent, cos, sin, cache["index_keys"], cache.get("index_scales"),
                                           layer, block_tables, query_positions)
-        out = self._absorbed(q_nope, q_rope, cache["latent"], layer, block_tables, query_positions, indices)
+        out = self._absorbed(q_nope, q_rope, cache["latent"], layer, block_tables, query_positions, indices,
+                             out_project)
         return out, cache

@@ -55,6 +55,27 @@ def test_kda_layer_projections(seed, rows, tiles):
     assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_mla_layer_projections(seed, rows):
+    """The medium hybrid's MLA layer (`model.mla.DECODE_PROJECTIONS`): the input norm + q_proj (16 x 192) and
+    kv_a_proj_with_mqa (512 + 64) as two groups, then o_proj (16 x 128 -> 2048) + the residual, bf16."""
+    cfg = medium_hybrid()
+    d = cfg.hidden_size
+    key = jax.random.key(seed)
+    w = lambda i, k, n: (jax.random.normal(jax.random.fold_in(key, i), (k, n)) * 0.02).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.fold_in(key, 99), (rows, d), jnp.bfloat16)
+    norm = jax.random.uniform(jax.random.fold_in(key, 98), (d,), jnp.float32, 0.5, 1.5)
+    groups = ((w(0, d, cfg.num_heads * cfg.qk_head_dim),), (w(1, d, cfg.kv_lora_rank + cfg.qk_rope_head_dim),))
+    got = jax.jit(lambda x, n, g: projection.project(x, g, norm_weight=n, eps=cfg.rms_norm_eps))(x, norm, groups)
+    for g, want in zip(got, _want(x, groups, norm, cfg.rms_norm_eps, None)):
+        err = np.max(np.abs(np.asarray(g, np.float32) - np.asarray(want)))
+        assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
+    o, wo = x, w(2, cfg.num_heads * cfg.v_head_dim, d)
+    (out,) = jax.jit(lambda o, r, wo: projection.project(o, ((wo,),), residual=r))(o, x, wo)
+    (want,) = _want(o, ((wo,),), None, 0.0, x)
+    assert np.max(np.abs(np.asarray(out, np.float32) - np.asarray(want))) <= 1e-2 * float(jnp.max(jnp.abs(want)))
+
+
 def test_model_kda_decode_with_projection_kernel(seed, monkeypatch):
     """The medium hybrid's KDA layer at decode (16 rows, bf16): `decode_in_place` with the projection kernel against
     the same with XLA's projections, on the GPU's own one-kernel step."""
