@@ -39,8 +39,8 @@ LAYERS = 12
 def chained(attn, variant: str):
     """jit(params, x, valid, slots, conv, pool) -> (x, conv, pool) through LAYERS layers of `variant`."""
     def run(params, x, valid, slots, conv, pool):
+        norm_weight = jnp.ones((x.shape[-1],), jnp.float32)
         for layer, p in enumerate(params):  # each layer: x + attention(rms_norm(x)), unit norm weight
-            norm_weight = jnp.ones((x.shape[-1],), jnp.float32)
             if variant == "xla":
                 h = RMSNorm(attn.config.rms_norm_eps).apply({"params": {"weight": norm_weight}}, x)
                 out, rows, pool = attn.apply(p, h, valid, conv[layer, slots], pool, slots, layer, True,

@@ -210,11 +210,11 @@ def project(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_wei
     tiles = tiles or ProjectionTiles()
     sk = tiling.pow2_divisor(k_dim, tiles.step_k)
     blocks, slices = _plan(widths, k_dim // sk, tiles)
+    residual_in_kernel = residual is not None and slices == 1  # else XLA adds it after the partial sums
     kernel = functools.partial(_kernel, n_weights=len(widths), n_groups=len(groups), blocks=blocks, rows=rows,
                                k_dim=k_dim, sk=sk, steps=k_dim // sk // slices, has_norm=norm_weight is not None,
-                               has_residual=residual is not None and slices == 1, eps=float(eps))
-    in_kernel_residual = [residual] if residual is not None and slices == 1 else []
-    operands = [x, *([norm_weight] if norm_weight is not None else []), *in_kernel_residual,
+                               has_residual=residual_in_kernel, eps=float(eps))
+    operands = [x, *([norm_weight] if norm_weight is not None else []), *([residual] if residual_in_kernel else []),
                 *(w for group in groups for w in group)]
     widths_out = [sum(w.shape[1] for w in group) for group in groups]
     out_shape = [jax.ShapeDtypeStruct((rows, n), x.dtype) if slices == 1 else
@@ -238,6 +238,12 @@ def project(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_wei
         scale = jax.lax.rsqrt(jnp.sum(squares, axis=0) / k_dim + eps)[:, None]
     outs = tuple((jnp.sum(o, axis=0) * scale).astype(x.dtype) for o in outs)
     return (residual + outs[0],) if residual is not None else outs
+
+
+def by_kind(kind: str):
+    """The `project`-signature callable for a `choose` result: `reference`, or the kernel (interpret mode for
+    "interpret")."""
+    return reference if kind == "reference" else functools.partial(project, interpret=kind == "interpret")
 
 
 def choose(rows: int, k_dim: int, widths: tuple[int, ...], impl: str | None = None) -> str:

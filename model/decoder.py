@@ -42,7 +42,8 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         self.is_kda = cfg.layer_types[self.layer] == LAYER_KDA
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
-        self.self_attn = KimiDeltaAttention(cfg, self.dtype, self.mesh) if self.is_kda else MLAttention(cfg, self.dtype)
+        self.self_attn = (KimiDeltaAttention(cfg, self.dtype, self.mesh) if self.is_kda
+                          else MLAttention(cfg, self.dtype, self.mesh))
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps, self.dtype)
         if cfg.mlp_types[self.layer] == MLP_MOE:
             self.mlp = MoE(cfg, self.dtype, layer=self.layer, mesh=self.mesh)
@@ -66,27 +67,26 @@ class DecoderLayer(nn.Module):
     def step(self, x, positions, valid, cache: dict, block_tables, slots, decode: bool, workspace=None):
         """Cached step of this layer; returns (x, cache, workspace)."""
         index = layer_slots(self.config)[self.layer]
-        if self.is_kda and decode and self.self_attn.decode_layer_kind(x) != "reference":
-            # the input norm and the residual add happen inside (with the projections, in one kernel each)
-            norm_weight = self.input_layernorm.variables["params"]["weight"]
-            x, conv, state = self.self_attn.decode_in_place(x, norm_weight, valid, cache["conv"], cache["state"],
-                                                            slots, index)
-            x, workspace = self._mlp(x, workspace)
-            return x, dict(cache, conv=conv, state=state), workspace
-        if not self.is_kda and decode and self.mesh is None and self.self_attn.decode_projection_kind(x) != "reference":
-            norm_weight = self.input_layernorm.variables["params"]["weight"]  # norm and residual inside
-            x, cache = self.self_attn.step(x, positions, valid, cache, index, block_tables, norm_weight=norm_weight)
-            x, workspace = self._mlp(x, workspace)
-            return x, cache, workspace
-        h = self.input_layernorm(x)
-        if self.is_kda:
-            h, conv, state = self.self_attn.step(h, valid, cache["conv"][index, slots], cache["state"], slots, index,
-                                                 decode)
+        # one-token decode steps may take the input norm and the residual add inside (with the projections)
+        fused = decode and (self.self_attn.decode_layer_kind(x) if self.is_kda
+                            else self.self_attn.decode_projection_kind(x)) != "reference"
+        if fused and self.is_kda:
+            x, conv, state = self.self_attn.decode_in_place(x, self.input_layernorm.variables["params"]["weight"],
+                                                            valid, cache["conv"], cache["state"], slots, index)
+            cache = dict(cache, conv=conv, state=state)
+        elif fused:
+            x, cache = self.self_attn.step(x, positions, valid, cache, index, block_tables,
+                                           norm_weight=self.input_layernorm.variables["params"]["weight"])
+        elif self.is_kda:
+            h, conv, state = self.self_attn.step(self.input_layernorm(x), valid, cache["conv"][index, slots],
+                                                 cache["state"], slots, index, decode)
             cache = dict(cache, conv=cache["conv"].at[index, slots].set(conv.astype(cache["conv"].dtype)),
                          state=state)
+            x = x + h
         else:
-            h, cache = self.self_attn.step(h, positions, valid, cache, index, block_tables)
-        x, workspace = self._mlp(x + h, workspace)
+            h, cache = self.self_attn.step(self.input_layernorm(x), positions, valid, cache, index, block_tables)
+            x = x + h
+        x, workspace = self._mlp(x, workspace)
         return x, cache, workspace
 
 

@@ -9,7 +9,6 @@ gate, beta, the delta-rule scan, a gated RMSNorm and the output projection.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.linen as nn
@@ -137,9 +136,8 @@ class KimiDeltaAttention(nn.Module):
         weight = lambda module, name="kernel": module.variables["params"][name]
         inputs = (tuple(weight(p) for p in (self.q_proj, self.k_proj, self.v_proj)),
                   tuple(weight(p) for p in (self.f_a_proj, self.g_a_proj, self.b_proj)))
-        proj = projection.choose(rows.shape[0], rows.shape[1], tuple(w.shape[1] for g in inputs for w in g))
-        project = (projection.reference if proj == "reference"
-                   else functools.partial(projection.project, interpret=proj == "interpret"))
+        project = projection.by_kind(projection.choose(rows.shape[0], rows.shape[1],
+                                                       tuple(w.shape[1] for g in inputs for w in g)))
         qkv, fgb = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps)
         o, conv_cache, state_pool = decode_layer.decode_step(
             qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),

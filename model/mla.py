@@ -11,7 +11,7 @@ to the lower position everywhere).
 
 from __future__ import annotations
 
-import functools
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -100,6 +100,7 @@ class MLAttention(nn.Module):
 
     config: ModelConfig
     dtype: jnp.dtype
+    mesh: Any = None  # where the params live (the decode projections' kernel is not sharded)
 
     def setup(self):
         cfg = self.config
@@ -193,9 +194,10 @@ class MLAttention(nn.Module):
     def decode_projection_kind(self, x) -> str:
         """Which implementation `step` with a `norm_weight` runs its projections with for these rows x [B, 1, D]:
         "pallas" / "interpret" (`kernels.projection`, where `DECODE_PROJECTIONS` is on, dispatch picks it and it
-        takes the shapes) or "reference" (also for DSA layers, projection biases and at init)."""
+        takes the shapes) or "reference" (also for DSA layers, projection biases, on a mesh and at init)."""
         cfg = self.config
-        if not DECODE_PROJECTIONS or self.is_initializing() or x.shape[1] != 1 or cfg.use_dsa or cfg.attention_bias:
+        if (not DECODE_PROJECTIONS or self.mesh is not None or self.is_initializing() or x.shape[1] != 1
+                or cfg.use_dsa or cfg.attention_bias):
             return "reference"
         first = cfg.num_heads * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
         return projection.choose(x.shape[0], x.shape[2], (first, cfg.kv_lora_rank + cfg.qk_rope_head_dim))
@@ -217,7 +219,7 @@ class MLAttention(nn.Module):
             if kind == "reference":
                 raise ValueError("MLAttention.step: a norm weight is for the decode projections, which these rows "
                                  f"{x.shape} do not take")
-            project = functools.partial(projection.project, interpret=kind == "interpret")
+            project = projection.by_kind(kind)
             first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
             rows = x[:, 0]
             q, kv = project(rows, ((first.variables["params"]["kernel"],),
