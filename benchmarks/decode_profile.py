@@ -4,7 +4,8 @@ with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized H
     python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--engine serving] [--top 25]
                                          [--xla-option NAME=VALUE] [--pallas router] [--dump PREFIX]
                                          [--dense-fused-prologues] [--shared-apart] [--dense-epilogue-min-pairs N]
-                                         [--router-dot] [--dense-pair-partials] [--mla-projections]
+                                         [--router-dot] [--dense-pair-partials]
+                                         [--set MODULE.CONSTANT=VALUE]
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
 `small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
@@ -145,18 +146,38 @@ def profile(engine: Engine, rows: StepRows, hlo_folder: str, repeats: int = 50) 
             "gpu_ms_per_token": total_ms, "kernels_per_token": kernels, "ops": ops}
 
 
+def parse_value(text: str):
+    """A command-line value: true / false -> bool, an integer -> int, else the text."""
+    lowered = text.lower()
+    return lowered == "true" if lowered in ("true", "false") else int(text) if text.lstrip("-").isdigit() else text
+
+
 def use_xla_options(pairs: list[str]) -> dict[str, object]:
     """Adds `NAME=VALUE` XLA options (true/false/ints parsed) to the options dayzero's model functions compile with
     on GPUs, for this process; returns them."""
-    def value(text: str):
-        lowered = text.lower()
-        return lowered == "true" if lowered in ("true", "false") else int(text) if text.lstrip("-").isdigit() else text
-
-    extra = {name: value(text) for name, _, text in (pair.partition("=") for pair in pairs)}
+    extra = {name: parse_value(text) for name, _, text in (pair.partition("=") for pair in pairs)}
     if extra:
         dispatch._COMPILER_OPTIONS = {platform: {**options, **extra}
                                       for platform, options in dispatch._COMPILER_OPTIONS.items()}
     return extra
+
+
+def module_constant(text: str) -> tuple[object, str, object]:
+    """'model.mla.DECODE_PROJECTIONS=false' -> (the module dayzero.model.mla, "DECODE_PROJECTIONS", False): a
+    constant the model reads when it traces. Refuses a name the module does not have."""
+    import importlib
+
+    target, _, raw = text.partition("=")
+    path, _, constant = target.rpartition(".")
+    if not path or not raw:
+        raise SystemExit(f"--set: '{text}' is not MODULE.CONSTANT=VALUE")
+    try:
+        module = importlib.import_module(f"dayzero.{path}")
+    except ImportError as e:
+        raise SystemExit(f"--set: no module dayzero.{path} ({e})") from None
+    if not hasattr(module, constant):
+        raise SystemExit(f"--set: dayzero.{path} has no {constant}")
+    return module, constant, parse_value(raw)
 
 
 def run(args, hlo_folder: str) -> dict:
@@ -229,9 +250,9 @@ def main(argv=None) -> int:
                              "only)")
     parser.add_argument("--router-dot", action="store_true",
                         help="router logits by XLA's dot at every size (model.moe.REDUCE_LOGITS_MAX_TOKENS 0)")
-    parser.add_argument("--mla-projections", action="store_true",
-                        help="MLA decode steps with the input norm, query / latent projections and o_proj in the "
-                             "projection kernel (model.mla.DECODE_PROJECTIONS on, for this run)")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
+                        help="set a dayzero module constant for this run (repeatable; true/false/ints parsed), "
+                             "e.g. model.mla.DECODE_PROJECTIONS=false or kernels.projection.CHOOSE_MAX_ROWS=16")
     args = parser.parse_args(argv)
     extra = use_xla_options(args.xla_option)
     if args.pallas:
@@ -242,7 +263,6 @@ def main(argv=None) -> int:
     if args.dense_pair_partials:
         extra["dense_pair_partials"] = tile_options["pair_partials"] = True
     from dayzero.kernels import moe_dense
-    from dayzero.model import mla as model_mla
     from dayzero.model import moe as model_moe
 
     overrides = []  # (module, constant, value): read when the model traces; this process only
@@ -252,8 +272,7 @@ def main(argv=None) -> int:
         overrides.append((model_moe, "REDUCE_LOGITS_MAX_TOKENS", 0))
     if args.dense_epilogue_min_pairs is not None:
         overrides.append((moe_dense, "EPILOGUE_MIN_PAIRS", args.dense_epilogue_min_pairs))
-    if args.mla_projections:
-        overrides.append((model_mla, "DECODE_PROJECTIONS", True))
+    overrides += [module_constant(text) for text in args.set]
     for module, constant, value in overrides:
         setattr(module, constant, value)
         extra[constant] = value  # the results line names the constant and the value the run took

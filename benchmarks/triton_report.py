@@ -162,7 +162,8 @@ def moe_dense_cases() -> dict:
 
 def router_cases() -> dict:
     """The one-kernel MoE router at the medium hybrid's shape (64 experts, top-6, hidden 2048) and the largest it
-    takes at that width (128 experts, top-8), bf16, 16 tokens (one row block)."""
+    takes at that width (128 experts, top-8), bf16, 16 tokens (one row block); the select-and-schedule kernel at
+    2 and 16 tokens."""
     from dayzero.kernels import router
 
     S = jax.ShapeDtypeStruct
@@ -173,6 +174,10 @@ def router_cases() -> dict:
         cases[f"router E{n_experts} D{hidden}"] = (fn, (S((16, hidden), jnp.bfloat16),
                                                         S((n_experts, hidden), jnp.bfloat16),
                                                         S((n_experts,), jnp.float32)))
+    for n_tokens in (2, 16):  # the select-and-schedule kernel at decode: top-6 of 64 plus one shared part
+        fn = lambda logits, b: router.select_and_schedule(logits, b, top_k=6, sigmoid=True, renormalize=True,
+                                                          scale=2.5, shared_parts=1)
+        cases[f"router schedule E64 T{n_tokens}"] = (fn, (S((n_tokens, 64), jnp.float32), S((64,), jnp.float32)))
     return cases
 
 

@@ -84,7 +84,7 @@ def choose_tiles(n_pairs: int, n_experts: int) -> DenseTiles:
     """16-row tiles while experts see few rows (decode; K split for parallelism), 64-row tiles for prefill."""
     rows = n_pairs / max(1, min(n_experts, n_pairs))
     if rows <= 16:
-        return DenseTiles(block_m=16, swiglu_epilogue=n_pairs >= EPILOGUE_MIN_PAIRS)
+        return DenseTiles(block_m=moe_tiles.DECODE_BLOCK_M, swiglu_epilogue=n_pairs >= EPILOGUE_MIN_PAIRS)
     if rows <= 48:
         return DenseTiles(block_m=32)
     return DenseTiles(block_m=64, num_warps=8)
@@ -225,13 +225,18 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
 
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, tiles: DenseTiles | None = None, interpret: bool = False,
-                   shared: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+                   shared: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                   sched: moe_tiles.Schedule | None = None) -> jax.Array:
     """x [N, H], topk_ids [N, k] int, topk_weights [N, k] f32, w_gate/w_up [E, H, I], w_down [E, I, H] -> [N, H] of
     x.dtype (see the module docstring; `tiles` default: `choose_tiles`).
 
     `shared` (gate [H, S], up [H, S], down [S, H], S a multiple of I): a shared-expert MLP that every token runs
     unweighted, added in: its S / I parts of I columns run as experts E .. E + S/I - 1 of the same kernels (a SwiGLU
-    splits over its intermediate columns), so y = routed + shared comes out of one combine in float32."""
+    splits over its intermediate columns), so y = routed + shared comes out of one combine in float32.
+
+    `sched`: the pairs' schedule, made already (`kernels.router.select_and_schedule`, `moe_tiles.DECODE_BLOCK_M`-row
+    tiles); topk_ids and
+    topk_weights then hold the shared parts' columns too (ids E .., weight 1) where `shared` is given."""
     n_tokens = x.shape[0]
     n_experts = w_gate.shape[0]
     shared_up = shared_down = None
@@ -243,14 +248,19 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
             raise ValueError(f"shared MLP {s_gate.shape} / {s_up.shape} / {s_down.shape} does not split into experts "
                              f"of {w_gate.shape[1:]} / {w_down.shape[1:]}")
         parts = s_gate.shape[1] // inter
-        topk_ids = jnp.concatenate([topk_ids.astype(jnp.int32), jnp.broadcast_to(
-            jnp.arange(n_experts, n_experts + parts, dtype=jnp.int32), (n_tokens, parts))], axis=1)
-        topk_weights = jnp.concatenate([topk_weights.astype(jnp.float32), jnp.ones((n_tokens, parts), jnp.float32)],
-                                       axis=1)
+        if sched is None:
+            topk_ids = jnp.concatenate([topk_ids.astype(jnp.int32), jnp.broadcast_to(
+                jnp.arange(n_experts, n_experts + parts, dtype=jnp.int32), (n_tokens, parts))], axis=1)
+            topk_weights = jnp.concatenate([topk_weights.astype(jnp.float32),
+                                            jnp.ones((n_tokens, parts), jnp.float32)], axis=1)
         shared_up, shared_down = (s_gate, s_up), (s_down.reshape(parts, inter, s_down.shape[1]),)
         n_experts += parts
     tiles = tiles or choose_tiles(topk_ids.size, n_experts)
-    sched = moe_tiles.schedule(topk_ids, n_experts, tiles.block_m)
+    if sched is None:
+        sched = moe_tiles.schedule(topk_ids, n_experts, tiles.block_m)
+    elif tiles.block_m != moe_tiles.DECODE_BLOCK_M or sched.row_of_pair.shape != topk_ids.shape:
+        raise ValueError(f"a schedule of {sched.row_of_pair.shape} pairs in {moe_tiles.DECODE_BLOCK_M}-row tiles "
+                         f"for {topk_ids.shape} pairs in {tiles.block_m}-row tiles")
     if tiles.fused_prologues:  # padding rows of used tiles read zeros, so their hidden rows are silu(0) * 0 = 0
         rows, gather = x, dict(token_of_row=sched.token_of_row, prologue="gather")
     else:

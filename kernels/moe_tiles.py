@@ -24,11 +24,14 @@ import numpy as np
 # Layer calls of at most this many token-expert pairs build their schedule by comparisons (`_compare_schedule`):
 # at 1024 pairs the largest comparison is rows x pairs ~ 2M (medium hybrid), one small fusion.
 COMPARE_MAX_PAIRS = 1024
+# Rows per tile of decode-sized calls (`moe_dense.choose_tiles`), and of the schedule `kernels.router` makes.
+DECODE_BLOCK_M = 16
 
 
 class Schedule(NamedTuple):
     """row_of_pair [T, k] int32: the padded row of each (token, choice); token_of_row [R] int32: the token a row
-    reads (T, one past the last token, for padding rows); tile_expert [R / block_m] int32: each tile's expert or -1;
+    reads (T, one past the last token, for padding rows); tile_expert [R / block_m] int32 (or longer: entries past
+    R / block_m are never read): each tile's expert or -1;
     group_sizes [E] int32: pairs per expert."""
 
     row_of_pair: jax.Array

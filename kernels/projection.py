@@ -19,7 +19,9 @@ steps, writing into the group's output at the weight's columns.
 
 Where the column blocks alone are too few programs to stream the weights, K is split (`ProjectionTiles`): each
 program then writes a float32 partial sum (with the norm, the first program of each slice also the rows' squares
-over it) and XLA adds them up, scales, rounds and adds the residual.
+over it) and XLA adds them up, scales, rounds and adds the residual (`finished`). With `project(finish=False)` the
+sums come back as they are (`Partials`), for a consumer kernel that adds up the columns it reads itself (the KDA
+decode step: three XLA kernels fewer per layer).
 
 `reference` is the same in plain XLA; `choose` picks between them (dispatch name "projection").
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +63,40 @@ class ProjectionTiles:
     num_stages: int = 3
     min_programs: int = 1024
     k_slices: int = 8
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["sums", "squares"],
+                   meta_fields=["k_dim", "eps", "dtype"])
+@dataclass(frozen=True)
+class Partials:
+    """One group's output of `project(finish=False)` with K split in S slices, before the slices are added up:
+    sums [S, M, N] float32 (x times the norm weight, or x, times W over each slice); squares [S, M] float32 (the
+    rows' sums of squares over each slice: the norm's statistics) or None without a norm. The group's output is
+    `finished(self)`: round(sum over S of sums * rsqrt(sum over S of squares / k_dim + eps)) in `dtype`."""
+
+    sums: jax.Array
+    squares: jax.Array | None
+    k_dim: int
+    eps: float
+    dtype: str
+
+    @property
+    def slices(self) -> int:
+        return self.sums.shape[0]
+
+
+Projected = Union[jax.Array, Partials]
+
+
+def finished(out: Projected, residual: jax.Array | None = None) -> jax.Array:
+    """A group's output as `project` returns it by default: `Partials` added up over their slices, scaled by the
+    norm's 1 / rms, rounded to their dtype (plus `residual`, rounded again); an array as it is (plus `residual`)."""
+    if isinstance(out, Partials):
+        total = jnp.sum(out.sums, axis=0)
+        if out.squares is not None:
+            total = total * jax.lax.rsqrt(jnp.sum(out.squares, axis=0) / out.k_dim + out.eps)[:, None]
+        out = total.astype(out.dtype)
+    return out if residual is None else residual + out
 
 
 @dataclass(frozen=True)
@@ -125,8 +162,9 @@ def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def reference(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_weight: jax.Array | None = None,
-              eps: float = 1e-6, residual: jax.Array | None = None) -> tuple[jax.Array, ...]:
-    """The XLA form of `project`: the norm, one product per weight, each group's outputs concatenated."""
+              eps: float = 1e-6, residual: jax.Array | None = None, finish: bool = True) -> tuple[jax.Array, ...]:
+    """The XLA form of `project`: the norm, one product per weight, each group's outputs concatenated (finished
+    arrays whatever `finish` says: a consumer of `project(finish=False)` takes those too)."""
     _check(x, groups, norm_weight, residual)
     h = x if norm_weight is None else _rms_norm(x, norm_weight, eps)
     outs = tuple(jnp.concatenate([jnp.dot(h, w) for w in group], axis=-1) if len(group) > 1 else jnp.dot(h, group[0])
@@ -193,13 +231,16 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
         pl.when((pid >= block.start) & (pid < block.start + block.count))(functools.partial(run, block))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret", "finish"))
 def project(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_weight: jax.Array | None = None,
             eps: float = 1e-6, residual: jax.Array | None = None, tiles: ProjectionTiles | None = None,
-            interpret: bool = False) -> tuple[jax.Array, ...]:
+            interpret: bool = False, finish: bool = True) -> tuple[Projected, ...]:
     """x [M, K] -> one array [M, sum of the group's N] of x.dtype per group (see the module docstring). Needs
-    `supported(M, K, widths)`."""
+    `supported(M, K, widths)`. `finish` False (no residual): where K is split, each group comes back as its
+    `Partials` (`finished` makes the array of them)."""
     _check(x, groups, norm_weight, residual)
+    if residual is not None and not finish:
+        raise ValueError("projection: a residual is added by finished; project(finish=False) takes none")
     rows, k_dim = x.shape
     widths = [(g, sum(w.shape[1] for w in group[:i]), w.shape[1])
               for g, group in enumerate(groups) for i, w in enumerate(group)]
@@ -232,12 +273,13 @@ def project(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_wei
     )(*operands)
     if slices == 1:
         return tuple(outs)
-    scale = 1.0
+    squares = None
     if partial_squares:
         squares, *outs = outs
-        scale = jax.lax.rsqrt(jnp.sum(squares, axis=0) / k_dim + eps)[:, None]
-    outs = tuple((jnp.sum(o, axis=0) * scale).astype(x.dtype) for o in outs)
-    return (residual + outs[0],) if residual is not None else outs
+    parts = tuple(Partials(o, squares, k_dim, float(eps), jnp.dtype(x.dtype).name) for o in outs)
+    if not finish:
+        return parts
+    return (finished(parts[0], residual),) if residual is not None else tuple(map(finished, parts))
 
 
 def by_kind(kind: str):

@@ -18,6 +18,12 @@ block's logits stay in registers), k <= E, and a weight of at most `MAX_WEIGHT_E
 it, so a decode step's router runs on one multiprocessor: fine for the medium hybrid's 64 x 2048, 256 KB; a
 DeepSeek-size router would want the experts split over programs). `select_experts` starts at the scores and takes
 any weight (the same limits otherwise). Elsewhere the XLA route runs.
+
+`select_and_schedule` (decode, up to 16 tokens, with the shared MLP as extra experts of the grouped kernels) is
+`select_experts` with the shared parts appended in the kernel and, from 2 tokens, the pairs' schedule for the
+grouped expert kernels (`moe_tiles.Schedule`) made in the same program: each expert's tokens fit one 16-row tile,
+so ranks and tile starts are prefix sums (small 0 / 1 products on the tensor cores, exact), instead of XLA's four
+schedule kernels per MoE layer.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import dispatch, tiles as tiling
+from . import dispatch, moe_tiles, tiles as tiling
 
 # Whether CUDA/ROCm run the kernel by default. It passes tests/gpu/test_router_gpu.py on the H200 (2026-12-01) but is
 # slower there than the XLA route (benchmarks/decode_profile.py --pallas router: 18.7 us per layer at batch 1
@@ -103,11 +109,22 @@ def _choose(logits, bias, k_pad: int, *, top_k, sigmoid, renormalize, scale):
     return ids, weights * scale
 
 
-def _select_kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, n_tokens, top_k, sigmoid, renormalize, scale):
+def _select_kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, n_tokens, top_k, sigmoid, renormalize, scale,
+                   parts=0):
     token = pl.program_id(0) * BLOCK_M + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
     rows = jnp.where(token < n_tokens, token, 0)  # rows past the last token read token 0; their outputs are dropped
-    ids_ref[...], weights_ref[...] = _choose(logits_ref[rows, :], bias_ref[...], ids_ref.shape[1], top_k=top_k,
-                                             sigmoid=sigmoid, renormalize=renormalize, scale=scale)
+    ids, weights = _choose(logits_ref[rows, :], bias_ref[...], ids_ref.shape[1], top_k=top_k, sigmoid=sigmoid,
+                           renormalize=renormalize, scale=scale)
+    ids_ref[...], weights_ref[...] = _append_shared(ids, weights, top_k, parts, logits_ref.shape[1])
+
+
+def _append_shared(ids, weights, top_k: int, parts: int, n_experts: int):
+    """ids / weights [M, k_pad] with the `parts` shared experts in slots top_k ..: ids E + p, weight 1."""
+    slot = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
+    for p in range(parts):
+        ids = jnp.where(slot == top_k + p, n_experts + p, ids)
+        weights = jnp.where(slot == top_k + p, 1.0, weights)
+    return ids, weights
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "sigmoid", "renormalize", "scale", "interpret"))
@@ -123,7 +140,8 @@ def route_tokens(x: jax.Array, weight: jax.Array, bias: jax.Array | None, *, top
     bias = jnp.zeros((n_experts,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     kernel = functools.partial(_router_kernel, n_tokens=n_tokens, top_k=top_k, block_k=_block_k(n_experts, hidden),
                                sigmoid=sigmoid, renormalize=renormalize, scale=scale)
-    return _launch(kernel, (x, weight, bias), n_tokens, top_k, "moe_router", interpret)
+    ids, weights = _launch(kernel, (x, weight, bias), n_tokens, top_k, "moe_router", interpret)
+    return ids[:n_tokens, :top_k], weights[:n_tokens, :top_k]
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "sigmoid", "renormalize", "scale", "interpret"))
@@ -138,16 +156,17 @@ def select_experts(logits: jax.Array, bias: jax.Array | None, *, top_k: int, sig
     bias = jnp.zeros((n_experts,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     kernel = functools.partial(_select_kernel, n_tokens=n_tokens, top_k=top_k, sigmoid=sigmoid,
                                renormalize=renormalize, scale=scale)
-    return _launch(kernel, (logits.astype(jnp.float32), bias), n_tokens, top_k, "moe_router_select", interpret)
+    ids, weights = _launch(kernel, (logits.astype(jnp.float32), bias), n_tokens, top_k, "moe_router_select",
+                           interpret)
+    return ids[:n_tokens, :top_k], weights[:n_tokens, :top_k]
 
 
-def _launch(kernel, operands, n_tokens: int, top_k: int, name: str, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """One program per `BLOCK_M` tokens writing (ids, weights) [n_tokens, top_k] (padded to [BLOCK_M * programs,
-    pow2(top_k)] inside)."""
-    k_pad = tiling.pow2_at_least(top_k)
+def _launch(kernel, operands, n_tokens: int, slots: int, name: str, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """One program per `BLOCK_M` tokens writing (ids, weights), padded: [BLOCK_M * programs, pow2(slots)]."""
+    k_pad = tiling.pow2_at_least(slots)
     n_pad = tiling.round_up(n_tokens, BLOCK_M)
     out = pl.BlockSpec((BLOCK_M, k_pad), lambda i: (i, 0))
-    ids, weights = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid=(n_pad // BLOCK_M,),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(operands),
@@ -157,7 +176,123 @@ def _launch(kernel, operands, n_tokens: int, top_k: int, name: str, interpret: b
         interpret=interpret,
         name=name,
     )(*operands)
-    return ids[:n_tokens, :top_k], weights[:n_tokens, :top_k]
+
+
+# `select_and_schedule`: calls of at most this many tokens (one program; with the experts' 16-row tiles every expert
+# then fills at most one tile).
+SCHEDULE_MAX_TOKENS = BLOCK_M
+TILE_ROWS = moe_tiles.DECODE_BLOCK_M
+assert SCHEDULE_MAX_TOKENS <= TILE_ROWS  # an expert's tokens fill at most one tile
+SCHEDULE_WARPS = 8  # on the H200 at 16 tokens: 8.9 us per call, 15.6 with 4 warps (decode_profile.py, 2026-12-02)
+
+
+def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_ref, tile_ref, size_ref, *, n_tokens,
+                     top_k, parts, e_pad, sigmoid, renormalize, scale):
+    """One program: the top-k choice of up to BLOCK_M tokens, the `parts` shared experts appended to each (ids E ..,
+    weight 1), and their schedule in 16-row tiles (moe_tiles.Schedule; each expert holds at most one tile since a
+    token picks an expert at most once): tiles in expert order, a tile's rows its tokens in order."""
+    n_experts = logits_ref.shape[1]
+    k_pad, t_pad = ids_ref.shape[1], tile_ref.shape[0]
+    token = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
+    real = token < n_tokens
+    ids, weights = _choose(logits_ref[jnp.where(real, token, 0), :], bias_ref[...], k_pad, top_k=top_k,
+                           sigmoid=sigmoid, renormalize=renormalize, scale=scale)
+    ids, weights = _append_shared(ids, weights, top_k, parts, n_experts)
+    ids_ref[...], weights_ref[...] = ids, weights
+    slot = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, k_pad), 1)
+    n_pairs = top_k + parts
+    expert = jax.lax.broadcasted_iota(jnp.int32, (e_pad, BLOCK_M), 0)
+    tok = jax.lax.broadcasted_iota(jnp.int32, (e_pad, BLOCK_M), 1)
+    columns = []  # each pair slot's expert per token [BLOCK_M]
+    chosen = jnp.zeros((e_pad, BLOCK_M), jnp.bool_)  # [e, t]: token t runs expert e
+    for c in range(n_pairs):
+        column = jnp.sum(jnp.where(slot == c, ids, 0), axis=1)
+        columns.append(column)
+        chosen = chosen | ((expert == column[None, :]) & real[None, :])
+    one = chosen.astype(jnp.bfloat16)
+    # rank [e, t]: the tokens before t that run e (their order in its tile); exact in float32 sums of 0 / 1
+    earlier = (jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_M), 0)
+               < jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_M), 1)).astype(jnp.bfloat16)
+    rank = tiling.mm(one, earlier).astype(jnp.int32)
+    size_ref[...] = jnp.sum(chosen.astype(jnp.int32), axis=1)  # [e]: the expert's pairs
+    used = jnp.max(chosen.astype(jnp.int32), axis=1)
+    lower = (jax.lax.broadcasted_iota(jnp.int32, (e_pad, e_pad), 1)
+             < jax.lax.broadcasted_iota(jnp.int32, (e_pad, e_pad), 0)).astype(jnp.bfloat16)
+    used_cols = jnp.broadcast_to(used[:, None], (e_pad, BLOCK_M)).astype(jnp.bfloat16)
+    tile_of = jnp.max(tiling.mm(lower, used_cols), axis=1).astype(jnp.int32)  # [e]: used experts before e
+    row_of = tile_of[:, None] * TILE_ROWS + rank  # [e, t]
+    rows = jnp.zeros((BLOCK_M, k_pad), jnp.int32)
+    for c, column in enumerate(columns):
+        pick = jnp.sum(jnp.where(expert == column[None, :], row_of, 0), axis=0)  # [t]
+        rows = jnp.where(slot == c, pick[:, None], rows)
+    row_ref[...] = rows
+    # tile i holds the expert e with used[e] and tile_of[e] == i; its row j the token of rank j (t + 1; 0: none)
+    table = jnp.zeros((e_pad, TILE_ROWS), jnp.int32)  # [e, j]
+    row_in_tile = jax.lax.broadcasted_iota(jnp.int32, (e_pad, TILE_ROWS), 1)
+    for j in range(min(n_tokens, TILE_ROWS)):  # (rank j needs j earlier tokens)
+        holder = jnp.sum(jnp.where(chosen & (rank == j), tok + 1, 0), axis=1)  # [e]
+        table = jnp.where(row_in_tile == j, holder[:, None], table)
+    tile = jax.lax.broadcasted_iota(jnp.int32, (t_pad, e_pad), 0)
+    holds = ((tile == tile_of[None, :]) & (used[None, :] > 0)).astype(jnp.bfloat16)  # [tile, e]
+    tokens = tiling.mm(holds, table.astype(jnp.bfloat16)).astype(jnp.int32)  # [tile, j]
+    token_ref[...] = jnp.where(tokens > 0, tokens - 1, n_tokens)
+    tile_ref[...] = jnp.max(tiling.mm(holds, (expert + 1).astype(jnp.bfloat16)), axis=1).astype(jnp.int32) - 1
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "sigmoid", "renormalize", "scale", "shared_parts",
+                                             "interpret"))
+def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int, sigmoid: bool, renormalize: bool,
+                        scale: float, shared_parts: int, interpret: bool = False
+                        ) -> tuple[jax.Array, jax.Array, moe_tiles.Schedule]:
+    """`select_experts` with `shared_parts` shared experts appended to every token (ids E .. E + parts - 1, weight
+    1: the shared MLP as experts of the grouped kernels; at one token, in `select_experts`' kernel: its schedule is
+    static) and, for 2 or more tokens, the pairs' schedule in 16-row tiles made in the same kernel (one program:
+    the XLA compare schedule is four kernels per MoE layer at 16 tokens): float32 logits [N, E] (N <= `SCHEDULE_MAX_TOKENS`), bias [E] or None -> (ids [N, k + parts] int32,
+    weights [N, k + parts] float32, `moe_tiles.Schedule` at block_m 16 over E + parts experts): the schedule
+    `moe_tiles.schedule` makes of those ids (tiles in expert order, a tile's rows its tokens in order; for one
+    token, tile j its j-th pair), except that tile_expert runs on past the R / 16 tiles (-1, or for one token the
+    padding of the ids: the grouped kernels never read those). Needs `schedule_supported(E, k, parts)`."""
+    n_tokens, n_experts = logits.shape
+    if not (1 <= n_tokens <= SCHEDULE_MAX_TOKENS and schedule_supported(n_experts, top_k, shared_parts)):
+        raise ValueError(f"router schedule kernel: {n_tokens} tokens, {n_experts} experts, top-{top_k} + "
+                         f"{shared_parts} shared not supported")
+    bias = jnp.zeros((n_experts,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+    n_pairs = top_k + shared_parts
+    total = n_experts + shared_parts
+    options = dict(n_tokens=n_tokens, top_k=top_k, sigmoid=sigmoid, renormalize=renormalize, scale=scale)
+    if n_tokens == 1:  # the select kernel, the shared parts appended; the schedule is static but for its tiles'
+        #               experts, the ids in top-k order: the padded ids' first k + parts (a free view, where ids[0]
+        #               would be a copy kernel before the grouped kernels)
+        kernel = functools.partial(_select_kernel, **options, parts=shared_parts)
+        ids, weights = _launch(kernel, (logits.astype(jnp.float32), bias), 1, n_pairs, "moe_router_select",
+                               interpret)
+        sched = moe_tiles.schedule(ids[:1, :n_pairs], total, TILE_ROWS)._replace(tile_expert=ids.reshape(-1))
+        return ids[:1, :n_pairs], weights[:1, :n_pairs], sched
+    k_pad = tiling.pow2_at_least(n_pairs)
+    n_tiles = moe_tiles.max_tiles(n_tokens * n_pairs, total, TILE_ROWS)
+    t_pad = tiling.pow2_at_least(n_tiles, 16)
+    kernel = functools.partial(_schedule_kernel, **options, parts=shared_parts, e_pad=tiling.pow2_at_least(total, 16))
+    whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    shapes = [((BLOCK_M, k_pad), jnp.int32), ((BLOCK_M, k_pad), jnp.float32), ((BLOCK_M, k_pad), jnp.int32),
+              ((t_pad, TILE_ROWS), jnp.int32), ((t_pad,), jnp.int32), ((tiling.pow2_at_least(total, 16),), jnp.int32)]
+    ids, weights, rows, tokens, tiles, sizes = pl.pallas_call(
+        kernel,
+        grid=(1,),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
+        out_specs=[whole(shape) for shape, _ in shapes],
+        out_shape=[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes],
+        compiler_params=tiling.compiler_params(SCHEDULE_WARPS, 1),
+        interpret=interpret,
+        name="moe_router_schedule",
+    )(logits.astype(jnp.float32), bias)
+    return ids[:n_tokens, :n_pairs], weights[:n_tokens, :n_pairs], moe_tiles.Schedule(
+        rows[:n_tokens, :n_pairs], tokens.reshape(-1)[:n_tiles * TILE_ROWS], tiles, sizes[:total])
+
+
+def schedule_supported(n_experts: int, top_k: int, shared_parts: int) -> bool:
+    """Whether `select_and_schedule` takes this router: `select_supported`'s, with the experts and shared parts
+    together at most `MAX_EXPERTS` (expert ids exact in the kernel's bf16 products up to 256)."""
+    return select_supported(n_experts, top_k) and n_experts + shared_parts <= MAX_EXPERTS
 
 
 def select_supported(n_experts: int, top_k: int, n_group: int = 1) -> bool:

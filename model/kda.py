@@ -26,6 +26,13 @@ from .config import ModelConfig
 from .mla import dense
 from .norms import GatedRMSNorm
 
+# Whether `decode_in_place` hands the projection kernel's split-K partial sums to the decode-step kernel, which adds
+# up the columns it reads, instead of XLA's three kernels that finish them first. Off: on the H200 (medium hybrid,
+# benchmarks/decode_profile.py, 2026-12-02, thirteenth session) batch-1 decode took 1.230 ms of kernels per token
+# with it against 1.227 without (244 kernels against 280): the step kernel grew by ~3.4 us per layer, what the three
+# kernels took (tests/gpu/test_kda_gpu.py -k partials passes).
+PROJECTION_PARTIALS = False
+
 
 def _a_log_init(key, shape, dtype):
     return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
@@ -130,7 +137,8 @@ class KimiDeltaAttention(nn.Module):
         `layer`, both updated in place) -> (x + attention(norm(x)) [B, 1, D], conv_cache, state_pool).
 
         The norm and the six input projections are one `kernels.projection` call where dispatch picks it (q|k|v and
-        f_a|g_a|b come out side by side, as the step kernel takes them), and so are o_proj and the residual add."""
+        f_a|g_a|b come out side by side, as the step kernel takes them; where K is split, as float32 partial sums
+        that the step kernel adds up itself, with `PROJECTION_PARTIALS`), and so are o_proj and the residual add."""
         cfg = self.config
         rows = x[:, 0]
         weight = lambda module, name="kernel": module.variables["params"][name]
@@ -138,7 +146,8 @@ class KimiDeltaAttention(nn.Module):
                   tuple(weight(p) for p in (self.f_a_proj, self.g_a_proj, self.b_proj)))
         project = projection.by_kind(projection.choose(rows.shape[0], rows.shape[1],
                                                        tuple(w.shape[1] for g in inputs for w in g)))
-        qkv, fgb = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps)
+        qkv, fgb = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps,
+                           finish=not PROJECTION_PARTIALS)
         o, conv_cache, state_pool = decode_layer.decode_step(
             qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
             weight(self.f_b_proj), self.A_log, self.dt_bias, weight(self.g_b_proj), weight(self.o_norm, "weight"),

@@ -33,6 +33,14 @@ SHARED_IN_ROUTED_KERNELS = True
 # Token counts up to which that applies: at 16 tokens each part of the shared MLP (its columns cut to the experts'
 # width) fills one 16-row tile.
 SHARED_IN_ROUTED_MAX_TOKENS = 16
+# Whether decode-sized calls with the shared experts in the routed kernels take the router's select-and-schedule
+# kernel (`kernels.router.select_and_schedule`: the top-k choice, the shared parts appended and, from 2 tokens, the
+# pairs' schedule in one launch) where dispatch picks the select kernel. On the H200 (medium hybrid,
+# benchmarks/decode_profile.py, 2026-12-02, thirteenth session): 1.230 / 2.955 ms of kernels per token at batch 1 / 16
+# with it against 1.241 / 2.964 without (244 / 276 kernels against 259 / 338); tests/gpu/test_router_gpu.py and
+# tests/gpu/test_moe_dense_gpu.py -k router_schedule pass. The one program takes ~8.9 us at 16 tokens (the select
+# kernel alone ~3.3, XLA's four schedule kernels ~6).
+ROUTER_SCHEDULE = True
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
 # the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
 # token at batch 1 / 16 against 1.397 / 2.990 with the dot (benchmarks/decode_profile.py --router-dot).
@@ -113,25 +121,42 @@ class Router(nn.Module):
     one_kernel: bool = True
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, shared_parts: int = 0):
+        """x [N, D] -> (topk_ids [N, k] int32, topk_weights [N, k] float32). With `shared_parts` P > 0: (ids,
+        weights, schedule), where the select-and-schedule kernel ran (`kernels.router.select_and_schedule`, up to
+        `SCHEDULE_MAX_TOKENS` tokens): the shared MLP's P parts appended to every token as experts E .. E + P - 1 of
+        weight 1 (ids / weights [N, k + P], `kernels.moe.routed_and_shared`'s layout) and their
+        `moe_tiles.Schedule` in 16-row tiles from the same launch; elsewhere the routed [N, k] and None."""
         cfg = self.config
         weight = self.param("weight", nn.initializers.normal(0.02), (cfg.num_experts, cfg.hidden_size), self.dtype)
         bias = None
         if cfg.router_bias:
             bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
+        ids, weights, sched = self._route(x, weight, bias, shared_parts)
+        return (ids, weights, sched) if shared_parts else (ids, weights)
+
+    def _route(self, x, weight, bias, shared_parts: int):
+        """(ids, weights, schedule or None): the shared parts and schedule included only where the
+        select-and-schedule kernel ran."""
+        cfg = self.config
         kind = (router_kernel.choose(cfg.num_experts, cfg.hidden_size, cfg.num_experts_per_token,
                                      restricting_groups(cfg))
                 if self.one_kernel else "reference")
         options = dict(top_k=cfg.num_experts_per_token, sigmoid=cfg.router_activation == "sigmoid",
                        renormalize=cfg.renormalize, scale=float(cfg.routed_scaling_factor))
         if kind != "reference":
-            return router_kernel.route_tokens(x, weight, bias, **options, interpret=kind == "interpret")
+            return *router_kernel.route_tokens(x, weight, bias, **options, interpret=kind == "interpret"), None
         logits = router_logits(x, weight)
         kind = (router_kernel.choose_select(cfg.num_experts, cfg.num_experts_per_token, restricting_groups(cfg))
                 if self.one_kernel else "reference")
+        if (kind != "reference" and shared_parts and ROUTER_SCHEDULE
+                and x.shape[0] <= router_kernel.SCHEDULE_MAX_TOKENS
+                and router_kernel.schedule_supported(cfg.num_experts, cfg.num_experts_per_token, shared_parts)):
+            return router_kernel.select_and_schedule(logits, bias, **options, shared_parts=shared_parts,
+                                                     interpret=kind == "interpret")
         if kind != "reference":
-            return router_kernel.select_experts(logits, bias, **options, interpret=kind == "interpret")
-        return route(logits, bias, cfg)
+            return *router_kernel.select_experts(logits, bias, **options, interpret=kind == "interpret"), None
+        return *route(logits, bias, cfg), None
 
 
 PROJECTIONS = ("w_gate", "w_up", "w_down")
@@ -288,16 +313,18 @@ class MoE(nn.Module):
         """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`)."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
-        ids, weights = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")(flat)
+        router = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")
         if (SHARED_IN_ROUTED_KERNELS and cfg.num_shared_experts and cfg.quant_method != "mxfp4" and self.mesh is None
-                and not self.is_initializing() and flat.shape[0] <= SHARED_IN_ROUTED_MAX_TOKENS):
+                and not self.is_initializing() and flat.shape[0] <= SHARED_IN_ROUTED_MAX_TOKENS
+                and moe_kernels.shared_kernel_kind(self.variables["params"]["experts"]["w_gate"]) != "reference"):
             params = self.variables["params"]
             experts, mlp = params["experts"], params["shared_experts"]
+            shared = tuple(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
+            ids, weights, sched = router(flat, shared_parts=shared[0].shape[1] // experts["w_gate"].shape[2])
             y = moe_kernels.routed_and_shared(flat, ids, weights, experts["w_gate"], experts["w_up"],
-                                              experts["w_down"],
-                                              tuple(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj")))
-            if y is not None:
-                return y.reshape(x.shape), workspace
+                                              experts["w_down"], shared, sched=sched)
+            return y.reshape(x.shape), workspace
+        ids, weights = router(flat)
         y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(flat, ids, weights, workspace)
         y = y.reshape(x.shape)
         if cfg.num_shared_experts:

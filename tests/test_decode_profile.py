@@ -70,3 +70,18 @@ def test_xla_options_are_added_to_the_gpu_compile_options(monkeypatch):
     cuda = dispatch.compiler_options("cuda")
     assert cuda["xla_gpu_enable_triton_gemm"] is False and cuda["xla_disable_hlo_passes"] == "dot-strength-reduction"
     assert dispatch.compiler_options("cpu") == {}
+
+
+def test_set_names_a_module_constant_and_parses_its_value():
+    from dayzero.model import mla
+
+    module, constant, value = decode_profile.module_constant("model.mla.DECODE_PROJECTIONS=false")
+    assert (module, constant, value) == (mla, "DECODE_PROJECTIONS", False)
+    assert decode_profile.module_constant("kernels.projection.CHOOSE_MAX_ROWS=16")[1:] == ("CHOOSE_MAX_ROWS", 16)
+    for bad in ("model.mla.NO_SUCH_CONSTANT=1", "model.nowhere.X=1", "DECODE_PROJECTIONS=1", "model.mla.X"):
+        try:
+            decode_profile.module_constant(bad)
+        except SystemExit as e:
+            assert "--set" in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was taken")

@@ -249,6 +249,43 @@ def test_decode_layer_matches_reference(seed, lower_bound, batch, heads, width):
     assert np.all(np.asarray(got[0][0], np.float32) == 0)  # the padding row outputs zeros
 
 
+def _as_partials(projected, rng, slices, k_dim=256, eps=1e-6, norm=True):
+    """Float32 split-K sums (and squares) whose `projection.finished` is near `projected` [B, N]: the rows'
+    values cut into `slices` random parts, times the rms the squares give (so the norm's scale undoes it)."""
+    from dayzero.kernels import projection
+
+    batch = projected.shape[0]
+    parts = rng.dirichlet(np.ones(slices), size=projected.shape).transpose(2, 0, 1)  # [S, B, N], sums to 1
+    squares = rng.uniform(0.5, 2.0, (slices, batch)) * k_dim / slices if norm else None
+    rms = np.sqrt(squares.sum(0) / k_dim + eps) if norm else np.ones(batch)
+    sums = parts * np.asarray(projected, np.float64)[None] * rms[None, :, None]
+    return projection.Partials(jnp.asarray(sums, jnp.float32), None if squares is None else
+                               jnp.asarray(squares, jnp.float32), k_dim, eps, "bfloat16")
+
+
+@pytest.mark.parametrize("slices,norm", [(4, True), (2, False)])
+def test_decode_layer_adds_up_projection_partials(seed, slices, norm):
+    """decode_step given q|k|v and f_a|g_a|b as `projection.Partials` (the projection kernel's split-K sums, with
+    and without the norm's squares; interpret mode): the same as given the arrays `projection.finished` makes of
+    them, to one bf16 step of the summation order (the kernel adds each column's slices itself)."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+
+    rng = np.random.default_rng(seed)
+    args = decode_layer_inputs(seed, 3, 2, 16)
+    qkv, fgb = (_as_partials(a, rng, slices, norm=norm) for a in args[:2])
+    finished = (projection.finished(qkv), projection.finished(fgb))
+    assert _rel_err(finished[0], args[0]) < 1e-2  # the partials do stand for those activations
+    options = dict(layer=1, eps=1e-5, lower_bound=None, interpret=True)
+    got = decode_layer.decode_step(qkv, fgb, *args[2:], **options)
+    want = decode_layer.decode_step(*finished, *args[2:], **options)
+    assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
+    assert _rel_err(got[0], want[0]) < 1e-2
+    assert _rel_err(got[1], want[1]) < 1e-2 and _rel_err(got[2], want[2]) < 1e-3
+    ref = decode_layer.reference(qkv, fgb, *args[2:], layer=1, eps=1e-5, lower_bound=None, conv_dtype=jnp.float32)
+    assert _rel_err(got[0], ref[0]) < 1e-2
+
+
 def _rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b) / np.linalg.norm(b)
@@ -264,6 +301,17 @@ def test_decode_layer_lowers_to_triton():
                             decode_layer_inputs(0, batch, 16, 128, slots_total=20, padding_row=False))
         fn = lambda *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None)
         assert count_triton_kernels(fn, *args) == 1
+    # q|k|v and f_a|g_a|b as the projection kernel's 8-slice partial sums with the norm's squares
+    from dayzero.kernels import projection
+
+    def with_partials(qkv_sums, fgb_sums, squares, *rest):
+        parts = [projection.Partials(x, squares, 2048, 1e-6, "bfloat16") for x in (qkv_sums, fgb_sums)]
+        return decode_layer.decode_step(*parts, *rest, layer=1, eps=1e-5, lower_bound=None)
+
+    args = jax.tree.map(lambda a: spec(a.shape, a.dtype),
+                        decode_layer_inputs(0, 1, 16, 128, slots_total=20, padding_row=False))
+    sums = [spec((8,) + a.shape, jnp.float32) for a in args[:2]]
+    assert count_triton_kernels(with_partials, *sums, spec((8, 1), jnp.float32), *args[2:]) == 1
 
 
 def test_model_decode_layer_path_equals_step(seed, monkeypatch):
@@ -276,6 +324,7 @@ def test_model_decode_layer_path_equals_step(seed, monkeypatch):
     from dayzero.kernels.kda import decode_layer
     from dayzero.model import Model
     from dayzero.model.cache import init_cache
+    from dayzero.model import kda as kda_model
     from dayzero.model.kda import KimiDeltaAttention
     from dayzero.model.norms import RMSNorm
     from dayzero.model.presets import tiny
@@ -301,12 +350,17 @@ def test_model_decode_layer_path_equals_step(seed, monkeypatch):
     want_conv = conv.at[layer, slots].set(conv_rows)
     monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
     assert attn.apply(params, x, method="decode_layer_kind") == "interpret"
-    chosen = projection.choose
+    chosen, project = projection.choose, projection.project
     live = np.asarray(valid[:, 0])
     for projections in ("reference", "interpret"):
         monkeypatch.setattr(projection, "choose", lambda *a, impl=None, p=projections: chosen(*a, impl=p))
+        calls = []
+        monkeypatch.setattr(projection, "project", lambda x, groups, **k: calls.append(
+            ([w.shape[1] for g in groups for w in g], k.get("finish", True))) or project(x, groups, **k))
         got, got_conv, got_pool = attn.apply(params, x, norm_weight, valid, conv, pool, slots, layer,
                                              method="decode_in_place")
+        finish = not kda_model.PROJECTION_PARTIALS
+        assert calls == ([] if projections == "reference" else [(list(widths), finish), ([cfg.hidden_size], True)])
         assert _rel_err(got[live] - x[live], out[live]) < 3e-2, projections
         assert _rel_err(got_pool, want_pool) < 3e-2, projections
         if projections == "reference":  # the same projections: the same bf16 conv inputs

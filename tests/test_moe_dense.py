@@ -186,3 +186,32 @@ def test_model_moe_with_shared_in_routed_kernels(seed, monkeypatch):
         many = jnp.concatenate([x, x[:, ::-1]], axis=1)  # 12 tokens
         block.apply(params, many)
         assert len(calls) == 2 and calls[1] is None  # the routed experts alone; the shared MLP its own way
+
+
+def test_model_moe_with_the_router_schedule_kernel(seed, monkeypatch):
+    """The MoE block at decode sizes with the kernels in interpret mode (the router's logits by XLA, as on CUDA):
+    the router's select-and-schedule kernel
+    appends the shared parts and makes the schedule that the grouped kernels take (one call each), and the block
+    equals the CPU's XLA paths."""
+    from dayzero.kernels import router
+    from dayzero.model import moe as model_moe
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(num_experts=16, num_experts_per_token=4)
+    rng = np.random.default_rng(seed)
+    block = model_moe.MoE(cfg, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, cfg.hidden_size)), jnp.float32)  # 6 tokens
+    params = block.init(jax.random.key(seed % 1000), x)
+    with jax.default_matmul_precision("highest"):
+        want, _ = block.apply(params, x)
+        monkeypatch.setenv(dispatch.ENV_OVERRIDE, "interpret")
+        monkeypatch.setattr(router, "choose", lambda *a, **k: "reference")  # XLA's logits, as on CUDA
+        schedules, made = [], []
+        original_swiglu, original_schedule = moe_dense.grouped_swiglu, router.select_and_schedule
+        monkeypatch.setattr(moe_dense, "grouped_swiglu",
+                            lambda *a, **k: schedules.append(k.get("sched")) or original_swiglu(*a, **k))
+        monkeypatch.setattr(router, "select_and_schedule", lambda *a, **k: made.append(k) or original_schedule(*a, **k))
+        got, _ = block.apply(params, x)
+    assert len(made) == 1 and made[0]["shared_parts"] == 1
+    assert len(schedules) == 1 and schedules[0] is not None
+    assert rel_err(got, want) < 1e-5

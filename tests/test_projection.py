@@ -109,6 +109,30 @@ def test_split_k(seed, slices):
     assert np.max(np.abs(np.asarray(got, np.float64) - oracle)) <= 1e-2 * np.max(np.abs(oracle))
 
 
+def test_unfinished_partials(seed):
+    """`project(finish=False)`: with K split, each group's `Partials` (float32 sums per slice, the norm's squares,
+    the dtype they round to), which `finished` turns into exactly the default call's output; without a split, the
+    finished arrays; a residual needs the finish; `reference` always finishes."""
+    rng = np.random.default_rng(seed)
+    x, w, norm_weight = _case(rng, 2, 256, (64, 32), jnp.bfloat16)
+    tiles = projection.ProjectionTiles(block_n=64, step_k=32, min_programs=10 ** 6, k_slices=4)
+    groups = ((w[0],), (w[1],))
+    done = projection.project(x, groups, norm_weight=norm_weight, eps=1e-5, tiles=tiles, interpret=True)
+    parts = projection.project(x, groups, norm_weight=norm_weight, eps=1e-5, tiles=tiles, interpret=True,
+                               finish=False)
+    for p, d in zip(parts, done):
+        assert isinstance(p, projection.Partials) and p.slices == 4 and p.sums.shape == (4, 2, d.shape[1])
+        assert p.squares.shape == (4, 2) and p.dtype == "bfloat16" and p.k_dim == 256
+        assert np.array_equal(np.asarray(projection.finished(p), np.float32), np.asarray(d, np.float32))
+    unsplit = projection.project(x, groups, norm_weight=norm_weight, eps=1e-5, tiles=SMALL, interpret=True,
+                                 finish=False)
+    assert all(isinstance(u, jax.Array) and u.dtype == x.dtype for u in unsplit)
+    with pytest.raises(ValueError, match="residual"):
+        projection.project(x, ((w[0],),), residual=x[:, :64], tiles=tiles, interpret=True, finish=False)
+    assert all(isinstance(r, jax.Array) for r in projection.reference(x, groups, norm_weight=norm_weight,
+                                                                       finish=False))
+
+
 def test_names_what_it_does_not_take():
     """Rows that are not a power of two up to 16, widths or K off the 16 grid, mixed dtypes, a mismatched K, a
     residual with more than one weight: a ValueError naming the shape; `supported` and `choose` agree."""

@@ -111,3 +111,47 @@ def test_lowers_to_triton_at_model_shapes(n_tokens):
         select = lambda logits, b, k=top_k: router.select_experts(logits, b, top_k=k, sigmoid=True, renormalize=True,
                                                                   scale=2.5)
         assert count_triton_kernels(select, spec((n_tokens, n_experts), jnp.float32), args[2]) == 1
+
+
+@pytest.mark.parametrize("n_tokens,n_experts,top_k,parts,activation", [
+    (1, 64, 6, 1, "sigmoid"), (5, 16, 4, 2, "softmax"), (16, 64, 6, 1, "sigmoid"), (11, 32, 8, 3, "softmax")])
+def test_select_and_schedule(seed, n_tokens, n_experts, top_k, parts, activation):
+    """The select-and-schedule kernel (interpret mode): the ids and weights of `select_experts` with the shared
+    parts appended (ids E .., weight 1), and exactly the schedule `moe_tiles.schedule` makes of them (tile_expert
+    running on past its tiles: -1, or for one token the padding of the ids)."""
+    from dayzero.kernels import moe_tiles
+
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.standard_normal((n_tokens, n_experts)) * 2, jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(n_experts) * 0.1, jnp.float32)
+    options = dict(top_k=top_k, sigmoid=activation == "sigmoid", renormalize=True, scale=2.5)
+    ids, weights, sched = router.select_and_schedule(logits, bias, **options, shared_parts=parts, interpret=True)
+    want_ids, want_weights = router.select_experts(logits, bias, **options, interpret=True)
+    assert ids.shape == weights.shape == (n_tokens, top_k + parts)
+    assert np.array_equal(ids[:, :top_k], want_ids) and np.array_equal(weights[:, :top_k], want_weights)
+    assert np.array_equal(ids[:, top_k:], np.broadcast_to(n_experts + np.arange(parts), (n_tokens, parts)))
+    assert np.all(np.asarray(weights[:, top_k:]) == 1.0)
+    want = moe_tiles.schedule(ids, n_experts + parts, 16)
+    for field in ("row_of_pair", "token_of_row", "group_sizes"):
+        assert np.array_equal(getattr(sched, field), getattr(want, field)), field
+    n_tiles = want.tile_expert.shape[0]
+    assert np.array_equal(sched.tile_expert[:n_tiles], want.tile_expert)
+    if n_tokens > 1:  # (one token's runs on into the padding of its ids)
+        assert np.all(np.asarray(sched.tile_expert[n_tiles:]) == -1)
+
+
+def test_select_and_schedule_names_what_it_does_not_take():
+    logits = jnp.zeros((17, 64), jnp.float32)
+    with pytest.raises(ValueError, match="17 tokens, 64 experts, top-6 \\+ 1 shared"):
+        router.select_and_schedule(logits, None, top_k=6, sigmoid=True, renormalize=True, scale=1.0, shared_parts=1,
+                                   interpret=True)
+    assert router.schedule_supported(64, 6, 1) and not router.schedule_supported(256, 8, 1)
+    assert not router.schedule_supported(48, 6, 1)  # not a power of two
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 16])
+def test_select_and_schedule_lowers_to_triton(n_tokens):
+    spec = jax.ShapeDtypeStruct
+    fn = lambda logits, b: router.select_and_schedule(logits, b, top_k=6, sigmoid=True, renormalize=True, scale=2.5,
+                                                      shared_parts=1)
+    assert count_triton_kernels(fn, spec((n_tokens, 64), jnp.float32), spec((64,), jnp.float32)) == 1

@@ -157,6 +157,26 @@ def test_decode_layer_on_gpu(lower_bound, batch, padding_row):
         assert _rel(got[0], want[0]) < 2e-2
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_layer_with_projection_partials_on_gpu(batch):
+    """The decode step given q|k|v and f_a|g_a|b as the projection kernel's 8-slice partial sums with the norm's
+    squares (`projection.Partials`), compiled at the medium hybrid's layer: the same as given the arrays
+    `projection.finished` makes of them, to bf16 rounding of the summation order."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+    from test_kda_kernels import _as_partials, decode_layer_inputs
+
+    seed = _seed()
+    rng = np.random.default_rng(seed)
+    args = decode_layer_inputs(seed, batch, 16, 128, slots_total=40, padding_row=batch > 1)
+    qkv, fgb = (_as_partials(a, rng, 8, k_dim=2048) for a in args[:2])
+    options = dict(layer=1, eps=1e-5, lower_bound=None)
+    got = jax.jit(lambda q, f, *a: decode_layer.decode_step(q, f, *a, **options))(qkv, fgb, *args[2:])
+    want = jax.jit(lambda q, f, *a: decode_layer.decode_step(projection.finished(q), projection.finished(f), *a,
+                                                             **options))(qkv, fgb, *args[2:])
+    assert _rel(got[0], want[0]) < 1e-2 and _rel(got[1], want[1]) < 1e-2 and _rel(got[2], want[2]) < 1e-3
+
+
 def test_model_decode_with_the_decode_layer_kernel_on_gpu(monkeypatch):
     """A bf16 hybrid with 128-wide KDA heads: a cached decode step's logits and caches with the one-kernel KDA decode
     layer against the same step through the separate ops (both compiled on the GPU), to bf16 rounding."""

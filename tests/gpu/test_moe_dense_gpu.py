@@ -101,3 +101,22 @@ def test_shared_mlp_in_routed_kernels(n_tokens, fused):
         want = routed + (jax.nn.silu(h @ f32(sg)) * (h @ f32(su))) @ f32(sd)
     rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     assert np.all(np.isfinite(np.asarray(got))) and rel < 2e-2, rel
+
+
+@pytest.mark.parametrize("n_tokens", [1, 5, 16])
+def test_moe_block_with_the_router_schedule_kernel(monkeypatch, n_tokens):
+    """The medium hybrid's MoE block (bf16, its shared expert in the routed kernels) at decode sizes: with the
+    router's select-and-schedule kernel (`model.moe.ROUTER_SCHEDULE`) the same output as with the select kernel and
+    XLA's schedule (the same schedule, so the same kernels' sums), both compiled on the GPU."""
+    from dayzero.model import moe as model_moe
+    from dayzero.model.presets import medium_hybrid
+
+    cfg = medium_hybrid()
+    block = model_moe.MoE(cfg, jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(n_tokens), (n_tokens, 1, cfg.hidden_size), jnp.bfloat16)
+    params = jax.jit(block.init)(jax.random.key(0), x)
+    run = lambda: np.asarray(jax.jit(lambda p, x: block.apply(p, x))(params, x)[0], np.float32)  # traced anew
+    with_kernel = run()
+    monkeypatch.setattr(model_moe, "ROUTER_SCHEDULE", False)
+    without = run()
+    assert np.all(np.isfinite(with_kernel)) and np.array_equal(with_kernel, without)

@@ -77,8 +77,10 @@ def test_mla_layer_projections(seed, rows):
 
 
 def test_model_kda_decode_with_projection_kernel(seed, monkeypatch):
-    """The medium hybrid's KDA layer at decode (16 rows, bf16): `decode_in_place` with the projection kernel against
-    the same with XLA's projections, on the GPU's own one-kernel step."""
+    """The medium hybrid's KDA layer at decode (16 rows, bf16): `decode_in_place` with the projection kernel (its
+    sums finished by XLA, or by the step kernel: `PROJECTION_PARTIALS`) against the same with XLA's projections, on
+    the GPU's own one-kernel step."""
+    from dayzero.model import kda as kda_model
     from dayzero.model.kda import KimiDeltaAttention
 
     cfg = medium_hybrid()
@@ -94,10 +96,13 @@ def test_model_kda_decode_with_projection_kernel(seed, monkeypatch):
                                                           cfg.kda_head_dim)) * 0.1
     slots, valid = jnp.arange(1, rows + 1, dtype=jnp.int32), jnp.ones((rows, 1), bool)
     outs = {}
-    for kind in ("reference", "pallas"):
-        monkeypatch.setattr(projection, "choose", lambda *a, impl=None, kind=kind: kind)
+    for kind, partials in (("reference", False), ("pallas", False), ("partials", True)):
+        monkeypatch.setattr(projection, "choose", lambda *a, impl=None, kind=kind: "reference" if kind == "reference"
+                            else "pallas")
+        monkeypatch.setattr(kda_model, "PROJECTION_PARTIALS", partials)
         run = jax.jit(lambda p, x, c, s: attn.apply(p, x, norm, valid, c, s, slots, 1, method="decode_in_place"))
         outs[kind] = run(params, x, conv, pool)
-    for got, want in zip(outs["pallas"], outs["reference"]):
-        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-        assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))
+    for kind in ("pallas", "partials"):
+        for got, want in zip(outs[kind], outs["reference"]):
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want)), kind

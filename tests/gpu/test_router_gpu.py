@@ -48,3 +48,33 @@ def test_router_matches_xla_route(seed, n_tokens, dtype, kernel):
     same = np.all(ids == want_ids, axis=1)
     assert same.mean() > 0.95
     np.testing.assert_allclose(np.asarray(weights)[same], np.asarray(want_weights)[same], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 7, 16])
+def test_select_and_schedule_on_gpu(seed, n_tokens):
+    """The select-and-schedule kernel compiled at the medium hybrid's router (64 experts, top-6, one shared part):
+    the same ids and weights as `select_experts` on the same logits, the shared part appended, and exactly the
+    schedule `moe_tiles.schedule` makes of those ids (its products run on the tensor cores: exact for these
+    0 / 1 and small-integer operands)."""
+    from dayzero.kernels import moe_tiles
+
+    cfg = medium_hybrid()
+    key = jax.random.key(seed)
+    logits = jax.random.normal(key, (n_tokens, cfg.num_experts), jnp.float32) * 2
+    bias = jax.random.normal(jax.random.fold_in(key, 2), (cfg.num_experts,), jnp.float32) * 0.01
+    options = dict(top_k=cfg.num_experts_per_token, sigmoid=True, renormalize=cfg.renormalize,
+                   scale=cfg.routed_scaling_factor)
+    ids, weights, sched = jax.jit(lambda l, b: router.select_and_schedule(l, b, **options, shared_parts=1))(
+        logits, bias)
+    want_ids, want_weights = jax.jit(lambda l, b: router.select_experts(l, b, **options))(logits, bias)
+    k = cfg.num_experts_per_token
+    assert np.array_equal(ids[:, :k], want_ids) and np.all(np.asarray(ids[:, k]) == cfg.num_experts)
+    np.testing.assert_allclose(np.asarray(weights[:, :k]), np.asarray(want_weights), rtol=1e-6)
+    assert np.all(np.asarray(weights[:, k]) == 1.0)
+    want = moe_tiles.schedule(ids, cfg.num_experts + 1, 16)
+    for field in ("row_of_pair", "token_of_row", "group_sizes"):
+        assert np.array_equal(getattr(sched, field), getattr(want, field)), field
+    n_tiles = want.tile_expert.shape[0]
+    assert np.array_equal(sched.tile_expert[:n_tiles], want.tile_expert)
+    if n_tokens > 1:  # (one token's runs on into the padding of its ids)
+        assert np.all(np.asarray(sched.tile_expert[n_tiles:]) == -1)
