@@ -214,8 +214,9 @@ def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_
     earlier = (jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_M), 0)
                < jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_M), 1)).astype(jnp.bfloat16)
     rank = tiling.mm(one, earlier).astype(jnp.int32)
-    size_ref[...] = jnp.sum(chosen.astype(jnp.int32), axis=1)  # [e]: the expert's pairs
-    used = jnp.max(chosen.astype(jnp.int32), axis=1)
+    sizes = jnp.sum(chosen.astype(jnp.int32), axis=1)  # [e]: the expert's pairs
+    size_ref[...] = sizes
+    used = (sizes > 0).astype(jnp.int32)
     lower = (jax.lax.broadcasted_iota(jnp.int32, (e_pad, e_pad), 1)
              < jax.lax.broadcasted_iota(jnp.int32, (e_pad, e_pad), 0)).astype(jnp.bfloat16)
     used_cols = jnp.broadcast_to(used[:, None], (e_pad, BLOCK_M)).astype(jnp.bfloat16)
@@ -247,8 +248,9 @@ def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int
     """`select_experts` with `shared_parts` shared experts appended to every token (ids E .. E + parts - 1, weight
     1: the shared MLP as experts of the grouped kernels; at one token, in `select_experts`' kernel: its schedule is
     static) and, for 2 or more tokens, the pairs' schedule in 16-row tiles made in the same kernel (one program:
-    the XLA compare schedule is four kernels per MoE layer at 16 tokens): float32 logits [N, E] (N <= `SCHEDULE_MAX_TOKENS`), bias [E] or None -> (ids [N, k + parts] int32,
-    weights [N, k + parts] float32, `moe_tiles.Schedule` at block_m 16 over E + parts experts): the schedule
+    the XLA compare schedule is four kernels per MoE layer at 16 tokens): float32 logits [N, E] (N <=
+    `SCHEDULE_MAX_TOKENS`), bias [E] or None -> (ids [N, k + parts] int32, weights [N, k + parts] float32,
+    `moe_tiles.Schedule` at block_m 16 over E + parts experts): the schedule
     `moe_tiles.schedule` makes of those ids (tiles in expert order, a tile's rows its tokens in order; for one
     token, tile j its j-th pair), except that tile_expert runs on past the R / 16 tiles (-1, or for one token the
     padding of the ids: the grouped kernels never read those). Needs `schedule_supported(E, k, parts)`."""
@@ -271,12 +273,12 @@ def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int
     k_pad = tiling.pow2_at_least(n_pairs)
     n_tiles = moe_tiles.max_tiles(n_tokens * n_pairs, total, TILE_ROWS)
     t_pad = tiling.pow2_at_least(n_tiles, 16)
-    kernel = functools.partial(_schedule_kernel, **options, parts=shared_parts, e_pad=tiling.pow2_at_least(total, 16))
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+    e_pad = tiling.pow2_at_least(total, 16)
     shapes = [((BLOCK_M, k_pad), jnp.int32), ((BLOCK_M, k_pad), jnp.float32), ((BLOCK_M, k_pad), jnp.int32),
-              ((t_pad, TILE_ROWS), jnp.int32), ((t_pad,), jnp.int32), ((tiling.pow2_at_least(total, 16),), jnp.int32)]
+              ((t_pad, TILE_ROWS), jnp.int32), ((t_pad,), jnp.int32), ((e_pad,), jnp.int32)]
     ids, weights, rows, tokens, tiles, sizes = pl.pallas_call(
-        kernel,
+        functools.partial(_schedule_kernel, **options, parts=shared_parts, e_pad=e_pad),
         grid=(1,),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
         out_specs=[whole(shape) for shape, _ in shapes],

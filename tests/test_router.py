@@ -119,8 +119,6 @@ def test_select_and_schedule(seed, n_tokens, n_experts, top_k, parts, activation
     """The select-and-schedule kernel (interpret mode): the ids and weights of `select_experts` with the shared
     parts appended (ids E .., weight 1), and exactly the schedule `moe_tiles.schedule` makes of them (tile_expert
     running on past its tiles: -1, or for one token the padding of the ids)."""
-    from dayzero.kernels import moe_tiles
-
     rng = np.random.default_rng(seed)
     logits = jnp.asarray(rng.standard_normal((n_tokens, n_experts)) * 2, jnp.float32)
     bias = jnp.asarray(rng.standard_normal(n_experts) * 0.1, jnp.float32)
@@ -131,12 +129,20 @@ def test_select_and_schedule(seed, n_tokens, n_experts, top_k, parts, activation
     assert np.array_equal(ids[:, :top_k], want_ids) and np.array_equal(weights[:, :top_k], want_weights)
     assert np.array_equal(ids[:, top_k:], np.broadcast_to(n_experts + np.arange(parts), (n_tokens, parts)))
     assert np.all(np.asarray(weights[:, top_k:]) == 1.0)
-    want = moe_tiles.schedule(ids, n_experts + parts, 16)
+    assert_schedule_of(sched, ids, n_experts + parts)
+
+
+def assert_schedule_of(sched, ids, n_experts: int):
+    """`sched` is the schedule `moe_tiles.schedule` makes of ids [T, k] over n_experts in 16-row tiles; its
+    tile_expert may run on past the tiles (-1 there; for one token, the padding of the ids)."""
+    from dayzero.kernels import moe_tiles
+
+    want = moe_tiles.schedule(ids, n_experts, 16)
     for field in ("row_of_pair", "token_of_row", "group_sizes"):
         assert np.array_equal(getattr(sched, field), getattr(want, field)), field
     n_tiles = want.tile_expert.shape[0]
     assert np.array_equal(sched.tile_expert[:n_tiles], want.tile_expert)
-    if n_tokens > 1:  # (one token's runs on into the padding of its ids)
+    if ids.shape[0] > 1:
         assert np.all(np.asarray(sched.tile_expert[n_tiles:]) == -1)
 
 

@@ -56,7 +56,7 @@ def test_select_and_schedule_on_gpu(seed, n_tokens):
     the same ids and weights as `select_experts` on the same logits, the shared part appended, and exactly the
     schedule `moe_tiles.schedule` makes of those ids (its products run on the tensor cores: exact for these
     0 / 1 and small-integer operands)."""
-    from dayzero.kernels import moe_tiles
+    from test_router import assert_schedule_of
 
     cfg = medium_hybrid()
     key = jax.random.key(seed)
@@ -71,10 +71,4 @@ def test_select_and_schedule_on_gpu(seed, n_tokens):
     assert np.array_equal(ids[:, :k], want_ids) and np.all(np.asarray(ids[:, k]) == cfg.num_experts)
     np.testing.assert_allclose(np.asarray(weights[:, :k]), np.asarray(want_weights), rtol=1e-6)
     assert np.all(np.asarray(weights[:, k]) == 1.0)
-    want = moe_tiles.schedule(ids, cfg.num_experts + 1, 16)
-    for field in ("row_of_pair", "token_of_row", "group_sizes"):
-        assert np.array_equal(getattr(sched, field), getattr(want, field)), field
-    n_tiles = want.tile_expert.shape[0]
-    assert np.array_equal(sched.tile_expert[:n_tiles], want.tile_expert)
-    if n_tokens > 1:  # (one token's runs on into the padding of its ids)
-        assert np.all(np.asarray(sched.tile_expert[n_tiles:]) == -1)
+    assert_schedule_of(sched, ids, cfg.num_experts + 1)
