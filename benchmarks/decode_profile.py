@@ -262,18 +262,12 @@ def main(argv=None) -> int:
         extra["dense_fused_prologues"] = tile_options["fused_prologues"] = True
     if args.dense_pair_partials:
         extra["dense_pair_partials"] = tile_options["pair_partials"] = True
-    from dayzero.kernels import moe_dense
-    from dayzero.model import moe as model_moe
-
-    overrides = []  # (module, constant, value): read when the model traces; this process only
-    if args.shared_apart:
-        overrides.append((model_moe, "SHARED_IN_ROUTED_KERNELS", False))
-    if args.router_dot:
-        overrides.append((model_moe, "REDUCE_LOGITS_MAX_TOKENS", 0))
+    # the older switches are shorthands for --set; (module, constant, value) read when the model traces
+    shorthands = [text for flag, text in ((args.shared_apart, "model.moe.SHARED_IN_ROUTED_KERNELS=false"),
+                                          (args.router_dot, "model.moe.REDUCE_LOGITS_MAX_TOKENS=0")) if flag]
     if args.dense_epilogue_min_pairs is not None:
-        overrides.append((moe_dense, "EPILOGUE_MIN_PAIRS", args.dense_epilogue_min_pairs))
-    overrides += [module_constant(text) for text in args.set]
-    for module, constant, value in overrides:
+        shorthands.append(f"kernels.moe_dense.EPILOGUE_MIN_PAIRS={args.dense_epilogue_min_pairs}")
+    for module, constant, value in [module_constant(text) for text in shorthands + args.set]:
         setattr(module, constant, value)
         extra[constant] = value  # the results line names the constant and the value the run took
     with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder, \

@@ -70,13 +70,13 @@ class DecoderLayer(nn.Module):
         # one-token decode steps may take the input norm and the residual add inside (with the projections)
         fused = decode and (self.self_attn.decode_layer_kind(x) if self.is_kda
                             else self.self_attn.decode_projection_kind(x)) != "reference"
+        norm_weight = self.input_layernorm.variables["params"]["weight"] if fused else None
         if fused and self.is_kda:
-            x, conv, state = self.self_attn.decode_in_place(x, self.input_layernorm.variables["params"]["weight"],
-                                                            valid, cache["conv"], cache["state"], slots, index)
+            x, conv, state = self.self_attn.decode_in_place(x, norm_weight, valid, cache["conv"], cache["state"],
+                                                            slots, index)
             cache = dict(cache, conv=conv, state=state)
         elif fused:
-            x, cache = self.self_attn.step(x, positions, valid, cache, index, block_tables,
-                                           norm_weight=self.input_layernorm.variables["params"]["weight"])
+            x, cache = self.self_attn.step(x, positions, valid, cache, index, block_tables, norm_weight=norm_weight)
         elif self.is_kda:
             h, conv, state = self.self_attn.step(self.input_layernorm(x), valid, cache["conv"][index, slots],
                                                  cache["state"], slots, index, decode)

@@ -314,10 +314,10 @@ class MoE(nn.Module):
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         router = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")
+        params = {} if self.is_initializing() else self.variables["params"]
         if (SHARED_IN_ROUTED_KERNELS and cfg.num_shared_experts and cfg.quant_method != "mxfp4" and self.mesh is None
-                and not self.is_initializing() and flat.shape[0] <= SHARED_IN_ROUTED_MAX_TOKENS
-                and moe_kernels.shared_kernel_kind(self.variables["params"]["experts"]["w_gate"]) != "reference"):
-            params = self.variables["params"]
+                and params and flat.shape[0] <= SHARED_IN_ROUTED_MAX_TOKENS
+                and moe_kernels.shared_kernel_kind(params["experts"]["w_gate"]) != "reference"):
             experts, mlp = params["experts"], params["shared_experts"]
             shared = tuple(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
             ids, weights, sched = router(flat, shared_parts=shared[0].shape[1] // experts["w_gate"].shape[2])
