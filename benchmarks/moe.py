@@ -12,12 +12,20 @@ Variants, on the same weights (random MXFP4; the others converted from it) and t
             read once; its % of copy bandwidth counts the active experts' bf16 bytes; "fused" beside it: the same
             kernels with `DenseTiles.fused_prologues` (row gather and SwiGLU inside their operand loads)
   fp8       pre-converted FP8: the whole layer converted offline (E2M1 values in e4m3 + E8M0 scales), Pallas matmul
-  fused     MXFP4 online: each weight tile converted in registers right before its MMA
+  fused     MXFP4 online as the model runs it (kernels/moe.py's default): the MMA kernels below, or the CUDA-core
+            decode kernels where `moe_mxfp4_gemv.choose` takes the call
+  mma       MXFP4 online on the MMA kernels (kernels/moe_mxfp4.py, `choose_tiles`' tiles): each weight tile converted
+            in registers right before its MMA
   staged    MXFP4 online through the one-layer FP8 workspace (each call is a new layer: every expert converted);
             timed where the model uses it and at the first and last token counts
   resident  staged, calling the same layer again: resident conversions reused (hit rate reported; first and last)
   online    what the model runs (MXFP4Execution "auto": fused below `workspace_min_rows` rows per expert, staged at
             and above)
+  gemv      MXFP4 online on the CUDA cores (kernels/moe_mxfp4_gemv.py: no MMA; fp16x2 products of each thread's
+            converted bytes), the tiles `moe_mxfp4_gemv.tiles_for` picks
+For mma and gemv a profiler trace also gives the layer call's GPU time (`_device`: the sum of its kernels, without
+the launch gaps and the timing loop's per-iteration overhead that the chained timing includes) and its two Pallas
+kernels' time (`_kernels`).
   kernels   the fused variant's two Pallas kernels alone (routing, gathers and the combine left out; <= 16 tokens;
             with split-K tiles their partial sums reduced per pair)
 Device time per call: `iters` calls chained inside one jit (each call's input depends on the previous output), median
@@ -44,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dayzero.kernels import moe, moe_dense, moe_grouped, moe_mxfp4, moe_workspace, mxfp4
+from dayzero.kernels import moe, moe_dense, moe_grouped, moe_mxfp4, moe_mxfp4_gemv, moe_workspace, mxfp4
 from dayzero.model.config import MXFP4Execution
 
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
@@ -113,7 +121,8 @@ def attempt(label: str, fn):
         return None
 
 
-VARIANTS = ("bf16", "bf16_auto", "bf16_pallas", "bf16_pallas_fused", "fp8", "fused", "staged", "resident", "kernels")
+VARIANTS = ("bf16", "bf16_auto", "bf16_pallas", "bf16_pallas_fused", "fp8", "fused", "staged", "resident", "kernels",
+            "mma", "gemv")
 DENSE_VARIANTS = VARIANTS[:4]
 
 
@@ -126,7 +135,7 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
     x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
     iters = 3 if n_tokens >= 4096 else 20
     eps = jnp.asarray(1e-3, jnp.bfloat16)
-    seconds = {}
+    seconds, res = {}, {}
 
     def plain(fn, weights):
         """fn(x, weights) -> [T, D]: the weights passed as jit arguments."""
@@ -151,8 +160,22 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
         lambda x, d: moe_dense.grouped_swiglu(x, ids, w, *d, tiles=fused_tiles, interpret=impl == "interpret"), dense))
     timed("fp8", "fp8", lambda: plain(lambda x, e: moe.moe_experts_packed(x, ids, w, e, impl=impl)[0], ew8))
     timed("fused", "fused", lambda: plain(lambda x, e: moe.moe_experts_packed(x, ids, w, e, impl=impl)[0], ew))
+    mma_tiles = moe_mxfp4.choose_tiles(ids.size, n_experts)
+    timed("mma", "mma", lambda: plain(lambda x, e: moe.moe_experts_packed(x, ids, w, e, tiles=mma_tiles, impl=impl)[0],
+                                      ew))
+    if "gemv" in variants:
+        gemv_tiles = moe_mxfp4_gemv.tiles_for(ids.size, n_experts)
+        seconds["gemv"] = attempt(f"gemv {gemv_tiles}", lambda: plain(
+            lambda x, e: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, e, tiles=gemv_tiles, interpret=impl == "interpret"),
+            ew))
+        if seconds["gemv"]:
+            seconds["gemv_device"], seconds["gemv_kernels"], res["gemv_top_kernels_us"] = traced_device_time(
+                lambda x, e: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, e, tiles=gemv_tiles), x, ew, impl == "interpret")
+    if "mma" in variants and seconds.get("mma"):
+        seconds["mma_device"], seconds["mma_kernels"], res["mma_top_kernels_us"] = traced_device_time(
+            lambda x, e: moe.moe_experts_packed(x, ids, w, e, tiles=mma_tiles, impl=impl)[0], x, ew,
+            impl == "interpret")
     ws = moe_workspace.create(moe_workspace.num_slots(ids.size, n_experts), hidden, inter)
-    res = {}
 
     def staged(same_layer):
         def step(c, i, e):
@@ -187,7 +210,7 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
     res["active_experts"] = active
     res["bf16_auto_block_m"] = block_m
     res["mxfp4_MB"] = round(mx_bytes / 1e6, 2)
-    for key in ("fused", "fused_kernels"):
+    for key in ("fused", "fused_kernels", "mma", "mma_device", "mma_kernels", "gemv", "gemv_device", "gemv_kernels"):
         if seconds.get(key):
             res[f"{key}_pct_of_copy_bw"] = round(100 * mx_bytes / seconds[key] / bandwidth, 1)
 
@@ -195,6 +218,9 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
         return round(seconds[a] / seconds[b], digits) if seconds.get(a) and seconds.get(b) else None
 
     res["online_vs_fp8"] = ratio("online", "fp8", 3)
+    res["gemv_vs_fp8"] = ratio("gemv", "fp8", 3)
+    res["bf16_vs_gemv"] = ratio("bf16", "gemv", 2)
+    res["mma_vs_gemv"] = ratio("mma", "gemv", 2)
     res["bf16_vs_online"] = ratio("bf16", "online", 2)
     res["bf16_vs_bf16_auto"] = ratio("bf16", "bf16_auto", 2)
     res["bf16_vs_bf16_pallas"] = ratio("bf16", "bf16_pallas", 2)
@@ -203,6 +229,58 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
         res["bf16_pallas_pct_of_copy_bw"] = round(100 * seconds["bf16_roofline"] / seconds["bf16_pallas"], 1)
     res["bf16_roofline_vs_online"] = ratio("bf16_roofline", "online", 2)
     return res
+
+
+def traced_device_time(layer, x, ew, interpret: bool, calls: int = 10) -> tuple[float | None, float | None, dict]:
+    """GPU time of a layer call from a profiler trace of `calls` chained calls (x + 1e-3 * layer(x, ew), so one small
+    add per call is included): (seconds of all its kernels, with no launch gaps or loop overhead; seconds of its
+    Pallas MoE kernels alone; its longest kernels in us). (None, None, {}) without a GPU trace."""
+    from gpu_trace import device_us_per_call
+
+    def chained(x, e):
+        for _ in range(calls):
+            x = x + jnp.asarray(1e-3, x.dtype) * layer(x, e)
+        return x
+
+    if interpret:
+        return None, None, {}
+    total, top = device_us_per_call(jax.jit(chained), x, ew, calls=calls, top=12)
+    kernels = sum(us for name, us in top.items() if name.startswith("moe_"))
+    return total * 1e-6 or None, kernels * 1e-6 or None, top
+
+
+GEMV_SWEEP = {  # label: GemvTiles, swept by --sweep gemv at each token count (the tiles' rows as tall as they fit)
+    "r1_bn32_g8_w4": moe_mxfp4_gemv.GemvTiles(1, 32, 8, 8, 4),
+    "r1_bn32_g16_w4": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 4),
+    "r1_bn16_g16_w4": moe_mxfp4_gemv.GemvTiles(1, 16, 16, 8, 4),
+    "r1_bn64_g16_w4": moe_mxfp4_gemv.GemvTiles(1, 64, 16, 8, 4),
+    "r1_bn32_g32_w4": moe_mxfp4_gemv.GemvTiles(1, 32, 32, 8, 4),
+    "r1_bn32_g16_w2": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 2),
+    "r1_bn32_g16_w8": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 8),
+    "r1_bn32_g16_w4_p4k": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 4, min_programs=4096),
+    "r1_bn32_g16_w4_p1k": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 4, min_programs=1024),
+    "r2_bn32_g16_w4": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 8, 4),
+    "r2_bn16_g16_w4": moe_mxfp4_gemv.GemvTiles(2, 16, 16, 8, 4),
+    "r2_bn32_g32_w4": moe_mxfp4_gemv.GemvTiles(2, 32, 32, 8, 4),
+    "r4_bn32_g16_w4": moe_mxfp4_gemv.GemvTiles(4, 32, 16, 8, 4),
+}
+
+
+def gemv_sweep(layer, name, n_tokens: int, impl) -> dict:
+    """The decode kernels' layer call over GEMV_SWEEP's tiles at `n_tokens` tokens (us); rows-2/4 tiles only where
+    experts average more than one row."""
+    n_experts, top_k, hidden, _ = SHAPES[name]
+    ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
+    x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
+    out = {}
+    for label, tiles in GEMV_SWEEP.items():
+        if tiles.rows > 1 and n_tokens * top_k < n_experts // 2:
+            continue
+        t = attempt(label, lambda tiles=tiles: per_call(lambda x, i, e: x + jnp.asarray(1e-3, x.dtype) * (
+            moe_mxfp4_gemv.grouped_swiglu(x, ids, w, e, tiles=tiles, interpret=impl == "interpret")), x, 20,
+            layer[0])[0])
+        out[label] = None if t is None else round(t * 1e6, 2)
+    return out
 
 
 def sweep(layer, name, impl, which: str = "all") -> dict:
@@ -297,7 +375,20 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
                   f"{cell(r.get('fused_us'))} | {cell(r.get('staged_us'))} | {cell(r.get('online_us'))} ({r['online_mode']}) "
                   f"| {cell(r['online_vs_fp8'])} | {cell(r['bf16_vs_online'])} | {cell(r['bf16_roofline_vs_online'])} "
                   f"| {cell(r.get('fused_pct_of_copy_bw'))} | {kernels} | {resident} |")
+            if r.get("gemv_us"):
+                print(f"|   gemv: {r['gemv_us']} us ({cell(r.get('gemv_pct_of_copy_bw'))}% of copy bw), GPU time "
+                      f"{cell(r.get('gemv_device_us'))} us ({cell(r.get('gemv_device_pct_of_copy_bw'))}%), its MoE "
+                      f"kernels {cell(r.get('gemv_kernels_us'))} us ({cell(r.get('gemv_kernels_pct_of_copy_bw'))}%); "
+                      f"mma {cell(r.get('mma_us'))} us, GPU time {cell(r.get('mma_device_us'))} us "
+                      f"({cell(r.get('mma_device_pct_of_copy_bw'))}%); mma / gemv {cell(r['mma_vs_gemv'])}, "
+                      f"gemv / fp8 {cell(r['gemv_vs_fp8'])}, bf16 / gemv "
+                      f"{cell(r['bf16_vs_gemv'])} |")
         for which in args.sweep.split(",") if args.sweep else ():
+            if which == "gemv":
+                for n in [t for t in tokens if t <= 64] or [1]:
+                    results[f"{name}_sweep_gemv_T{n}_us"] = r = gemv_sweep(layer, name, n, args.impl)
+                    print(f"tile sweep (gemv), {n} token(s) (us):", r)
+                continue
             n = 16 if which == "decode16" else 1
             results[f"{name}_sweep_{which}_T{n}_fused_us"] = r = sweep(layer, name, args.impl, which)
             print(f"tile sweep ({which}), fused, {n} token(s) (us):", r)
@@ -312,7 +403,8 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", default="pallas", help="pallas (GPU), or interpret for a CPU smoke run")
     parser.add_argument("--sweep", nargs="?", const="all",
                         help="also sweep the fused kernel's tiles, comma-separated: all / split_k (1 token: every "
-                             "tile, or the split-K ones), decode16 (16 tokens)")
+                             "tile, or the split-K ones), decode16 (16 tokens); gemv: the decode kernels' tiles at "
+                             "each token count up to 64")
     parser.add_argument("--dense-only", action="store_true", help="time the bf16 variants alone (no MXFP4 / FP8)")
     parser.add_argument("--variants", help=f"comma-separated variants to time (of {', '.join(VARIANTS)}; default all)")
     args = parser.parse_args(argv)
@@ -337,7 +429,8 @@ def main(argv=None) -> int:
     decode = {k: v for k, v in results.items() if k.endswith("_T1") and isinstance(v, dict)}
     for key, r in decode.items():
         print(f"targets {key}: decode bandwidth {r.get('fused_pct_of_copy_bw')}% of copy for the layer, "
-              f"{r.get('fused_kernels_pct_of_copy_bw')}% for its kernels (target >= 70%); online / fp8 "
+              f"{r.get('fused_kernels_pct_of_copy_bw')}% for its kernels; gemv {r.get('gemv_pct_of_copy_bw')}% "
+              f"(layer), {r.get('gemv_kernels_pct_of_copy_bw')}% (kernels) (target >= 70%); online / fp8 "
               f"{r['online_vs_fp8']} (target <= 1.05); bf16 ragged_dot / online {r['bf16_vs_online']}, ideal bf16 "
               f"(active experts at copy bandwidth) / online {r['bf16_roofline_vs_online']} (target >= 2.5)")
     print(f"total {time.perf_counter() - start:.0f} s")

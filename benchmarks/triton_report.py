@@ -1,7 +1,8 @@
 """Registers, spills and shared memory of dayzero's Pallas kernels as Triton builds them for the H200, on a machine
 without a GPU: a resource report that costs no device time.
 
-    python benchmarks/triton_report.py [--op indexer|kda|moe_dense|moe_mxfp4|router|sparse_mla|topk] [--warps 2,4,8] [--sass DIR]
+    python benchmarks/triton_report.py [--op indexer|kda|moe_dense|moe_gemv|moe_mxfp4|router|sparse_mla|topk]
+                                       [--warps 2,4,8] [--sass DIR]
 
 Each kernel of the chosen op is lowered for CUDA through `jax.export` (as tests/triton_lowering.py does), its Triton
 IR captured, compiled by the `triton` package for sm_90 with the kernel's own num_warps / num_stages (or each of
@@ -291,8 +292,35 @@ def moe_mxfp4_cases() -> dict:
     return cases
 
 
-CASES = {"indexer": indexer_cases, "kda": kda_cases, "moe_dense": moe_dense_cases, "moe_mxfp4": moe_mxfp4_cases,
-         "projection": projection_cases, "router": router_cases, "sparse_mla": sparse_mla_cases, "topk": topk_cases}
+def moe_gemv_cases() -> dict:
+    """The MXFP4 decode kernels (CUDA-core products, kernels/moe_mxfp4_gemv.py) at the DeepSeek-size layer (256
+    experts, top-8, 7168 x 2048) and the medium hybrid's (64, top-6, 2048 x 768): 1 token, and 16 tokens with 1 and 2
+    rows per tile."""
+    from dayzero.kernels import moe_mxfp4_gemv, mxfp4
+
+    S = jax.ShapeDtypeStruct
+    cases = {}
+    for label, (n_experts, top_k, hidden, inter), n_tokens, rows in (
+            ("deepseek", (256, 8, 7168, 2048), 1, 1), ("deepseek", (256, 8, 7168, 2048), 16, 2),
+            ("deepseek", (256, 8, 7168, 2048), 64, 4), ("medium", (64, 6, 2048, 768), 1, 1)):
+        gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(inter)
+        data = (S((n_experts, inter, gd, 16), jnp.uint8), S((n_experts, hidden, gi, 16), jnp.uint8))
+        scales = (S((n_experts, inter, gd), jnp.uint8), S((n_experts, hidden, gi), jnp.uint8))
+
+        def fn(x, ids, w, g, u, d, gs, us, ds, rows=rows):
+            ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds)
+            return moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=moe_mxfp4_gemv.GemvTiles(rows=rows))
+
+        cases[f"{label} T{n_tokens} rows{rows}"] = (fn, (S((n_tokens, hidden), jnp.bfloat16),
+                                                         S((n_tokens, top_k), jnp.int32),
+                                                         S((n_tokens, top_k), jnp.float32),
+                                                         data[0], data[0], data[1], scales[0], scales[0], scales[1]))
+    return cases
+
+
+CASES = {"indexer": indexer_cases, "kda": kda_cases, "moe_dense": moe_dense_cases, "moe_gemv": moe_gemv_cases,
+         "moe_mxfp4": moe_mxfp4_cases, "projection": projection_cases, "router": router_cases,
+         "sparse_mla": sparse_mla_cases, "topk": topk_cases}
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import dispatch, moe_tiles, tiles as tiling
+from . import dispatch, moe_mxfp4_gemv, moe_tiles, tiles as tiling
 from .mxfp4 import BLOCK, SCALE_NAN, ExpertWeights
 
 _HALF = BLOCK // 2
@@ -420,17 +420,24 @@ def expert_rows(p: Plan, ew: ExpertWeights, hidden_dtype, tiles: Tiles, interpre
 
 
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ew: ExpertWeights,
-                   slot_of_expert: jax.Array | None = None, n_experts: int | None = None, tiles: Tiles | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   slot_of_expert: jax.Array | None = None, n_experts: int | None = None,
+                   tiles: Tiles | moe_mxfp4_gemv.GemvTiles | None = None, interpret: bool = False) -> jax.Array:
     """Routed SwiGLU experts. x [T, D], topk_ids [T, k] int, topk_weights [T, k] -> [T, D] of x.dtype.
 
     `ew` holds the weights in any format; entry `slot_of_expert[e]` holds expert e (default: entry e). The
-    intermediate size must be even.
+    intermediate size must be even. Decode-sized calls on packed MXFP4 experts run the CUDA-core kernels of
+    `moe_mxfp4_gemv` where `moe_mxfp4_gemv.choose` takes them (or `tiles` is a `GemvTiles`).
     """
     if ew.intermediate_size % 2:
         raise ValueError(f"the experts' intermediate size ({ew.intermediate_size}) must be even")
     if n_experts is None:
         n_experts = slot_of_expert.shape[0] if slot_of_expert is not None else ew.gate.shape[0]
+    if tiles is None and slot_of_expert is None:
+        tiles = moe_mxfp4_gemv.choose(topk_ids.size, n_experts, ew.fmt)
+    if isinstance(tiles, moe_mxfp4_gemv.GemvTiles):
+        if slot_of_expert is not None or ew.fmt != "mxfp4":
+            raise ValueError("GemvTiles run packed MXFP4 experts, not workspace slots or converted experts")
+        return moe_mxfp4_gemv.grouped_swiglu(x, topk_ids, topk_weights, ew, n_experts, tiles, interpret)
     tiles = tiles or choose_tiles(topk_ids.size, n_experts)
     p = plan(x, topk_ids, ew, slot_of_expert, n_experts, tiles)
     if _split_k(ew, tiles):

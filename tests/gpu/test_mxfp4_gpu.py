@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mxfp4_cases import ROUTINGS, converted, oracle, packed_experts, rel_err, routing
-from dayzero.kernels import moe, moe_mxfp4, moe_workspace, mxfp4
+from dayzero.kernels import moe, moe_mxfp4, moe_mxfp4_gemv, moe_workspace, mxfp4
 
 pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices()),
                                 reason="no GPU on this machine")
@@ -111,6 +111,29 @@ def test_decode_tile_variants(seed, name, shape, n_tokens, fmt):
     """Decode tile variants (the weights as the MMA's A operand, wider K steps, scales loaded a step ahead) against
     the reference."""
     _check_tiles(seed, shape, n_tokens, fmt, DECODE_VARIANTS[name], name)
+
+
+@pytest.mark.parametrize("shape, n_tokens, rows", [((64, 6, 2048, 768), 1, 1), ((64, 6, 2048, 768), 16, 2),
+                                                   ((64, 6, 2048, 768), 77, 4), ((256, 8, 7168, 2048), 1, 1),
+                                                   ((256, 8, 7168, 2048), 16, 1), ((256, 8, 7168, 2048), 5, 2),
+                                                   ((256, 8, 7168, 2048), 64, 4)])
+def test_gemv_decode_kernels(seed, shape, n_tokens, rows):
+    """The CUDA-core decode kernels (moe_mxfp4_gemv: inline PTX, fp16 block sums) against the reference."""
+    _check_tiles(seed, shape, n_tokens, "mxfp4", moe_mxfp4_gemv.GemvTiles(rows=rows), f"gemv rows={rows}")
+
+
+def test_gemv_skewed_loads(seed):
+    """bf16 activations, empty experts and one expert taking every token, through the decode kernels."""
+    key = jax.random.key(seed)
+    ew = mxfp4.random_experts(key, 64, 2048, 768)
+    for kind in ROUTINGS[1:]:
+        top_k = 1 if kind == "single_last" else 2
+        ids, w = _device_routing(jax.random.fold_in(key, 1), 9, 64, top_k, kind)
+        x = jax.random.normal(jax.random.fold_in(key, 2), (9, 2048), jnp.bfloat16)
+        for rows in moe_mxfp4_gemv.ROWS:
+            got, _ = _packed(x, ids, w, ew, tiles=moe_mxfp4_gemv.GemvTiles(rows=rows), impl="pallas")
+            want, _ = _reference(x.astype(jnp.float32), ids, w, ew)
+            assert rel_err(got, want) < 2e-2, f"{kind} rows={rows}: {rel_err(got, want):.2e} (seed={seed})"
 
 
 @pytest.mark.parametrize("fmt,tol", [("float8_e4m3fn", 4e-3), ("bfloat16", 2e-2)])

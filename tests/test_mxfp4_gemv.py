@@ -1,0 +1,227 @@
+"""MXFP4 decode kernels (kernels/moe_mxfp4_gemv.py): the layer in interpret mode against the float64 oracle at odd
+token counts and skewed loads for every tile height, the activation packing, the inline PTX block product emulated
+instruction by instruction against the jnp form, dispatch, and the lowering to Triton at the real shapes."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mxfp4_cases import oracle, packed_experts, rel_err, routing
+from triton_lowering import lower_for_cuda
+from dayzero.kernels import moe, moe_mxfp4, moe_mxfp4_gemv as gemv, mxfp4
+
+E, D, I = 6, 72, 40  # 72: a padded, odd number of K blocks; 40: a masked block of weight rows
+SMALL = dict(block_n=16, max_groups=2, split_k=2, min_programs=64)  # several row blocks, K steps and splits
+
+
+@pytest.mark.parametrize("rows", gemv.ROWS)
+@pytest.mark.parametrize("kind,n_tokens,top_k", [("random", 1, 2), ("random", 5, 2), ("one_expert_takes_all", 7, 2),
+                                                 ("empty_experts", 4, 2), ("single_last", 3, 1)])
+def test_layer_matches_oracle(seed, rows, kind, n_tokens, top_k):
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, E, D, I)
+    x = rng.standard_normal((n_tokens, D)).astype(np.float32)
+    ids, w = routing(rng, kind, n_tokens, E, top_k)
+    tiles = gemv.GemvTiles(rows=rows, **SMALL)
+    got = gemv.grouped_swiglu(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), ew, tiles=tiles, interpret=True)
+    assert got.shape == x.shape and got.dtype == jnp.float32
+    err = rel_err(got, oracle(x, ids, w, ew))
+    assert err < 2e-3, f"rows={rows} {kind} T={n_tokens}: {err:.2e} (seed={seed})"
+
+
+def test_splits_and_programs():
+    tiles = gemv.GemvTiles(block_n=32, max_groups=8, split_k=8, min_programs=2048)
+    assert gemv._k_split(224, tiles, 8 * 64) == (8, 4)  # DeepSeek gate/up at one token: 28 steps, 4 splits
+    assert gemv._k_split(224, tiles, 4096) == (8, 1)  # enough programs already
+    assert gemv._k_split(24, tiles, 96) == (8, 3)  # 3 steps: at most 3 splits
+    assert gemv._k_split(3, tiles, 1) == (1, 3)
+    assert gemv._launch(224, tiles) == (32, 8, 4)  # 32 x 8 blocks: two per thread of 4 warps
+    assert gemv._launch(3, gemv.GemvTiles(block_n=32)) == (32, 1, 1)  # one block of K per step: one warp
+    assert gemv._launch(1, gemv.GemvTiles(block_n=16, num_warps=2)) == (32, 1, 1)  # rows added to fill a warp
+    for groups in (1, 2, 3, 24, 64, 224):
+        for tiles_ in (gemv.GemvTiles(block_n=16), gemv.GemvTiles(block_n=64, num_warps=8), tiles):
+            bn, gk, warps = gemv._launch(groups, tiles_)
+            assert bn * gk >= 32 * warps, (groups, tiles_)  # every thread holds whole MX blocks
+    with pytest.raises(ValueError, match="rows"):
+        gemv.GemvTiles(rows=3)
+    with pytest.raises(ValueError, match="block_n"):
+        gemv.GemvTiles(block_n=24)
+
+
+def test_activation_words_order_and_scale(seed):
+    """Word 4j + m of a block holds the fp16 pair the PTX conversion of the block's word j pairs it with, each row
+    scaled to a maximum in [2^13, 2^14), the factor undoing it; _unpack_words gives back each byte's two elements."""
+    rng = np.random.default_rng(seed)
+    v = (rng.standard_normal((3, 70)) * np.array([[1e-3], [1.0], [300.0]])).astype(np.float32)
+    words, factor = gemv.activation_words(jnp.asarray(v))
+    assert words.shape == (3, 3, 16) and words.dtype == jnp.uint32
+    even, odd = (np.asarray(a, np.float64) for a in gemv._unpack_words(words))
+    scaled = np.zeros((3, 96))
+    scaled[:, :70] = v
+    want = scaled / np.asarray(factor)[:, None]
+    assert np.all(np.abs(want).max(axis=1) < 2 ** 14) and np.all(np.abs(want).max(axis=1) >= 2 ** 13)
+    np.testing.assert_allclose(even.reshape(3, -1), want[:, 0::2], rtol=2 ** -11)
+    np.testing.assert_allclose(odd.reshape(3, -1), want[:, 1::2], rtol=2 ** -11)
+    h = np.asarray(jax.lax.bitcast_convert_type(words, jnp.float16), np.float64)  # [3, G, 16, 2]
+    for j, m, lane, element in ((0, 0, 1, 2), (0, 1, 0, 4), (1, 2, 0, 9), (3, 3, 1, 31)):
+        np.testing.assert_allclose(h[:, 1, 4 * j + m, lane], want[:, 32 + element], rtol=2 ** -11)
+
+
+def _f16(bits: int) -> float:
+    return float(np.array([bits & 0xFFFF], np.uint16).view(np.float16)[0])
+
+
+def _f16_bits(value: float) -> int:
+    return int(np.array([value], np.float16).view(np.uint16)[0])
+
+
+def _f32(bits: int) -> float:
+    return float(np.array([bits & 0xFFFFFFFF], np.uint32).view(np.float32)[0])
+
+
+def _f32_bits(value: float) -> int:
+    return int(np.array([value], np.float32).view(np.uint32)[0])
+
+
+def run_block_ptx(ptx: str, operands: dict[int, int]) -> dict[int, int]:
+    """Emulates the block-product PTX: operands {$k: 32-bit pattern}; returns the final operands. Integer ops on
+    .b32, fp16x2 products with one rounding per operation, float32 ops rounded to float32."""
+    regs = {f"${k}": v for k, v in operands.items()}
+
+    def val(tok):
+        tok = tok.strip()
+        return int(tok, 0) & 0xFFFFFFFF if tok[0].isdigit() else regs[tok]
+
+    def halves(op, *vals):
+        lanes = []
+        for lane in (0, 1):
+            a = [_f16(v >> (16 * lane)) for v in vals]
+            lanes.append(_f16_bits(a[0] * a[1] + (a[2] if op == "fma" else 0.0)))
+        return lanes[0] | lanes[1] << 16
+
+    for line in ptx.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32":  # {u, v}, a
+            dst, src = args.rsplit(",", 1)
+            u, v = re.findall(r"\w+", dst)
+            regs[u], regs[v] = val(src) & 0xFFFF, val(src) >> 16
+            continue
+        dst, *src = [a.strip() for a in args.split(",")]
+        a = [val(t) for t in src]
+        if op == "prmt.b32":
+            pool = [(a[0] >> (8 * i)) & 0xFF for i in range(4)] + [(a[1] >> (8 * i)) & 0xFF for i in range(4)]
+            out = sum(pool[(a[2] >> (4 * i)) & 0x7] << (8 * i) for i in range(4))
+        elif op in ("mul.rn.f16x2", "fma.rn.f16x2"):
+            out = halves(op[:3], *a)
+        elif op == "cvt.f32.f16":
+            out = _f32_bits(_f16(a[0]))
+        elif op == "add.f32":
+            out = _f32_bits(np.float32(_f32(a[0])) + np.float32(_f32(a[1])))
+        elif op == "fma.rn.f32":
+            out = _f32_bits(_f32(a[0]) * _f32(a[1]) + _f32(a[2]))
+        else:
+            out = {"shl.b32": lambda: a[0] << a[1], "shr.b32": lambda: a[0] >> a[1], "and.b32": lambda: a[0] & a[1],
+                   "or.b32": lambda: a[0] | a[1]}[op]()
+        regs[dst] = out & 0xFFFFFFFF
+    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
+
+
+@pytest.mark.parametrize("rows", gemv.ROWS)
+def test_block_ptx_matches_jnp(seed, rows):
+    """The inline PTX (the GPU path) on one MX block: every nibble value, rows of activations from
+    `activation_words`; column r < rows gets the jnp form's block product (fp16 sums: to ~1e-3 of the block's
+    magnitude), the other columns keep the accumulator bit for bit."""
+    rng = np.random.default_rng(seed)
+    ptx = gemv._block_ptx(rows)
+    assert gemv._constraints(rows).count(",") + 1 == 16 + 16 + 4 + 16 * rows + 16
+    for trial in range(4):
+        block = np.concatenate([np.arange(16, dtype=np.uint8) * 17 if trial == 0 else
+                                rng.integers(0, 256, 16, dtype=np.uint8)])
+        words, _ = gemv.activation_words(jnp.asarray(rng.standard_normal((rows, 32)).astype(np.float32)))
+        words = np.asarray(words)[:, 0]  # [rows, 16]
+        acc = rng.standard_normal(16).astype(np.float32)
+        fac = np.float32(2.0 ** rng.integers(-8, 8))
+        operands = {k: _f32_bits(acc[k]) for k in range(16)}
+        operands.update({32 + j: int.from_bytes(bytes(block[4 * j:4 * j + 4]), "little") for j in range(4)})
+        operands.update({36 + 16 * r + i: int(words[r, i]) for r in range(rows) for i in range(16)})
+        operands.update({36 + 16 * rows + i: _f32_bits(fac) for i in range(16)})
+        out = run_block_ptx(ptx, operands)
+        got = np.array([_f32(out[k]) for k in range(16)], np.float32)
+        want = np.asarray(gemv._block_products(jnp.asarray(acc)[None, None], jnp.asarray(block)[None, None],
+                                               [jnp.asarray(words[r])[None] for r in range(rows)],
+                                               jnp.full((1, 1), fac), asm=False))[0, 0]
+        magnitude = np.asarray(gemv._block_products(  # the sum of |products|, what fp16 rounding scales with
+            jnp.zeros((1, 1, 16)), jnp.asarray(block & 0x77)[None, None],
+            [jnp.asarray(words[r] & 0x7FFF7FFF)[None] for r in range(rows)], jnp.full((1, 1), fac), asm=False))[0, 0]
+        assert np.all(np.abs(got[:rows] - want[:rows]) <= 2e-3 * magnitude[:rows] + 1e-6), (got, want, magnitude)
+        assert np.array_equal(got[rows:].view(np.uint32), acc[rows:].view(np.uint32))
+
+
+def _expert_specs(n_experts: int, hidden: int, inter: int) -> mxfp4.ExpertWeights:
+    """Shapes of packed MXFP4 experts, for lowering without data."""
+    s = jax.ShapeDtypeStruct
+    gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(inter)
+    up = s((n_experts, inter, gd, 16), jnp.uint8)
+    up_scales = s((n_experts, inter, gd), jnp.uint8)
+    return mxfp4.ExpertWeights(up, up, s((n_experts, hidden, gi, 16), jnp.uint8), up_scales, up_scales,
+                               s((n_experts, hidden, gi), jnp.uint8))
+
+
+def test_dispatch(monkeypatch):
+    """`choose` takes MXFP4 calls whose active experts average up to MAX_ROWS_PER_EXPERT rows; moe_mxfp4's
+    grouped_swiglu (and so the model's MoE layers) runs these kernels for them, with tiles as tall as an active
+    expert's rows on average, and the MMA kernels for the rest."""
+    assert gemv.tiles_for(8, 256).rows == 1 and gemv.tiles_for(128, 256).rows == 1
+    assert gemv.tiles_for(512, 256).rows == 2 and gemv.tiles_for(2048, 256).rows == 4
+    monkeypatch.setattr(gemv, "MAX_ROWS_PER_EXPERT", 3.0)
+    assert gemv.choose(6, 64, "mxfp4") is not None and gemv.choose(192, 64, "mxfp4") is not None
+    assert gemv.choose(193, 64, "mxfp4") is None and gemv.choose(8192 * 8, 256, "mxfp4") is None
+    assert gemv.choose(8, 64, "float8_e4m3fn") is None
+    s = jax.ShapeDtypeStruct
+    ew = _expert_specs(64, 2048, 768)
+    args = (s((2, 2048), jnp.bfloat16), s((2, 6), jnp.int32), s((2, 6), jnp.float32))
+    fn = lambda x, i, w, ew: moe.moe_experts_packed(x, i, w, ew, impl="pallas")[0]  # noqa: E731
+    text = lower_for_cuda(fn, *args, ew)
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "moe_gemv_gate_up_r1" in text, "the decode kernels"
+    monkeypatch.setattr(gemv, "MAX_ROWS_PER_EXPERT", 0.0)
+    again = lambda x, i, w, ew: moe.moe_experts_packed(x, i, w, ew, impl="pallas")[0]  # noqa: E731 (a fresh trace)
+    assert "moe_gemv_gate_up" not in lower_for_cuda(again, *args, ew)
+
+
+@pytest.mark.parametrize("shape,n_tokens,rows", [((256, 8, 7168, 2048), 1, 1), ((256, 8, 7168, 2048), 16, 2),
+                                                 ((64, 6, 2048, 768), 3, 4)])
+def test_lowers_to_triton(shape, n_tokens, rows):
+    """Both kernels lower for CUDA at the DeepSeek-size and medium layers, the block PTX inside."""
+    n_experts, top_k, hidden, inter = shape
+    s = jax.ShapeDtypeStruct
+    ew = _expert_specs(n_experts, hidden, inter)
+    args = (s((n_tokens, hidden), jnp.bfloat16), s((n_tokens, top_k), jnp.int32), s((n_tokens, top_k), jnp.float32))
+    tiles = gemv.GemvTiles(rows=rows)
+    text = lower_for_cuda(lambda x, i, w, ew: gemv.grouped_swiglu(x, i, w, ew, tiles=tiles), *args, ew)
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert "fma.rn.f16x2" in text
+
+
+def test_rejects_other_formats():
+    rng = np.random.default_rng(0)
+    ew = packed_experts(rng, E, D, I, "float8_e4m3fn")
+    with pytest.raises(ValueError, match="MXFP4"):
+        gemv.grouped_swiglu(jnp.zeros((1, D)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), ew, interpret=True)
+
+
+def test_moe_mxfp4_rejects_workspace_slots_for_gemv_tiles():
+    """Explicit decode tiles with workspace slots (converted entries, not packed MXFP4) is a typed error."""
+    rng = np.random.default_rng(0)
+    ew = packed_experts(rng, E, D, I)
+    with pytest.raises(ValueError, match="packed MXFP4"):
+        moe_mxfp4.grouped_swiglu(jnp.zeros((1, D)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), ew,
+                                 slot_of_expert=jnp.arange(E), tiles=gemv.GemvTiles(), interpret=True)
+
