@@ -250,19 +250,15 @@ def traced_device_time(layer, x, ew, interpret: bool, calls: int = 10) -> tuple[
 
 
 GEMV_SWEEP = {  # label: GemvTiles, swept by --sweep gemv at each token count (the tiles' rows as tall as they fit)
-    "r1_bn32_g8_w4": moe_mxfp4_gemv.GemvTiles(1, 32, 8, 8, 4),
     "r1_bn32_g16_w4": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 4),
     "r1_bn16_g16_w4": moe_mxfp4_gemv.GemvTiles(1, 16, 16, 8, 4),
-    "r1_bn64_g16_w4": moe_mxfp4_gemv.GemvTiles(1, 64, 16, 8, 4),
-    "r1_bn32_g32_w4": moe_mxfp4_gemv.GemvTiles(1, 32, 32, 8, 4),
-    "r1_bn32_g16_w2": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 2),
-    "r1_bn32_g16_w8": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 8),
-    "r1_bn32_g16_w4_p4k": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 4, min_programs=4096),
-    "r1_bn32_g16_w4_p1k": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 4, min_programs=1024),
     "r2_bn32_g16_w4": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 8, 4),
-    "r2_bn16_g16_w4": moe_mxfp4_gemv.GemvTiles(2, 16, 16, 8, 4),
-    "r2_bn32_g32_w4": moe_mxfp4_gemv.GemvTiles(2, 32, 32, 8, 4),
+    "r2a_bn32_g16_w4": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 8, 4, adaptive=True),
     "r4_bn32_g16_w4": moe_mxfp4_gemv.GemvTiles(4, 32, 16, 8, 4),
+    "r4a_bn32_g16_w4": moe_mxfp4_gemv.GemvTiles(4, 32, 16, 8, 4, adaptive=True),
+    "r4a_bn16_g16_w4": moe_mxfp4_gemv.GemvTiles(4, 16, 16, 8, 4, adaptive=True),
+    "r4a_bn32_g8_w4": moe_mxfp4_gemv.GemvTiles(4, 32, 8, 8, 4, adaptive=True),
+    "r4a_bn32_g16_w2": moe_mxfp4_gemv.GemvTiles(4, 32, 16, 8, 2, adaptive=True),
 }
 
 

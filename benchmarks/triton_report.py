@@ -294,22 +294,24 @@ def moe_mxfp4_cases() -> dict:
 
 def moe_gemv_cases() -> dict:
     """The MXFP4 decode kernels (CUDA-core products, kernels/moe_mxfp4_gemv.py) at the DeepSeek-size layer (256
-    experts, top-8, 7168 x 2048) and the medium hybrid's (64, top-6, 2048 x 768): 1 token, and 16 tokens with 1 and 2
-    rows per tile."""
+    experts, top-8, 7168 x 2048) and the medium hybrid's (64, top-6, 2048 x 768): 1 token; 16 and 64 tokens with 2- and
+    4-row tiles, and 4-row tiles that multiply only their real rows ("4a": `GemvTiles.adaptive`)."""
     from dayzero.kernels import moe_mxfp4_gemv, mxfp4
 
     S = jax.ShapeDtypeStruct
     cases = {}
     for label, (n_experts, top_k, hidden, inter), n_tokens, rows in (
             ("deepseek", (256, 8, 7168, 2048), 1, 1), ("deepseek", (256, 8, 7168, 2048), 16, 2),
-            ("deepseek", (256, 8, 7168, 2048), 64, 4), ("medium", (64, 6, 2048, 768), 1, 1)):
+            ("deepseek", (256, 8, 7168, 2048), 64, 4), ("deepseek", (256, 8, 7168, 2048), 64, "4a"),
+            ("medium", (64, 6, 2048, 768), 1, 1)):
         gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(inter)
         data = (S((n_experts, inter, gd, 16), jnp.uint8), S((n_experts, hidden, gi, 16), jnp.uint8))
         scales = (S((n_experts, inter, gd), jnp.uint8), S((n_experts, hidden, gi), jnp.uint8))
 
         def fn(x, ids, w, g, u, d, gs, us, ds, rows=rows):
             ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds)
-            return moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=moe_mxfp4_gemv.GemvTiles(rows=rows))
+            tiles = moe_mxfp4_gemv.GemvTiles(rows=int(str(rows)[0]), adaptive=str(rows).endswith("a"))
+            return moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=tiles)
 
         cases[f"{label} T{n_tokens} rows{rows}"] = (fn, (S((n_tokens, hidden), jnp.bfloat16),
                                                          S((n_tokens, top_k), jnp.int32),

@@ -45,7 +45,9 @@ ROWS = (1, 2, 4)
 class GemvTiles:
     """Launch shape of the decode kernels: `rows` token rows per tile (one expert), `block_n` weight rows per
     program, up to `max_groups` MX blocks of K per loop step; K is split over up to `split_k` programs, as far as
-    needed for `min_programs` programs per kernel."""
+    needed for `min_programs` programs per kernel. `adaptive`: each tile multiplies its blocks into only as many rows
+    as it holds (1, 2 or 4 of `rows`), so a tall tile costs a short one's instructions where its expert has fewer
+    tokens."""
 
     rows: int = 1
     block_n: int = 32
@@ -53,6 +55,7 @@ class GemvTiles:
     split_k: int = 8
     num_warps: int = 4
     min_programs: int = 2048
+    adaptive: bool = False
 
     def __post_init__(self):
         if self.rows not in ROWS:
@@ -64,27 +67,36 @@ class GemvTiles:
 
 
 # Layer calls whose active experts average at most this many token rows take these kernels (`choose`); the MMA
-# kernels of moe_mxfp4 run the rest. H200 (benchmarks/moe.py, 2026-12-02): DeepSeek-size layer at 1 / 16 / 64
-# tokens (1, 1.3, 2.4 rows per active expert) 107 / 962 / 2424 us against the MMA kernels' 182 / 1607 / 3402; the
-# medium layer at 16 tokens (1.9 rows) 99 against 132 us, at 64 tokens (6 rows) 198 against 157 us.
-MAX_ROWS_PER_EXPERT = 3.0
+# kernels of moe_mxfp4 run the rest. H200 (benchmarks/moe.py, 2026-12-02, GPU time of the layer call, tiles of 1 or 2
+# rows): DeepSeek-size layer at 1 / 16 / 32 / 64 / 96 tokens (1.0 / 1.3 / 1.6 / 2.4 / 3.2 rows per active expert)
+# 75 / 790 / 1447 / 2321 / 3157 us against the MMA kernels' 169 / 1562 / 2474 / 3336 / 3678; the medium layer at 16
+# / 32 tokens (1.9 / 3.0 rows) 79 / 110 against 119 / 131 us, at 64 tokens (6 rows) 185 against 137 us.
+MAX_ROWS_PER_EXPERT = 3.5
+
+
+def rows_per_active_expert(n_pairs: int, n_experts: int) -> float:
+    """Token rows an active expert gets on average when `n_pairs` pairs pick among `n_experts` experts uniformly
+    (E (1 - (1 - 1/E)^P) experts active): 1 for one token's distinct top-k, 1.27 for 16 tokens x top-8 of 256 (101 active)."""
+    active = n_experts * (1.0 - (1.0 - 1.0 / n_experts) ** n_pairs) if n_experts > 1 else 1.0
+    return n_pairs / max(1.0, active)
 
 
 def tiles_for(n_pairs: int, n_experts: int) -> GemvTiles:
-    """Tiles for a layer call of `n_pairs` token-expert pairs: tiles of as many rows as an active expert has on
-    average (1, 2 or 4), 16 MX blocks per K step, 16 weight rows per program for one token's experts, else 32. H200
-    (benchmarks/moe.py --sweep gemv, 2026-12-02), DeepSeek-size layer: 16 tokens 835 us against 970 us with 8 blocks
-    per step; 1 token 84 us with 16 rows against 98 us with 32; 64 tokens (2.4 rows per active expert) 2366 us with
-    2-row tiles against 2758 us with 1-row tiles."""
-    per_expert = n_pairs / max(1, min(n_experts, n_pairs))
-    rows = 1 if per_expert <= 1.5 else 2 if per_expert <= 3 else 4
-    return GemvTiles(rows=rows, block_n=16 if n_pairs <= 16 else 32, max_groups=16)
+    """Tiles for a layer call of `n_pairs` token-expert pairs: 1-row tiles where active experts have about one row
+    (one token's experts; `rows_per_active_expert`), else 2-row tiles that multiply a single-row tile's blocks once (`adaptive`); 16 MX blocks per K
+    step, 16 weight rows per program for one token's experts, else 32. H200 (benchmarks/moe.py --sweep gemv,
+    2026-12-02), DeepSeek-size layer: 16 tokens 794 us (adaptive 2-row tiles) against 824 (1-row) and 877 (2-row),
+    970 us with 8 blocks per step; 32 / 64 tokens 1333 / 2224 us against 1436 / 2373 (2-row) and 1501 / 2757
+    (1-row); adaptive 4-row tiles slower (1613 / 2462); 1 token 84 us with 16 weight rows against 98 with 32."""
+    if rows_per_active_expert(n_pairs, n_experts) <= 1.1:
+        return GemvTiles(rows=1, block_n=16 if n_pairs <= 16 else 32, max_groups=16)
+    return GemvTiles(rows=2, block_n=32, max_groups=16, adaptive=True)
 
 
 def choose(n_pairs: int, n_experts: int, fmt: str) -> GemvTiles | None:
     """The decode kernels' tiles for a layer call, or None where the MMA kernels of moe_mxfp4 run it (other formats,
     or more rows per active expert than MAX_ROWS_PER_EXPERT)."""
-    if fmt != "mxfp4" or n_pairs / max(1, min(n_experts, n_pairs)) > MAX_ROWS_PER_EXPERT:
+    if fmt != "mxfp4" or rows_per_active_expert(n_pairs, n_experts) > MAX_ROWS_PER_EXPERT:
         return None
     return tiles_for(n_pairs, n_experts)
 
@@ -189,27 +201,24 @@ def _block_products(acc, w, xs, fac, asm: bool):
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _kernel(tile_ref, src_ref, factor_ref, x_ref, *refs, rows, bn, gk, k_steps, n_valid, asm):
+def _kernel(tile_ref, src_ref, factor_ref, x_ref, *refs, rows, widths, bn, gk, k_steps, n_valid, asm):
     *w_refs, o_ref = refs
     n_proj = len(w_refs) // 2
     t, j, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = tile_ref[t]
+    c0 = j * bn
+    cmask = c0 + jnp.arange(bn, dtype=jnp.int32) < n_valid
+    src = [src_ref[t * rows + r] for r in range(rows)]
 
-    @pl.when(expert >= 0)
-    def _():
-        c0 = j * bn
-        cols = c0 + jnp.arange(bn, dtype=jnp.int32)
-        cmask = cols < n_valid
-        src = [src_ref[t * rows + r] for r in range(rows)]
-
+    def products(width):
+        """The K loop over the tile's first `width` rows; stores their partial sums."""
         def load(kk):
             groups = pl.ds((q * k_steps + kk) * gk, gk)
             ws = tuple(pltriton.load(w_refs[2 * i].at[expert, pl.ds(c0, bn), groups, :], mask=cmask[:, None, None],
                                      other=0) for i in range(n_proj))
             ss = tuple(pltriton.load(w_refs[2 * i + 1].at[expert, pl.ds(c0, bn), groups], mask=cmask[:, None],
                                      other=0) for i in range(n_proj))
-            xs = tuple(x_ref[s, groups, :] for s in src)
-            return ws, ss, xs
+            return ws, ss, tuple(x_ref[s, groups, :] for s in src[:width])
 
         def step(kk, accs):
             ws, ss, xs = load(kk)  # no loads carried ahead: a carried uint8 tile is unpacked byte by byte
@@ -223,12 +232,22 @@ def _kernel(tile_ref, src_ref, factor_ref, x_ref, *refs, rows, bn, gk, k_steps, 
         zeros = tuple(jnp.zeros((bn, gk, _BYTES), jnp.float32) for _ in range(n_proj))
         accs = jax.lax.fori_loop(0, k_steps, step, zeros)
         col = jax.lax.broadcasted_iota(jnp.int32, (bn, gk, _BYTES), 2)
-        for r in range(rows):
+        for r in range(width):
             f = factor_ref[src[r]] * _UNIT
             for i, acc in enumerate(accs):
                 y = jnp.sum(jnp.sum(jnp.where(col == r, acc, 0.0), axis=2), axis=1) * f
                 # a traced projection index (a bare int trips masked-store discharge in interpret mode)
                 pltriton.store(o_ref.at[q, t * rows + r, jnp.int32(i), pl.ds(c0, bn)], y, mask=cmask)
+
+    if len(widths) == 1:
+        pl.when(expert >= 0)(lambda: products(rows))
+        return
+    # the tile's real rows (padding rows read the activations' last, zero row), then the narrowest products covering
+    # them: each program's branch is uniform
+    pad = x_ref.shape[0] - 1
+    real = sum((s < pad).astype(jnp.int32) for s in src)
+    for lower, width in zip((0,) + widths[:-1], widths):
+        pl.when((expert >= 0) & (real > lower) & (real <= width))(functools.partial(products, width))
 
 
 def _k_split(groups: int, tiles: GemvTiles, programs: int) -> tuple[int, int]:
@@ -263,7 +282,8 @@ def partial_products(tile_expert, src_of_row, words, factor, weights, tiles: Gem
     bn, gk, warps = _launch(groups, tiles)
     grid = (n_rows // tiles.rows, pl.cdiv(n_out, bn))
     gk, split = _k_split(groups, tiles, grid[0] * grid[1])
-    kernel = functools.partial(_kernel, rows=tiles.rows, bn=bn, gk=gk, k_steps=groups // gk // split,
+    widths = tuple(w for w in ROWS if w <= tiles.rows) if tiles.adaptive else (tiles.rows,)
+    kernel = functools.partial(_kernel, rows=tiles.rows, widths=widths, bn=bn, gk=gk, k_steps=groups // gk // split,
                                n_valid=n_out, asm=dispatch.nvidia_ptx(interpret))
     return pl.pallas_call(
         kernel,
@@ -271,7 +291,7 @@ def partial_products(tile_expert, src_of_row, words, factor, weights, tiles: Gem
         grid=grid + (split,),
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret,
-        name=f"moe_gemv_{'gate_up' if len(weights) == 2 else 'down'}_r{tiles.rows}",
+        name=f"moe_gemv_{'gate_up' if len(weights) == 2 else 'down'}_r{tiles.rows}{'a' * tiles.adaptive}",
     )(tile_expert, src_of_row, factor, words, *[a for w in weights for a in w])
 
 

@@ -19,19 +19,20 @@ E, D, I = 6, 72, 40  # 72: a padded, odd number of K blocks; 40: a masked block 
 SMALL = dict(block_n=16, max_groups=2, split_k=2, min_programs=64)  # several row blocks, K steps and splits
 
 
-@pytest.mark.parametrize("rows", gemv.ROWS)
+@pytest.mark.parametrize("rows,adaptive", [(1, False), (2, False), (4, False), (4, True)])
 @pytest.mark.parametrize("kind,n_tokens,top_k", [("random", 1, 2), ("random", 5, 2), ("one_expert_takes_all", 7, 2),
                                                  ("empty_experts", 4, 2), ("single_last", 3, 1)])
-def test_layer_matches_oracle(seed, rows, kind, n_tokens, top_k):
+def test_layer_matches_oracle(seed, rows, adaptive, kind, n_tokens, top_k):
+    """Every tile height, and 4-row tiles that multiply only their real rows (`adaptive`: 1, 2 or 4 of them)."""
     rng = np.random.default_rng(seed)
     ew = packed_experts(rng, E, D, I)
     x = rng.standard_normal((n_tokens, D)).astype(np.float32)
     ids, w = routing(rng, kind, n_tokens, E, top_k)
-    tiles = gemv.GemvTiles(rows=rows, **SMALL)
+    tiles = gemv.GemvTiles(rows=rows, adaptive=adaptive, **SMALL)
     got = gemv.grouped_swiglu(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), ew, tiles=tiles, interpret=True)
     assert got.shape == x.shape and got.dtype == jnp.float32
     err = rel_err(got, oracle(x, ids, w, ew))
-    assert err < 2e-3, f"rows={rows} {kind} T={n_tokens}: {err:.2e} (seed={seed})"
+    assert err < 2e-3, f"rows={rows} adaptive={adaptive} {kind} T={n_tokens}: {err:.2e} (seed={seed})"
 
 
 def test_splits_and_programs():
@@ -179,11 +180,15 @@ def test_dispatch(monkeypatch):
     """`choose` takes MXFP4 calls whose active experts average up to MAX_ROWS_PER_EXPERT rows; moe_mxfp4's
     grouped_swiglu (and so the model's MoE layers) runs these kernels for them, with tiles as tall as an active
     expert's rows on average, and the MMA kernels for the rest."""
-    assert gemv.tiles_for(8, 256).rows == 1 and gemv.tiles_for(128, 256).rows == 1
-    assert gemv.tiles_for(512, 256).rows == 2 and gemv.tiles_for(2048, 256).rows == 4
-    monkeypatch.setattr(gemv, "MAX_ROWS_PER_EXPERT", 3.0)
-    assert gemv.choose(6, 64, "mxfp4") is not None and gemv.choose(192, 64, "mxfp4") is not None
-    assert gemv.choose(193, 64, "mxfp4") is None and gemv.choose(8192 * 8, 256, "mxfp4") is None
+    assert gemv.tiles_for(8, 256) == gemv.GemvTiles(rows=1, block_n=16, max_groups=16)  # one token
+    assert gemv.tiles_for(128, 256) == gemv.GemvTiles(rows=2, block_n=32, max_groups=16, adaptive=True)
+    assert gemv.tiles_for(512, 256).rows == 2
+    assert gemv.rows_per_active_expert(8, 256) == pytest.approx(1.014, abs=1e-3)
+    assert gemv.rows_per_active_expert(128, 256) == pytest.approx(1.269, abs=1e-3)
+    monkeypatch.setattr(gemv, "MAX_ROWS_PER_EXPERT", 3.5)
+    assert gemv.choose(6, 64, "mxfp4") is not None and gemv.choose(192, 64, "mxfp4") is not None  # 3.15 rows
+    assert gemv.choose(768, 256, "mxfp4") is not None  # DeepSeek-size layer at 96 tokens: 3.16 rows
+    assert gemv.choose(384, 64, "mxfp4") is None and gemv.choose(8192 * 8, 256, "mxfp4") is None  # 6 rows, prefill
     assert gemv.choose(8, 64, "float8_e4m3fn") is None
     s = jax.ShapeDtypeStruct
     ew = _expert_specs(64, 2048, 768)
