@@ -13,7 +13,8 @@ them in registers:
   accumulator. Activations are scaled per row by a power of two to a maximum in [2^13, 2^14), so products stay
   normal fp16 numbers (|product| < 6, a block sum < 96) and the factor is undone on the float32 result.
 - `rows` (1, 2 or 4) token rows of one expert share each converted block (tiles of `moe_tiles.schedule` with
-  block_m = rows); accumulator column r of each item holds row r (pack semantics of the inline asm, below).
+  block_m = rows; with `GemvTiles.adaptive` a tile multiplies only the rows it holds); accumulator column r of each
+  item holds row r (pack semantics of the inline asm, below).
 - grid (tiles, weight-row blocks, K splits): every program writes float32 partial sums for its rows; small XLA
   passes add the splits at the pairs' rows, apply SwiGLU (gate/up) or weight and combine the pairs (down).
 
@@ -76,18 +77,20 @@ MAX_ROWS_PER_EXPERT = 3.5
 
 def rows_per_active_expert(n_pairs: int, n_experts: int) -> float:
     """Token rows an active expert gets on average when `n_pairs` pairs pick among `n_experts` experts uniformly
-    (E (1 - (1 - 1/E)^P) experts active): 1 for one token's distinct top-k, 1.27 for 16 tokens x top-8 of 256 (101 active)."""
+    (E (1 - (1 - 1/E)^P) experts active): 1 for one token's distinct top-k, 1.27 for 16 tokens x top-8 of 256
+    (101 active)."""
     active = n_experts * (1.0 - (1.0 - 1.0 / n_experts) ** n_pairs) if n_experts > 1 else 1.0
     return n_pairs / max(1.0, active)
 
 
 def tiles_for(n_pairs: int, n_experts: int) -> GemvTiles:
     """Tiles for a layer call of `n_pairs` token-expert pairs: 1-row tiles where active experts have about one row
-    (one token's experts; `rows_per_active_expert`), else 2-row tiles that multiply a single-row tile's blocks once (`adaptive`); 16 MX blocks per K
-    step, 16 weight rows per program for one token's experts, else 32. H200 (benchmarks/moe.py --sweep gemv,
-    2026-12-02), DeepSeek-size layer: 16 tokens 794 us (adaptive 2-row tiles) against 824 (1-row) and 877 (2-row),
-    970 us with 8 blocks per step; 32 / 64 tokens 1333 / 2224 us against 1436 / 2373 (2-row) and 1501 / 2757
-    (1-row); adaptive 4-row tiles slower (1613 / 2462); 1 token 84 us with 16 weight rows against 98 with 32."""
+    (one token's experts; `rows_per_active_expert`), else 2-row tiles that multiply a single-row tile's blocks once
+    (`adaptive`); 16 MX blocks per K step, 16 weight rows per program for one token's experts, else 32. H200
+    (benchmarks/moe.py --sweep gemv, 2026-12-02), DeepSeek-size layer: 16 tokens 794 us (adaptive 2-row tiles)
+    against 824 (1-row) and 877 (2-row), 970 us with 8 blocks per step; 32 / 64 tokens 1333 / 2224 us against
+    1436 / 2373 (2-row) and 1501 / 2757 (1-row); adaptive 4-row tiles slower (1613 / 2462); 1 token 84 us with 16
+    weight rows against 98 with 32."""
     if rows_per_active_expert(n_pairs, n_experts) <= 1.1:
         return GemvTiles(rows=1, block_n=16 if n_pairs <= 16 else 32, max_groups=16)
     return GemvTiles(rows=2, block_n=32, max_groups=16, adaptive=True)
@@ -311,11 +314,9 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     tiles = tiles or tiles_for(topk_ids.size, n_experts)
     sched = moe_tiles.schedule(topk_ids, n_experts, tiles.rows)
     pairs_rows = sched.row_of_pair.reshape(-1)
-    n_tokens = x.shape[0]
     xw, xf = activation_words(jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)]))  # row T: padding rows
     gate_up = ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales))
-    gu = partial_products(sched.tile_expert, jnp.minimum(sched.token_of_row, n_tokens), xw, xf, gate_up, tiles,
-                          interpret)
+    gu = partial_products(sched.tile_expert, sched.token_of_row, xw, xf, gate_up, tiles, interpret)
     h = _swiglu(jnp.sum(gu[:, pairs_rows], axis=0)).astype(x.dtype)  # [P, I]
     hw, hf = activation_words(jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)]))  # row P: padding rows
     down = partial_products(sched.tile_expert, sched.pair_of_row(), hw, hf, ((ew.down, ew.down_scales),), tiles,
