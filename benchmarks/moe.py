@@ -2,7 +2,7 @@
 width 768) and a DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at 1, 16, 64, 256 tokens and an 8K prefill.
 
     python3 benchmarks/moe.py [--results benchmarks/RESULTS.md] [--shapes medium,deepseek] [--tokens 1,16,64,256,8192]
-                              [--sweep [all|split_k|decode16,...]] [--dense-only | --variants fused,fp8,...]
+                              [--sweep [all|split_k|decode16|gemv,...]] [--dense-only | --variants fused,fp8,...]
 
 Variants, on the same weights (random MXFP4; the others converted from it) and the same uniform top-k routing:
   bf16      jax.lax.ragged_dot over dense bf16 experts (dayzero.kernels.moe.moe_experts with block_m=None)
@@ -23,19 +23,19 @@ Variants, on the same weights (random MXFP4; the others converted from it) and t
             and above)
   gemv      MXFP4 online on the CUDA cores (kernels/moe_mxfp4_gemv.py: no MMA; fp16x2 products of each thread's
             converted bytes), the tiles `moe_mxfp4_gemv.tiles_for` picks
+  kernels   the mma variant's two Pallas kernels alone (routing, gathers and the combine left out; <= 16 tokens;
+            with split-K tiles their partial sums reduced per pair)
 For mma and gemv a profiler trace also gives the layer call's GPU time (`_device`: the sum of its kernels, without
 the launch gaps and the timing loop's per-iteration overhead that the chained timing includes) and its two Pallas
 kernels' time (`_kernels`).
-  kernels   the fused variant's two Pallas kernels alone (routing, gathers and the combine left out; <= 16 tokens;
-            with split-K tiles their partial sums reduced per pair)
 Device time per call: `iters` calls chained inside one jit (each call's input depends on the previous output), median
 of 5 runs. The HBM copy bandwidth measured in the same run is the roofline: decode must stream the active experts'
 MXFP4 bytes (4.25 bits per weight); the bandwidth figures divide those bytes by the whole layer's time and by the
 kernels' time. Beside the measured bf16 ragged_dot (which XLA may run over every expert, padded), "bf16 roofline" is
 an ideal bf16 kernel reading only the active experts at the copy bandwidth. A variant that cannot run (out of memory)
 is reported as not measured. Prints a table and appends a dated line to the results file.
-`--sweep` also times the fused kernel over a few tile configurations: at 1 token (split-K ones included) or, with
-`decode16`, at 16 tokens.
+`--sweep` also times the MMA kernels over a few tile configurations: at 1 token (split-K ones included) or, with
+`decode16`, at 16 tokens; `gemv`: the CUDA-core kernels over GEMV_SWEEP's tiles at each token count up to 64.
 """
 
 from __future__ import annotations
