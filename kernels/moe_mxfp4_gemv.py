@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import dispatch, moe_tiles, tiles as tiling
-from .mxfp4 import BLOCK, SCALE_NAN, ExpertWeights
+from .mxfp4 import BLOCK, ExpertWeights, pow2, scale_value
 
 _BYTES = BLOCK // 2  # bytes per MX block
 _UNIT = 2.0 ** 14  # the fp16 bit patterns of E2M1 read as value * 2^-14
@@ -107,11 +107,6 @@ def choose(n_pairs: int, n_experts: int, fmt: str) -> GemvTiles | None:
 # ------------------------------------------------------------------------------------------------ activations
 
 
-def _pow2(e):
-    """2^e as float32 for an int32 e in [-126, 127]."""
-    return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
-
-
 def activation_words(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """v [N, K] -> (words uint32 [N, G, 16], factor float32 [N]) with G = ceil(K / 32).
 
@@ -124,10 +119,10 @@ def activation_words(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     v = jnp.pad(v.astype(jnp.float32), ((0, 0), (0, groups * BLOCK - k)))
     _, e = jnp.frexp(jnp.max(jnp.abs(v), axis=1))
     e = jnp.clip(e.astype(jnp.int32), -100, 100)
-    h = (v * _pow2(_TOP - e)[:, None]).astype(jnp.float16)
+    h = (v * pow2(_TOP - e)[:, None]).astype(jnp.float16)
     # element 8j + 4b + 2 lane + parity -> word 4j + 2 parity + b, half `lane`
     h = h.reshape(n, groups, 4, 2, 2, 2).transpose(0, 1, 2, 5, 3, 4).reshape(n, groups, 16, 2)
-    return jax.lax.bitcast_convert_type(h, jnp.uint32), _pow2(e - _TOP)
+    return jax.lax.bitcast_convert_type(h, jnp.uint32), pow2(e - _TOP)
 
 
 def _unpack_words(words):
@@ -227,9 +222,7 @@ def _kernel(tile_ref, src_ref, factor_ref, x_ref, *refs, rows, widths, bn, gk, k
             ws, ss, xs = load(kk)  # no loads carried ahead: a carried uint8 tile is unpacked byte by byte
             out = []
             for acc, w, s in zip(accs, ws, ss):
-                s = s.astype(jnp.int32)
-                fac = jnp.where(s == SCALE_NAN, jnp.nan, jax.lax.bitcast_convert_type(s << 23, jnp.float32))
-                out.append(_block_products(acc, w, xs, fac, asm))
+                out.append(_block_products(acc, w, xs, scale_value(s.astype(jnp.int32)), asm))
             return tuple(out)
 
         zeros = tuple(jnp.zeros((bn, gk, _BYTES), jnp.float32) for _ in range(n_proj))
@@ -284,7 +277,7 @@ def partial_products(tile_expert, src_of_row, words, factor, weights, tiles: Gem
         raise ValueError(f"activations cover {words.shape[1]} blocks of K, the weights {groups}")
     bn, gk, warps = _launch(groups, tiles)
     grid = (n_rows // tiles.rows, pl.cdiv(n_out, bn))
-    gk, split = _k_split(groups, tiles, grid[0] * grid[1])
+    split = _k_split(groups, tiles, grid[0] * grid[1])[1]
     widths = tuple(w for w in ROWS if w <= tiles.rows) if tiles.adaptive else (tiles.rows,)
     kernel = functools.partial(_kernel, rows=tiles.rows, widths=widths, bn=bn, gk=gk, k_steps=groups // gk // split,
                                n_valid=n_out, asm=dispatch.nvidia_ptx(interpret))

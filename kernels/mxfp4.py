@@ -77,9 +77,15 @@ def dequantize(blocks: jax.Array, scales: jax.Array, dtype=jnp.bfloat16) -> jax.
     return jax.lax.bitcast_convert_type(bits, jnp.float32).astype(dtype)
 
 
-def _pow2(e: jax.Array) -> jax.Array:
+def pow2(e: jax.Array) -> jax.Array:
     """2.0^e as float32 for int32 e in [-126, 127]."""
     return jax.lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def scale_value(s: jax.Array) -> jax.Array:
+    """E8M0 scale codes (int32) -> 2^(s - 127) as float32; 0xFF -> NaN (code 0 gives 0.0, not the subnormal
+    2^-127)."""
+    return jnp.where(s == SCALE_NAN, jnp.nan, jax.lax.bitcast_convert_type(s << 23, jnp.float32))
 
 
 def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -97,7 +103,7 @@ def quantize(w: jax.Array) -> tuple[jax.Array, jax.Array]:
     s = jnp.clip(ex.astype(jnp.int32) - 3 + SCALE_BIAS, 0, 254)
     shift = SCALE_BIAS - s[..., None]  # multiply by 2^shift in two exact steps (each factor stays normal)
     half = shift // 2
-    a = jnp.abs(x) * _pow2(half) * _pow2(shift - half)
+    a = jnp.abs(x) * pow2(half) * pow2(shift - half)
     above = a[..., None] > jnp.asarray(_BOUNDS)
     tie = (a[..., None] == jnp.asarray(_BOUNDS)) & jnp.asarray(_TIE_UP)
     mag = jnp.sum(above | tie, axis=-1, dtype=jnp.int32)
@@ -124,9 +130,7 @@ def from_workspace(data: jax.Array, scales: jax.Array | None, dtype=jnp.float32)
     """Converted [..., n, 2, 16] (+ scales [..., n] for float8) -> dense [..., n*32] of `dtype`."""
     x = data.astype(jnp.float32)
     if data.dtype == jnp.float8_e4m3fn:
-        s = scales.astype(jnp.int32)[..., None, None]
-        scale = jnp.where(s == SCALE_NAN, jnp.nan, jax.lax.bitcast_convert_type(s << 23, jnp.float32))
-        x = x * scale
+        x = x * scale_value(scales.astype(jnp.int32)[..., None, None])
     x = x.swapaxes(-1, -2).reshape(*data.shape[:-3], -1)
     return x.astype(dtype)
 
