@@ -161,20 +161,15 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
     timed("fp8", "fp8", lambda: plain(lambda x, e: moe.moe_experts_packed(x, ids, w, e, impl=impl)[0], ew8))
     timed("fused", "fused", lambda: plain(lambda x, e: moe.moe_experts_packed(x, ids, w, e, impl=impl)[0], ew))
     mma_tiles = moe_mxfp4.choose_tiles(ids.size, n_experts)
-    timed("mma", "mma", lambda: plain(lambda x, e: moe.moe_experts_packed(x, ids, w, e, tiles=mma_tiles, impl=impl)[0],
-                                      ew))
-    if "gemv" in variants:
-        gemv_tiles = moe_mxfp4_gemv.tiles_for(ids.size, n_experts)
-        seconds["gemv"] = attempt(f"gemv {gemv_tiles}", lambda: plain(
-            lambda x, e: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, e, tiles=gemv_tiles, interpret=impl == "interpret"),
-            ew))
-        if seconds["gemv"]:
-            seconds["gemv_device"], seconds["gemv_kernels"], res["gemv_top_kernels_us"] = traced_device_time(
-                lambda x, e: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, e, tiles=gemv_tiles), x, ew, impl == "interpret")
-    if "mma" in variants and seconds.get("mma"):
-        seconds["mma_device"], seconds["mma_kernels"], res["mma_top_kernels_us"] = traced_device_time(
-            lambda x, e: moe.moe_experts_packed(x, ids, w, e, tiles=mma_tiles, impl=impl)[0], x, ew,
-            impl == "interpret")
+    gemv_tiles = moe_mxfp4_gemv.tiles_for(ids.size, n_experts)
+    layers = {"mma": lambda x, e: moe.moe_experts_packed(x, ids, w, e, tiles=mma_tiles, impl=impl)[0],
+              "gemv": lambda x, e: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, e, tiles=gemv_tiles,
+                                                                 interpret=impl == "interpret")}
+    for variant, tiles in (("mma", mma_tiles), ("gemv", gemv_tiles)):  # timed, then traced for their GPU time
+        timed(variant, f"{variant} {tiles}", lambda: plain(layers[variant], ew))
+        if seconds.get(variant):
+            seconds[f"{variant}_device"], seconds[f"{variant}_kernels"], res[f"{variant}_top_kernels_us"] = (
+                traced_device_time(layers[variant], x, ew, impl == "interpret"))
     ws = moe_workspace.create(moe_workspace.num_slots(ids.size, n_experts), hidden, inter)
 
     def staged(same_layer):
@@ -295,7 +290,7 @@ def sweep(layer, name, impl, which: str = "all") -> dict:
         return round(t * 1e6, 2)
 
     if which in ("split_k", "decode16"):
-        out["choose_tiles"] = time_tiles(None)
+        out["choose_tiles"] = time_tiles(moe_mxfp4.choose_tiles(ids.size, n_experts))  # the MMA kernels' own tiles
     if which == "decode16":
         for label, tiles in DECODE16_SWEEP.items():
             out[label] = time_tiles(tiles)

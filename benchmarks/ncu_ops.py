@@ -1,12 +1,13 @@
 """One kernel-bearing op at a benchmark's shape, run a few times: the program that Nsight Compute (`ncu`) profiles.
 
     ncu --clock-control none -k regex:kda_chunk -c 3 --set full -o kda python3 benchmarks/ncu_ops.py kda
-    ncu --clock-control none -k "regex:moe_(gate|down)" -c 2 --set full -o moe \
+    ncu --clock-control none -k "regex:moe_(gemv_)?(gate|down)" -c 2 --set full -o moe \
         python3 benchmarks/ncu_ops.py moe --shape deepseek --tokens 16
 
 Ops (shapes and inputs as in benchmarks/kda.py and benchmarks/moe.py):
   kda   chunk_kda at B1 H32 D128 bf16, T `--tokens` (default 8192): kernels kda_chunk_akk, kda_chunk_wy, kda_chunk_state
-  moe   the fused MXFP4 layer (`--shape` medium or deepseek, `--tokens`): kernels moe_gate_up[_split_k], moe_down[...]
+  moe   the MXFP4 layer as the model runs it (`--shape` medium or deepseek, `--tokens`): at decode sizes the CUDA-core
+        kernels moe_gemv_gate_up_r*, moe_gemv_down_r*; else moe_gate_up[_split_k], moe_down[...]
 `--tuning field=value,...` overrides KdaTuning fields (kda). The first call compiles; `--calls` calls run in all,
 so `ncu -c` with the kernels of one call profiles them once compiled (Triton's compile launches nothing).
 """

@@ -262,33 +262,40 @@ def topk_cases() -> dict:
             for n in (8192, 32768, 131072, 524288)}
 
 
+def _moe_layer_shapes(n_experts: int, top_k: int, hidden: int, inter: int, n_tokens: int, fmt: str) -> tuple:
+    """Shapes of an MoE layer call's arguments: x, topk_ids, topk_weights, then the experts' gate, up, down data and
+    gate, up, down scales in `fmt` ("mxfp4" packed, or "float8_e4m3fn" converted)."""
+    S = jax.ShapeDtypeStruct
+    from dayzero.kernels import mxfp4
+
+    gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(inter)
+    if fmt == "mxfp4":
+        data = (S((n_experts, inter, gd, 16), jnp.uint8), S((n_experts, hidden, gi, 16), jnp.uint8))
+    else:
+        data = (S((n_experts, inter, gd, 2, 16), jnp.float8_e4m3fn),
+                S((n_experts, hidden, gi, 2, 16), jnp.float8_e4m3fn))
+    scales = (S((n_experts, inter, gd), jnp.uint8), S((n_experts, hidden, gi), jnp.uint8))
+    return (S((n_tokens, hidden), jnp.bfloat16), S((n_tokens, top_k), jnp.int32), S((n_tokens, top_k), jnp.float32),
+            data[0], data[0], data[1], scales[0], scales[0], scales[1])
+
+
 def moe_mxfp4_cases() -> dict:
     """The MXFP4 (and pre-converted FP8) grouped matmuls at the medium hybrid's layer (64 experts, top-6, 2048 x 768)
     at 1 token (split-K tiles) and 16 tokens, and at the DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at
     16 tokens, with `choose_tiles`' tiles."""
     from dayzero.kernels import moe_mxfp4, mxfp4
 
-    S = jax.ShapeDtypeStruct
     cases = {}
     for label, (n_experts, top_k, hidden, inter), n_tokens, fmt in (
             ("medium", (64, 6, 2048, 768), 1, "mxfp4"), ("medium", (64, 6, 2048, 768), 16, "mxfp4"),
             ("medium", (64, 6, 2048, 768), 16, "float8_e4m3fn"), ("deepseek", (256, 8, 7168, 2048), 16, "mxfp4")):
-        gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(inter)
-        if fmt == "mxfp4":
-            data = (S((n_experts, inter, gd, 16), jnp.uint8), S((n_experts, hidden, gi, 16), jnp.uint8))
-        else:
-            data = (S((n_experts, inter, gd, 2, 16), jnp.float8_e4m3fn),
-                    S((n_experts, hidden, gi, 2, 16), jnp.float8_e4m3fn))
-        scales = (S((n_experts, inter, gd), jnp.uint8), S((n_experts, hidden, gi), jnp.uint8))
 
         def fn(x, ids, w, g, u, d, gs, us, ds, fmt=fmt, n_experts=n_experts):
-            ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds, fmt=fmt)
-            return moe_mxfp4.grouped_swiglu(x, ids, w, ew, n_experts=n_experts)
+            ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds, fmt=fmt)  # the MMA kernels even where decode takes moe_gemv
+            return moe_mxfp4.grouped_swiglu(x, ids, w, ew, n_experts=n_experts,
+                                            tiles=moe_mxfp4.choose_tiles(ids.size, n_experts))
 
-        cases[f"{label} {fmt} T{n_tokens}"] = (fn, (S((n_tokens, hidden), jnp.bfloat16),
-                                                    S((n_tokens, top_k), jnp.int32),
-                                                    S((n_tokens, top_k), jnp.float32),
-                                                    data[0], data[0], data[1], scales[0], scales[0], scales[1]))
+        cases[f"{label} {fmt} T{n_tokens}"] = (fn, _moe_layer_shapes(n_experts, top_k, hidden, inter, n_tokens, fmt))
     return cases
 
 
@@ -298,25 +305,20 @@ def moe_gemv_cases() -> dict:
     4-row tiles, and 4-row tiles that multiply only their real rows ("4a": `GemvTiles.adaptive`)."""
     from dayzero.kernels import moe_mxfp4_gemv, mxfp4
 
-    S = jax.ShapeDtypeStruct
+    tiles = moe_mxfp4_gemv.GemvTiles
     cases = {}
-    for label, (n_experts, top_k, hidden, inter), n_tokens, rows in (
-            ("deepseek", (256, 8, 7168, 2048), 1, 1), ("deepseek", (256, 8, 7168, 2048), 16, 2),
-            ("deepseek", (256, 8, 7168, 2048), 64, 4), ("deepseek", (256, 8, 7168, 2048), 64, "4a"),
-            ("medium", (64, 6, 2048, 768), 1, 1)):
-        gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(inter)
-        data = (S((n_experts, inter, gd, 16), jnp.uint8), S((n_experts, hidden, gi, 16), jnp.uint8))
-        scales = (S((n_experts, inter, gd), jnp.uint8), S((n_experts, hidden, gi), jnp.uint8))
+    for label, shape, n_tokens, rows, gemv_tiles in (
+            ("deepseek", (256, 8, 7168, 2048), 1, "1", tiles(rows=1)),
+            ("deepseek", (256, 8, 7168, 2048), 16, "2", tiles(rows=2)),
+            ("deepseek", (256, 8, 7168, 2048), 64, "4", tiles(rows=4)),
+            ("deepseek", (256, 8, 7168, 2048), 64, "4a", tiles(rows=4, adaptive=True)),
+            ("medium", (64, 6, 2048, 768), 1, "1", tiles(rows=1))):
 
-        def fn(x, ids, w, g, u, d, gs, us, ds, rows=rows):
+        def fn(x, ids, w, g, u, d, gs, us, ds, gemv_tiles=gemv_tiles):
             ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds)
-            tiles = moe_mxfp4_gemv.GemvTiles(rows=int(str(rows)[0]), adaptive=str(rows).endswith("a"))
-            return moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=tiles)
+            return moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=gemv_tiles)
 
-        cases[f"{label} T{n_tokens} rows{rows}"] = (fn, (S((n_tokens, hidden), jnp.bfloat16),
-                                                         S((n_tokens, top_k), jnp.int32),
-                                                         S((n_tokens, top_k), jnp.float32),
-                                                         data[0], data[0], data[1], scales[0], scales[0], scales[1]))
+        cases[f"{label} T{n_tokens} rows{rows}"] = (fn, _moe_layer_shapes(*shape, n_tokens, "mxfp4"))
     return cases
 
 

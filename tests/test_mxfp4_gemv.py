@@ -144,8 +144,7 @@ def test_block_ptx_matches_jnp(seed, rows):
     ptx = gemv._block_ptx(rows)
     assert gemv._constraints(rows).count(",") + 1 == 16 + 16 + 4 + 16 * rows + 16
     for trial in range(4):
-        block = np.concatenate([np.arange(16, dtype=np.uint8) * 17 if trial == 0 else
-                                rng.integers(0, 256, 16, dtype=np.uint8)])
+        block = np.arange(16, dtype=np.uint8) * 17 if trial == 0 else rng.integers(0, 256, 16, dtype=np.uint8)
         words, _ = gemv.activation_words(jnp.asarray(rng.standard_normal((rows, 32)).astype(np.float32)))
         words = np.asarray(words)[:, 0]  # [rows, 16]
         acc = rng.standard_normal(16).astype(np.float32)

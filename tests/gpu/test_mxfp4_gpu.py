@@ -113,16 +113,15 @@ def test_decode_tile_variants(seed, name, shape, n_tokens, fmt):
     _check_tiles(seed, shape, n_tokens, fmt, DECODE_VARIANTS[name], name)
 
 
-@pytest.mark.parametrize("shape, n_tokens, rows", [((64, 6, 2048, 768), 1, 1), ((64, 6, 2048, 768), 16, 2),
-                                                   ((64, 6, 2048, 768), 77, 4), ((256, 8, 7168, 2048), 1, 1),
-                                                   ((256, 8, 7168, 2048), 16, 1), ((256, 8, 7168, 2048), 5, 2),
-                                                   ((256, 8, 7168, 2048), 64, 4), ((256, 8, 7168, 2048), 64, "4a"),
-                                                   ((64, 6, 2048, 768), 16, "4a")])
-def test_gemv_decode_kernels(seed, shape, n_tokens, rows):
-    """The CUDA-core decode kernels (moe_mxfp4_gemv: inline PTX, fp16 block sums) against the reference; "4a": 4-row
-    tiles that multiply only their real rows (GemvTiles.adaptive)."""
-    tiles = moe_mxfp4_gemv.GemvTiles(rows=int(str(rows)[0]), adaptive=str(rows).endswith("a"))
-    _check_tiles(seed, shape, n_tokens, "mxfp4", tiles, f"gemv rows={rows}")
+@pytest.mark.parametrize("shape, n_tokens, rows, adaptive", [
+    ((64, 6, 2048, 768), 1, 1, False), ((64, 6, 2048, 768), 16, 2, False), ((64, 6, 2048, 768), 77, 4, False),
+    ((256, 8, 7168, 2048), 1, 1, False), ((256, 8, 7168, 2048), 16, 1, False), ((256, 8, 7168, 2048), 5, 2, False),
+    ((256, 8, 7168, 2048), 64, 4, False), ((256, 8, 7168, 2048), 64, 4, True), ((64, 6, 2048, 768), 16, 4, True)])
+def test_gemv_decode_kernels(seed, shape, n_tokens, rows, adaptive):
+    """The CUDA-core decode kernels (moe_mxfp4_gemv: inline PTX, fp16 block sums) against the reference; `adaptive`:
+    4-row tiles that multiply only their real rows."""
+    tiles = moe_mxfp4_gemv.GemvTiles(rows=rows, adaptive=adaptive)
+    _check_tiles(seed, shape, n_tokens, "mxfp4", tiles, f"gemv rows={rows} adaptive={adaptive}")
 
 
 def test_gemv_skewed_loads(seed):
