@@ -31,6 +31,12 @@ from jax.experimental import pallas as pl
 from . import tiles
 
 
+# The defaults of `SparseMLAConfig.dense_even_splits` / `skip_empty_splits` (read when a kernel is traced). Off: not
+# yet measured on a GPU (benchmarks/NOTES_serving.md).
+DENSE_EVEN_SPLITS = False
+SKIP_EMPTY_SPLITS = False
+
+
 @dataclass(frozen=True)
 class SparseMLAConfig:
     """Tile sizes and launch parameters (powers of two)."""
@@ -52,6 +58,20 @@ class SparseMLAConfig:
     small_decode_warps: int = 4
     num_stages: int = 2
     decode_variant: str = "fused"  # decode: "fused" or "heads_split" (grid request, head block, split)
+    # dense decode deals the live key chunks out evenly over the splits (`split_chunks`) instead of static ranges;
+    # None: the module's DENSE_EVEN_SPLITS
+    dense_even_splits: bool | None = None
+    # fused decode: a split without keys stores only its -inf log-sum-exp (no query loads, no output rows;
+    # `combine_normalized` masks those rows); None: the module's SKIP_EMPTY_SPLITS
+    skip_empty_splits: bool | None = None
+
+    @property
+    def even_splits(self) -> bool:
+        return DENSE_EVEN_SPLITS if self.dense_even_splits is None else self.dense_even_splits
+
+    @property
+    def skip_empty(self) -> bool:
+        return SKIP_EMPTY_SPLITS if self.skip_empty_splits is None else self.skip_empty_splits
 
     def __post_init__(self):
         if self.decode_variant not in ("heads_split", "fused"):
@@ -73,13 +93,32 @@ def _online_softmax_step(carry, queries, lat, rope, ok, scale):
     return m_new, l, tuple(acc * alpha[:, None] + tiles.mm(p, v) for acc, v in zip(accs, lat))
 
 
-def _attend_split(step, split, chunks_per_split, qpos, block_k, dense, heads, rank_pieces):
-    """`step` over this program's split of the key chunks (dense: only chunks holding keys at or before `qpos`),
-    from an empty online-softmax state -> (m [heads], l [heads], one acc [heads, size] per rank piece) float32."""
-    first = split * chunks_per_split
-    last = first + chunks_per_split
-    if dense:
-        last = jnp.maximum(first, jnp.minimum(last, (qpos + block_k) // block_k))
+def split_chunks(split, splits: int, chunks_per_split: int, live):
+    """(first, last) key chunks of program `split` of `splits`. `live` None: the static range of `chunks_per_split`
+    chunks; else (dense attention, `live` the number of chunks holding keys at or before the query) the live chunks
+    dealt out evenly, ceil(live / splits) each, so a short context in a wide block table runs on several programs
+    of one chunk each instead of a few programs walking their whole static range."""
+    if live is None:
+        first = split * chunks_per_split
+        return first, first + chunks_per_split
+    per = (live + splits - 1) // splits  # <= chunks_per_split: live <= splits * chunks_per_split
+    first = split * per
+    return first, jnp.maximum(first, jnp.minimum(first + per, live))
+
+
+def _split_range(split, splits, chunks_per_split, qpos, block_k, dense, even):
+    """This program's (first, last) key chunks: dense attention stops at the chunks holding keys at or before
+    `qpos` (and with `even` deals them out evenly, `split_chunks`)."""
+    live = jnp.maximum(qpos + block_k, 0) // block_k
+    if dense and even:
+        return split_chunks(split, splits, chunks_per_split, live)
+    first, last = split_chunks(split, splits, chunks_per_split, None)
+    return first, jnp.maximum(first, jnp.minimum(last, live)) if dense else last
+
+
+def _attend_split(step, first, last, heads, rank_pieces):
+    """`step` over key chunks [first, last) from an empty online-softmax state -> (m [heads], l [heads], one acc
+    [heads, size] per rank piece) float32."""
     init = (jnp.full((heads,), -jnp.inf, jnp.float32), jnp.zeros((heads,), jnp.float32),
             tuple(jnp.zeros((heads, size), jnp.float32) for _, size in rank_pieces))
     return jax.lax.fori_loop(first, last, step, init)
@@ -92,8 +131,8 @@ def _store_normalized(o_ref, accs, l, rank_pieces):
         o_ref[:, pl.ds(start, size)] = (acc * inv[:, None]).astype(o_ref.dtype)
 
 
-def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces, rope_pieces, layer_row0,
-            block_size, partial):
+def _kernel(*refs, length, block_k, splits, chunks_per_split, even, dense, scale, rank_pieces, rope_pieces,
+            layer_row0, block_size, partial):
     if dense:
         ql_ref, qr_ref, pos_ref, table_ref, lat_ref, *outs = refs
         idx_ref = None
@@ -119,7 +158,8 @@ def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces,
         rope = [lat_ref[rows, pl.ds(rank + start, size)] for start, size in rope_pieces]
         return _online_softmax_step(carry, q_lat + q_rope, lat, rope, ok, scale)
 
-    m, l, accs = _attend_split(step, split, chunks_per_split, qpos, block_k, dense, heads, rank_pieces)
+    first, last = _split_range(split, splits, chunks_per_split, qpos, block_k, dense, even)
+    m, l, accs = _attend_split(step, first, last, heads, rank_pieces)
     if partial:
         acc_ref, m_ref, l_ref = outs
         for (start, size), acc in zip(rank_pieces, accs):
@@ -131,36 +171,49 @@ def _kernel(*refs, length, block_k, chunks_per_split, dense, scale, rank_pieces,
         _store_normalized(o_ref, accs, l, rank_pieces)
 
 
-def _fused_decode_kernel(ql_ref, qr_ref, pos_ref, rows_ref, lat_ref, o_ref, lse_ref, *, block_k,
-                         chunks_per_split, dense, scale, rank_pieces, rope_pieces):
+def _fused_decode_kernel(ql_ref, qr_ref, pos_ref, rows_ref, lat_ref, o_ref, lse_ref, *, block_k, splits,
+                         chunks_per_split, even, skip_empty, dense, scale, rank_pieces, rope_pieces):
     """One (head block, split, request) program: rows_ref holds each selected token's cache row (-1 = skip)."""
     split, r = pl.program_id(1), pl.program_id(2)
-    q_lat = [ql_ref[:, pl.ds(start, size)] for start, size in rank_pieces]
-    q_rope = [qr_ref[:, pl.ds(start, size)] for start, size in rope_pieces]
     rank = sum(size for _, size in rank_pieces)
     heads = ql_ref.shape[0]
+    first, last = _split_range(split, splits, chunks_per_split, pos_ref[r], block_k, dense, even)
 
-    def step(c, carry):
-        rows = rows_ref[r, pl.ds(c * block_k, block_k)]
-        ok = rows >= 0
-        safe = jnp.where(ok, rows, 0)
-        lat = [jnp.where(ok[:, None], lat_ref[safe, pl.ds(start, size)], 0) for start, size in rank_pieces]
-        rope = [lat_ref[safe, pl.ds(rank + start, size)] for start, size in rope_pieces]
-        return _online_softmax_step(carry, q_lat + q_rope, lat, rope, ok, scale)
+    def attend():
+        q_lat = [ql_ref[:, pl.ds(start, size)] for start, size in rank_pieces]
+        q_rope = [qr_ref[:, pl.ds(start, size)] for start, size in rope_pieces]
 
-    m, l, accs = _attend_split(step, split, chunks_per_split, pos_ref[r], block_k, dense, heads, rank_pieces)
-    _store_normalized(o_ref, accs, l, rank_pieces)
-    seen = l > 0
-    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        def step(c, carry):
+            rows = rows_ref[r, pl.ds(c * block_k, block_k)]
+            ok = rows >= 0
+            safe = jnp.where(ok, rows, 0)
+            lat = [jnp.where(ok[:, None], lat_ref[safe, pl.ds(start, size)], 0) for start, size in rank_pieces]
+            rope = [lat_ref[safe, pl.ds(rank + start, size)] for start, size in rope_pieces]
+            return _online_softmax_step(carry, q_lat + q_rope, lat, rope, ok, scale)
+
+        m, l, accs = _attend_split(step, first, last, heads, rank_pieces)
+        _store_normalized(o_ref, accs, l, rank_pieces)
+        seen = l > 0
+        lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+
+    if not skip_empty:
+        attend()
+        return
+    pl.when(first < last)(attend)
+
+    @pl.when(first >= last)
+    def _():
+        lse_ref[...] = jnp.full((heads,), -jnp.inf, jnp.float32)
 
 
 def combine_normalized(out: jax.Array, lse: jax.Array, dtype) -> jax.Array:
     """Per-split normalized outputs out [R, splits, H, D] and log-sum-exps lse [R, splits, H] (-inf: the split saw
-    no key) -> [R, H, D] in `dtype` (zeros where no split saw a key)."""
+    no key, and its rows of out are not read) -> [R, H, D] in `dtype` (zeros where no split saw a key)."""
     top = jnp.max(lse, axis=1, keepdims=True)
     w = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # 0 for empty splits, 1 for the largest
     total = jnp.sum(w, axis=1)
-    merged = jnp.einsum("rsh,rshd->rhd", w, out.astype(jnp.float32))
+    out = jnp.where((lse > -jnp.inf)[..., None], out.astype(jnp.float32), 0.0)  # an empty split's rows: any bits
+    merged = jnp.einsum("rsh,rshd->rhd", w, out)
     return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
 
 
@@ -229,7 +282,8 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
         args.append(jnp.pad(idx, ((0, 0), (0, n_chunks * block_k - idx.shape[1])), constant_values=-1))
     args += [tables, tiles.cache_rows(cache)]
     kernel = functools.partial(
-        _kernel, length=length, block_k=block_k, chunks_per_split=n_chunks // splits, dense=indices is None,
+        _kernel, length=length, block_k=block_k, splits=splits, chunks_per_split=n_chunks // splits,
+        even=config.even_splits, dense=indices is None,
         scale=scale, rank_pieces=tiles.segments(rank), rope_pieces=tiles.segments(rope_dim),
         layer_row0=layer * n_blocks * block_size, block_size=block_size, partial=splits > 1)
     grid = (n_rows, heads_p // block_h, splits)
@@ -265,7 +319,8 @@ def _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions,
     rows = _cache_rows_of(block_tables, query_positions, indices, num_keys, n_chunks * block_k,
                           layer * n_blocks * block_size, block_size)
     kernel = functools.partial(
-        _fused_decode_kernel, block_k=block_k, chunks_per_split=n_chunks // splits, dense=indices is None,
+        _fused_decode_kernel, block_k=block_k, splits=splits, chunks_per_split=n_chunks // splits,
+        even=config.even_splits, skip_empty=config.skip_empty, dense=indices is None,
         scale=scale, rank_pieces=tiles.segments(rank), rope_pieces=tiles.segments(rope_dim))
     part_dtype = cache.dtype if jnp.dtype(cache.dtype).itemsize < 4 else jnp.float32
     grid = (heads_p // block_h, splits, n_rows)  # head blocks sharing a split's rows are adjacent programs

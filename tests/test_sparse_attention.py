@@ -309,12 +309,15 @@ def test_sparse_mla_matches_reference(seed, length, k, dtype):
         assert np.all(np.asarray(got, np.float32)[1, 2] == 0), f"padding query is not zero (seed={seed})"
 
 
-@pytest.mark.parametrize("k, dtype, block_h", [
-    (45, jnp.float32, 16),  # odd top-k, -1 padding, 3 heads padded to one head block
-    (None, jnp.float32, 2),  # dense decode; two head blocks (the fused grid's innermost axis)
-    (37, jnp.bfloat16, 16),  # bf16: partials in bf16
+@pytest.mark.parametrize("k, dtype, block_h, even, skip", [
+    (45, jnp.float32, 16, False, False),  # odd top-k, -1 padding, 3 heads padded to one head block
+    (None, jnp.float32, 2, False, False),  # dense decode; two head blocks (the fused grid's innermost axis)
+    (37, jnp.bfloat16, 16, False, False),  # bf16: partials in bf16
+    (None, jnp.float32, 2, True, True),  # dense decode, live chunks dealt out evenly, empty splits skipped
+    (None, jnp.bfloat16, 16, False, True),  # empty splits skipped with static ranges
+    (45, jnp.float32, 16, True, True),  # a selection: the flags leave its static ranges
 ])
-def test_fused_decode_matches_reference(seed, k, dtype, block_h):
+def test_fused_decode_matches_reference(seed, k, dtype, block_h, even, skip):
     rng = np.random.default_rng(seed)
     batch, heads, rank, rope = 3, 3, 12, 4
     tables = scattered_tables(rng, batch, 4)
@@ -325,12 +328,27 @@ def test_fused_decode_matches_reference(seed, k, dtype, block_h):
     idx = None if k is None else random_selection(rng, pos, k)
     args = (q_lat, q_rope, cache, LAYER, tables, jnp.asarray(pos), idx, 0.2)
     cfg = sparse_mla.SparseMLAConfig(block_h=block_h, block_k=8, decode_block_k=8, decode_programs=64,
-                                     min_split_tokens=8, decode_variant="fused")
+                                     min_split_tokens=8, decode_variant="fused", dense_even_splits=even,
+                                     skip_empty_splits=skip)
     ref = mla_op(*args, impl="reference")
     got = mla_op(*args, impl="interpret", config=cfg)
     assert got.shape == ref.shape and got.dtype == dtype
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     assert rel_err(got, ref) < tol, f"relative error {rel_err(got, ref):.2e} (seed={seed})"
+
+
+@pytest.mark.parametrize("splits, chunks_per_split", [(1, 9), (4, 3), (8, 16), (256, 4)])
+def test_even_split_chunks_partition_the_live_chunks(splits, chunks_per_split):
+    """Dense decode with even splits: the splits' ranges tile [0, live) in order, none longer than ceil(live /
+    splits) or its static share; without `live` the static ranges."""
+    for live in sorted({0, 1, 2, splits - 1, splits, splits + 1, splits * chunks_per_split // 2,
+                        splits * chunks_per_split}):
+        ranges = [tuple(int(v) for v in sparse_mla.split_chunks(s, splits, chunks_per_split, jnp.int32(live)))
+                  for s in range(splits)]
+        assert [c for first, last in ranges for c in range(first, last)] == list(range(live)), (splits, live)
+        assert max(last - first for first, last in ranges) <= min(chunks_per_split, -(-live // splits)), live
+    assert [sparse_mla.split_chunks(s, splits, chunks_per_split, None) for s in range(2)] == [
+        (0, chunks_per_split), (chunks_per_split, 2 * chunks_per_split)]
 
 
 def test_fused_decode_combine_handles_empty_splits():
@@ -340,6 +358,8 @@ def test_fused_decode_combine_handles_empty_splits():
     got = np.asarray(sparse_mla.combine_normalized(out, lse, jnp.float32))
     np.testing.assert_allclose(got[0, 0], (np.array([2.0, 3.0]) + 3 * np.array([4.0, 5.0])) / 4, rtol=1e-6)
     np.testing.assert_array_equal(got[1], 0)
+    garbage = out.at[0, 0].set(jnp.nan).at[1].set(jnp.inf)  # rows of empty splits are never read
+    np.testing.assert_array_equal(np.asarray(sparse_mla.combine_normalized(garbage, lse, jnp.float32)), got)
     with pytest.raises(ValueError):
         sparse_mla.SparseMLAConfig(decode_variant="nope")
 
@@ -430,6 +450,8 @@ def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
     ("indexer decode one tile per program", lambda: _indexer(
         1, False, indexer_pallas.IndexerKernelConfig(tiles_per_program=1))),
     ("sparse decode", lambda: _sparse(1, False)), ("dense decode", lambda: _sparse(1, True)),
+    ("dense decode, even splits, empty ones skipped", lambda: _sparse(1, True, sparse_mla.SparseMLAConfig(
+        dense_even_splits=True, skip_empty_splits=True))),
     ("sparse decode heads_split", lambda: _sparse(1, False, HEADS_SPLIT)),
     ("dense decode heads_split", lambda: _sparse(1, True, HEADS_SPLIT)),
     ("sparse prefill", lambda: _sparse(64, False)), ("dense prefill", lambda: _sparse(64, True)),
