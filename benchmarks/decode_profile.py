@@ -4,7 +4,7 @@ with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized H
     python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--engine serving] [--top 25]
                                          [--xla-option NAME=VALUE] [--pallas router] [--dump PREFIX]
                                          [--dense-fused-prologues] [--shared-apart] [--dense-epilogue-min-pairs N]
-                                         [--router-dot] [--dense-pair-partials]
+                                         [--router-dot] [--dense-pair-partials] [--dense-tiles FIELD=VALUE]
                                          [--set MODULE.CONSTANT=VALUE]
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
@@ -248,6 +248,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dense-pair-partials", action="store_true",
                         help="dense experts with DenseTiles.pair_partials (split-K partial sums of the pairs' rows "
                              "only)")
+    parser.add_argument("--dense-tiles", action="append", default=[], metavar="FIELD=VALUE",
+                        help="dense experts with this DenseTiles field set at every call (repeatable; ints and "
+                             "true/false parsed), e.g. k_slices=4 or num_stages=4")
     parser.add_argument("--router-dot", action="store_true",
                         help="router logits by XLA's dot at every size (model.moe.REDUCE_LOGITS_MAX_TOKENS 0)")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
@@ -262,6 +265,8 @@ def main(argv=None) -> int:
         extra["dense_fused_prologues"] = tile_options["fused_prologues"] = True
     if args.dense_pair_partials:
         extra["dense_pair_partials"] = tile_options["pair_partials"] = True
+    for name, _, text in (pair.partition("=") for pair in args.dense_tiles):
+        extra[f"dense_{name}"] = tile_options[name] = parse_value(text)
     # the older switches are shorthands for --set; (module, constant, value) read when the model traces
     shorthands = [text for flag, text in ((args.shared_apart, "model.moe.SHARED_IN_ROUTED_KERNELS=false"),
                                           (args.router_dot, "model.moe.REDUCE_LOGITS_MAX_TOKENS=0")) if flag]

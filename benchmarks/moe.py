@@ -2,7 +2,7 @@
 width 768) and a DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at 1, 16, 64, 256 tokens and an 8K prefill.
 
     python3 benchmarks/moe.py [--results benchmarks/RESULTS.md] [--shapes medium,deepseek] [--tokens 1,16,64,256,8192]
-                              [--sweep [all|split_k|decode16|gemv,...]] [--dense-only | --variants fused,fp8,...]
+                              [--sweep [all|split_k|decode16|gemv|dense,...]] [--dense-only | --variants fused,fp8,...]
 
 Variants, on the same weights (random MXFP4; the others converted from it) and the same uniform top-k routing:
   bf16      jax.lax.ragged_dot over dense bf16 experts (dayzero.kernels.moe.moe_experts with block_m=None)
@@ -35,7 +35,8 @@ kernels' time. Beside the measured bf16 ragged_dot (which XLA may run over every
 an ideal bf16 kernel reading only the active experts at the copy bandwidth. A variant that cannot run (out of memory)
 is reported as not measured. Prints a table and appends a dated line to the results file.
 `--sweep` also times the MMA kernels over a few tile configurations: at 1 token (split-K ones included) or, with
-`decode16`, at 16 tokens; `gemv`: the CUDA-core kernels over GEMV_SWEEP's tiles at each token count up to 64.
+`decode16`, at 16 tokens; `gemv`: the CUDA-core kernels over GEMV_SWEEP's tiles at each token count up to 64;
+`dense`: the bf16 dense-expert kernels over DENSE_SWEEP's tiles at each token count up to 16 (GPU time).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dayzero.kernels import moe, moe_dense, moe_grouped, moe_mxfp4, moe_mxfp4_gemv, moe_workspace, mxfp4
+from dayzero.kernels import moe, moe_dense, moe_grouped, moe_mxfp4, moe_mxfp4_gemv, moe_tiles, moe_workspace, mxfp4
 from dayzero.model.config import MXFP4Execution
 
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
@@ -274,6 +275,49 @@ def gemv_sweep(layer, name, n_tokens: int, impl) -> dict:
     return out
 
 
+def _dense(**fields) -> moe_dense.DenseTiles:
+    """Decode-sized dense-expert tiles (16-row tiles) with K split into exactly `k_slices` slices where the steps
+    divide (min_programs out of the way)."""
+    base = dict(block_m=moe_tiles.DECODE_BLOCK_M, block_n=128, step_k=64, k_slices=8, min_programs=1 << 20)
+    return moe_dense.DenseTiles(**{**base, **fields})
+
+
+DENSE_SWEEP = {  # label: DenseTiles, swept by --sweep dense at each token count up to 16 (GPU time from a trace)
+    "bn128_sk64_s8": _dense(),
+    "bn128_sk64_s4": _dense(k_slices=4),
+    "bn128_sk64_s16": _dense(k_slices=16),
+    "bn64_sk64_s8": _dense(block_n=64),
+    "bn64_sk128_s8": _dense(block_n=64, step_k=128),
+    "bn256_sk64_s8": _dense(block_n=256),
+    "bn256_sk64_s16": _dense(block_n=256, k_slices=16),
+    "bn128_sk128_s8": _dense(step_k=128),
+    "bn128_sk128_s4": _dense(step_k=128, k_slices=4),
+    "bn128_sk32_s8": _dense(step_k=32),
+    "bn128_sk64_s8_w2": _dense(num_warps=2),
+    "bn128_sk64_s8_w8": _dense(num_warps=8),
+    "bn128_sk64_s8_st2": _dense(num_stages=2),
+    "bn128_sk64_s8_st4": _dense(num_stages=4),
+    "bn128_sk128_s4_st4": _dense(step_k=128, k_slices=4, num_stages=4),
+}
+
+
+def dense_sweep(layer, name, n_tokens: int, impl) -> dict:
+    """The dense-expert kernels (kernels/moe_dense.py, bf16 experts) over `choose_tiles`' own tiles and DENSE_SWEEP's
+    at `n_tokens` tokens: GPU time of the layer call (us, all its kernels) and of its two Pallas kernels, from a
+    profiler trace."""
+    n_experts, top_k, hidden, _ = SHAPES[name]
+    ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
+    x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
+    out = {}
+    for label, tiles in {"choose_tiles": moe_dense.choose_tiles(ids.size, n_experts), **DENSE_SWEEP}.items():
+        call = lambda x, d, tiles=tiles: moe_dense.grouped_swiglu(x, ids, w, *d, tiles=tiles,
+                                                                   interpret=impl == "interpret")
+        got = attempt(label, lambda call=call: traced_device_time(call, x, layer[2], impl == "interpret"))
+        if got is not None and got[0] is not None:
+            out[label] = {"device_us": round(got[0] * 1e6, 2), "kernels_us": round(got[1] * 1e6, 2)}
+    return out
+
+
 def sweep(layer, name, impl, which: str = "all") -> dict:
     """The fused kernel over a few tile configurations: at 1 token ("all", or "split_k": the split-K tiles and
     choose_tiles' own), or at 16 tokens ("decode16": choose_tiles' own against DECODE16_SWEEP)."""
@@ -380,6 +424,11 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
                     results[f"{name}_sweep_gemv_T{n}_us"] = r = gemv_sweep(layer, name, n, args.impl)
                     print(f"tile sweep (gemv), {n} token(s) (us):", r)
                 continue
+            if which == "dense":
+                for n in [t for t in tokens if t <= 16] or [1]:
+                    results[f"{name}_sweep_dense_T{n}_us"] = r = dense_sweep(layer, name, n, args.impl)
+                    print(f"tile sweep (dense bf16), {n} token(s), GPU time (us):", r)
+                continue
             n = 16 if which == "decode16" else 1
             results[f"{name}_sweep_{which}_T{n}_fused_us"] = r = sweep(layer, name, args.impl, which)
             print(f"tile sweep ({which}), fused, {n} token(s) (us):", r)
@@ -395,7 +444,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", nargs="?", const="all",
                         help="also sweep the fused kernel's tiles, comma-separated: all / split_k (1 token: every "
                              "tile, or the split-K ones), decode16 (16 tokens); gemv: the decode kernels' tiles at "
-                             "each token count up to 64")
+                             "each token count up to 64; dense: the bf16 dense-expert kernels' tiles (GPU time) "
+                             "at each token count up to 16")
     parser.add_argument("--dense-only", action="store_true", help="time the bf16 variants alone (no MXFP4 / FP8)")
     parser.add_argument("--variants", help=f"comma-separated variants to time (of {', '.join(VARIANTS)}; default all)")
     args = parser.parse_args(argv)
