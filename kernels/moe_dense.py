@@ -78,13 +78,18 @@ class DenseTiles:
 # benchmarks/decode_profile.py, 2026-12-01, eleventh session) batch-16 decode (128 pairs with the shared experts
 # inside) took 3.092 ms of kernels per token with it against 3.171 without. 96: 16 tokens of top-6.
 EPILOGUE_MIN_PAIRS = 96
+# Calls of at most this many pairs split K in at most 4 slices (else 8): on the H200 at one token of the medium
+# hybrid (benchmarks/moe.py --sweep dense: the two kernels 18.7 us against 19.9 with 8 slices; decode_profile.py
+# batch 1: 1.180 ms of kernels per token against 1.218, fifteenth session) the longer programs stream better.
+FEW_PAIRS = 16
 
 
 def choose_tiles(n_pairs: int, n_experts: int) -> DenseTiles:
     """16-row tiles while experts see few rows (decode; K split for parallelism), 64-row tiles for prefill."""
     rows = n_pairs / max(1, min(n_experts, n_pairs))
     if rows <= 16:
-        return DenseTiles(block_m=moe_tiles.DECODE_BLOCK_M, swiglu_epilogue=n_pairs >= EPILOGUE_MIN_PAIRS)
+        return DenseTiles(block_m=moe_tiles.DECODE_BLOCK_M, swiglu_epilogue=n_pairs >= EPILOGUE_MIN_PAIRS,
+                          k_slices=4 if n_pairs <= FEW_PAIRS else 8)
     if rows <= 48:
         return DenseTiles(block_m=32)
     return DenseTiles(block_m=64, num_warps=8)

@@ -31,10 +31,13 @@ from jax.experimental import pallas as pl
 from . import tiles
 
 
-# The defaults of `SparseMLAConfig.dense_even_splits` / `skip_empty_splits` (read when a kernel is traced). Off: not
-# yet measured on a GPU (benchmarks/NOTES_serving.md).
-DENSE_EVEN_SPLITS = False
-SKIP_EMPTY_SPLITS = False
+# The default of `SparseMLAConfig.dense_even_splits` (read when a kernel is traced). On the H200
+# (benchmarks/mla_decode_splits.py's cases, 16 heads, one request at position 150 in a 33K-token block table: 256
+# splits) the fused decode kernel took 4.65 us with it against 11.04 us without, 4.97 against 11.19 at position 2000,
+# 19.0 against 20.8 at 30000 (with empty splits also skipped, a variant not kept: 0.3 us less, but the combine's
+# mask of their rows cost ~1.2 us); tests/gpu/test_sparse_attention_gpu.py's 16-head decode cases passed with both
+# on. In the model's own decode, whose tables are as wide as the batch's contexts need, no difference was measured.
+DENSE_EVEN_SPLITS = True
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,10 @@ class SparseMLAConfig:
     decode_block_k: int = 32  # the same for one token per request (decode)
     decode_programs: int = 264  # decode: split the selected tokens until about this many programs run ...
     min_split_tokens: int = 128  # ... while each split keeps at least this many (its partial costs H x R floats)
+    # ... but head blocks under 32 split a row into at least this many splits of at least 32 keys: the medium
+    # hybrid's 16-head dense MLA at short contexts (4-block tables) ran 2 splits of 4 chunks, 11 us per layer, against
+    # 8 of one chunk, 5 us (decode_profile.py on the H200, fifteenth session)
+    small_head_min_splits: int = 8
     num_warps: int = 8
     # decode programs of fewer than 32 heads (one tensor-parallel rank's 16 of V3.2's 128; the medium hybrid's dense
     # MLA): 4 warps (H200, 16 heads: batch 16 42-48 us against 51-56 at 8 warps, batch 64 88-101 against 153-172)
@@ -61,17 +68,10 @@ class SparseMLAConfig:
     # dense decode deals the live key chunks out evenly over the splits (`split_chunks`) instead of static ranges;
     # None: the module's DENSE_EVEN_SPLITS
     dense_even_splits: bool | None = None
-    # fused decode: a split without keys stores only its -inf log-sum-exp (no query loads, no output rows;
-    # `combine_normalized` masks those rows); None: the module's SKIP_EMPTY_SPLITS
-    skip_empty_splits: bool | None = None
 
     @property
     def even_splits(self) -> bool:
         return DENSE_EVEN_SPLITS if self.dense_even_splits is None else self.dense_even_splits
-
-    @property
-    def skip_empty(self) -> bool:
-        return SKIP_EMPTY_SPLITS if self.skip_empty_splits is None else self.skip_empty_splits
 
     def __post_init__(self):
         if self.decode_variant not in ("heads_split", "fused"):
@@ -172,48 +172,36 @@ def _kernel(*refs, length, block_k, splits, chunks_per_split, even, dense, scale
 
 
 def _fused_decode_kernel(ql_ref, qr_ref, pos_ref, rows_ref, lat_ref, o_ref, lse_ref, *, block_k, splits,
-                         chunks_per_split, even, skip_empty, dense, scale, rank_pieces, rope_pieces):
+                         chunks_per_split, even, dense, scale, rank_pieces, rope_pieces):
     """One (head block, split, request) program: rows_ref holds each selected token's cache row (-1 = skip)."""
     split, r = pl.program_id(1), pl.program_id(2)
+    q_lat = [ql_ref[:, pl.ds(start, size)] for start, size in rank_pieces]
+    q_rope = [qr_ref[:, pl.ds(start, size)] for start, size in rope_pieces]
     rank = sum(size for _, size in rank_pieces)
     heads = ql_ref.shape[0]
+
+    def step(c, carry):
+        rows = rows_ref[r, pl.ds(c * block_k, block_k)]
+        ok = rows >= 0
+        safe = jnp.where(ok, rows, 0)
+        lat = [jnp.where(ok[:, None], lat_ref[safe, pl.ds(start, size)], 0) for start, size in rank_pieces]
+        rope = [lat_ref[safe, pl.ds(rank + start, size)] for start, size in rope_pieces]
+        return _online_softmax_step(carry, q_lat + q_rope, lat, rope, ok, scale)
+
     first, last = _split_range(split, splits, chunks_per_split, pos_ref[r], block_k, dense, even)
-
-    def attend():
-        q_lat = [ql_ref[:, pl.ds(start, size)] for start, size in rank_pieces]
-        q_rope = [qr_ref[:, pl.ds(start, size)] for start, size in rope_pieces]
-
-        def step(c, carry):
-            rows = rows_ref[r, pl.ds(c * block_k, block_k)]
-            ok = rows >= 0
-            safe = jnp.where(ok, rows, 0)
-            lat = [jnp.where(ok[:, None], lat_ref[safe, pl.ds(start, size)], 0) for start, size in rank_pieces]
-            rope = [lat_ref[safe, pl.ds(rank + start, size)] for start, size in rope_pieces]
-            return _online_softmax_step(carry, q_lat + q_rope, lat, rope, ok, scale)
-
-        m, l, accs = _attend_split(step, first, last, heads, rank_pieces)
-        _store_normalized(o_ref, accs, l, rank_pieces)
-        seen = l > 0
-        lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-
-    if not skip_empty:
-        attend()
-        return
-    pl.when(first < last)(attend)
-
-    @pl.when(first >= last)
-    def _():
-        lse_ref[...] = jnp.full((heads,), -jnp.inf, jnp.float32)
+    m, l, accs = _attend_split(step, first, last, heads, rank_pieces)
+    _store_normalized(o_ref, accs, l, rank_pieces)
+    seen = l > 0
+    lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
 def combine_normalized(out: jax.Array, lse: jax.Array, dtype) -> jax.Array:
     """Per-split normalized outputs out [R, splits, H, D] and log-sum-exps lse [R, splits, H] (-inf: the split saw
-    no key, and its rows of out are not read) -> [R, H, D] in `dtype` (zeros where no split saw a key)."""
+    no key) -> [R, H, D] in `dtype` (zeros where no split saw a key)."""
     top = jnp.max(lse, axis=1, keepdims=True)
     w = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # 0 for empty splits, 1 for the largest
     total = jnp.sum(w, axis=1)
-    out = jnp.where((lse > -jnp.inf)[..., None], out.astype(jnp.float32), 0.0)  # an empty split's rows: any bits
-    merged = jnp.einsum("rsh,rshd->rhd", w, out)
+    merged = jnp.einsum("rsh,rshd->rhd", w, out.astype(jnp.float32))
     return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
 
 
@@ -241,6 +229,19 @@ def combine(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
     return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
 
 
+def decode_splits(programs: int, keys: int, block_h: int, config: SparseMLAConfig) -> int:
+    """Splits of each decode row's `keys` (its block table's keys, or its selection's) over `programs` (request,
+    head block) programs: a power of two, up to about `decode_programs` programs in all, each split keeping at
+    least `min_split_tokens` keys; head blocks under 32 take at least `small_head_min_splits` of at least 32 keys."""
+    wanted = -(-config.decode_programs // programs)
+    most = max(1, keys // config.min_split_tokens)
+    splits = max(1, min(tiles.pow2_at_least(wanted), 1 << (most.bit_length() - 1)))
+    if block_h < 32:
+        floor = min(config.small_head_min_splits, max(1, keys // 32))
+        splits = max(splits, 1 << (floor.bit_length() - 1))
+    return splits
+
+
 def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: int, block_tables: jax.Array,
                query_positions: jax.Array, indices: jax.Array | None, scale: float,
                config: SparseMLAConfig = SparseMLAConfig(), interpret: bool = False) -> jax.Array:
@@ -259,11 +260,7 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
     heads_p = tiles.round_up(heads, block_h)
     num_keys = block_tables.shape[1] * block_size if indices is None else indices.shape[-1]
     n_chunks = -(-num_keys // block_k)
-    splits = 1
-    if length == 1:
-        wanted = -(-config.decode_programs // (n_rows * (heads_p // block_h)))
-        most = max(1, n_chunks * block_k // config.min_split_tokens)
-        splits = max(1, min(tiles.pow2_at_least(wanted), 1 << (most.bit_length() - 1)))
+    splits = decode_splits(n_rows * (heads_p // block_h), n_chunks * block_k, block_h, config) if length == 1 else 1
     n_chunks = tiles.round_up(n_chunks, splits)
     out_dtype = q_latent.dtype
     fused = length == 1 and config.decode_variant == "fused"
@@ -320,7 +317,7 @@ def _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions,
                           layer * n_blocks * block_size, block_size)
     kernel = functools.partial(
         _fused_decode_kernel, block_k=block_k, splits=splits, chunks_per_split=n_chunks // splits,
-        even=config.even_splits, skip_empty=config.skip_empty, dense=indices is None,
+        even=config.even_splits, dense=indices is None,
         scale=scale, rank_pieces=tiles.segments(rank), rope_pieces=tiles.segments(rope_dim))
     part_dtype = cache.dtype if jnp.dtype(cache.dtype).itemsize < 4 else jnp.float32
     grid = (heads_p // block_h, splits, n_rows)  # head blocks sharing a split's rows are adjacent programs

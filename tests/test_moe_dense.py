@@ -85,11 +85,13 @@ def test_lowers_to_triton_at_model_shapes(n_tokens):
 
 
 def test_dispatch_and_tiles(monkeypatch):
-    """CPU runs the XLA paths; decode-sized calls take 16-row tiles with K split, prefill 64-row tiles; the SwiGLU
-    epilogue from EPILOGUE_MIN_PAIRS pairs on; an epilogue the kernels do not have is refused by name."""
+    """CPU runs the XLA paths; decode-sized calls take 16-row tiles with K split (in at most 4 slices up to FEW_PAIRS
+    pairs), prefill 64-row tiles; the SwiGLU epilogue from EPILOGUE_MIN_PAIRS pairs on; an epilogue the kernels do
+    not have is refused by name."""
     assert dispatch.choose("moe_dense", ("reference", "pallas"), platform="cpu") == "reference"
     assert not moe_dense.supported(40, 24) and moe_dense.supported(2048, 768)
     assert moe_dense.choose_tiles(6, 64).block_m == 16 and moe_dense.choose_tiles(2048 * 6, 64).block_m == 64
+    assert moe_dense.choose_tiles(7, 65).k_slices == 4 and moe_dense.choose_tiles(48, 64).k_slices == 8  # few pairs
     monkeypatch.setattr(moe_dense, "EPILOGUE_MIN_PAIRS", 64)
     assert moe_dense.choose_tiles(96, 64).swiglu_epilogue and not moe_dense.choose_tiles(48, 64).swiglu_epilogue
     x, w = jnp.zeros((16, 32)), jnp.zeros((2, 32, 16))

@@ -309,15 +309,15 @@ def test_sparse_mla_matches_reference(seed, length, k, dtype):
         assert np.all(np.asarray(got, np.float32)[1, 2] == 0), f"padding query is not zero (seed={seed})"
 
 
-@pytest.mark.parametrize("k, dtype, block_h, even, skip", [
-    (45, jnp.float32, 16, False, False),  # odd top-k, -1 padding, 3 heads padded to one head block
-    (None, jnp.float32, 2, False, False),  # dense decode; two head blocks (the fused grid's innermost axis)
-    (37, jnp.bfloat16, 16, False, False),  # bf16: partials in bf16
-    (None, jnp.float32, 2, True, True),  # dense decode, live chunks dealt out evenly, empty splits skipped
-    (None, jnp.bfloat16, 16, False, True),  # empty splits skipped with static ranges
-    (45, jnp.float32, 16, True, True),  # a selection: the flags leave its static ranges
+@pytest.mark.parametrize("k, dtype, block_h, even", [
+    (45, jnp.float32, 16, False),  # odd top-k, -1 padding, 3 heads padded to one head block
+    (None, jnp.float32, 2, False),  # dense decode, static split ranges; two head blocks (the grid's innermost axis)
+    (37, jnp.bfloat16, 16, False),  # bf16: partials in bf16
+    (None, jnp.float32, 2, True),  # dense decode, live chunks dealt out evenly
+    (None, jnp.bfloat16, 16, True),
+    (45, jnp.float32, 16, True),  # a selection: even splits leave its static ranges
 ])
-def test_fused_decode_matches_reference(seed, k, dtype, block_h, even, skip):
+def test_fused_decode_matches_reference(seed, k, dtype, block_h, even):
     rng = np.random.default_rng(seed)
     batch, heads, rank, rope = 3, 3, 12, 4
     tables = scattered_tables(rng, batch, 4)
@@ -328,8 +328,7 @@ def test_fused_decode_matches_reference(seed, k, dtype, block_h, even, skip):
     idx = None if k is None else random_selection(rng, pos, k)
     args = (q_lat, q_rope, cache, LAYER, tables, jnp.asarray(pos), idx, 0.2)
     cfg = sparse_mla.SparseMLAConfig(block_h=block_h, block_k=8, decode_block_k=8, decode_programs=64,
-                                     min_split_tokens=8, decode_variant="fused", dense_even_splits=even,
-                                     skip_empty_splits=skip)
+                                     min_split_tokens=8, decode_variant="fused", dense_even_splits=even)
     ref = mla_op(*args, impl="reference")
     got = mla_op(*args, impl="interpret", config=cfg)
     assert got.shape == ref.shape and got.dtype == dtype
@@ -351,6 +350,18 @@ def test_even_split_chunks_partition_the_live_chunks(splits, chunks_per_split):
         (0, chunks_per_split), (chunks_per_split, 2 * chunks_per_split)]
 
 
+def test_decode_splits():
+    """Splits of about decode_programs programs with at least 128 keys each; 16-head blocks at least 8 splits of at
+    least 32 keys (the medium hybrid at a 4-block table: 8 splits, where the 128-key rule gave 2)."""
+    cfg = sparse_mla.SparseMLAConfig()
+    assert sparse_mla.decode_splits(1, 256, 16, cfg) == 8 and sparse_mla.decode_splits(16, 256, 16, cfg) == 8
+    assert sparse_mla.decode_splits(1, 33024, 16, cfg) == 256 and sparse_mla.decode_splits(16, 33024, 16, cfg) == 32
+    assert sparse_mla.decode_splits(1, 100, 16, cfg) == 2 and sparse_mla.decode_splits(1, 20, 16, cfg) == 1
+    assert sparse_mla.decode_splits(2, 2048, 64, cfg) == 16  # DeepSeek-V3.2 at one request: two 64-head blocks
+    assert sparse_mla.decode_splits(2, 256, 64, cfg) == 2  # large head blocks keep the 128-key rule
+    assert sparse_mla.decode_splits(1, 256, 16, sparse_mla.SparseMLAConfig(small_head_min_splits=1)) == 2
+
+
 def test_fused_decode_combine_handles_empty_splits():
     """Splits that saw no key (lse -inf) get weight 0; a row no split saw comes out zero."""
     out = jnp.asarray(np.arange(2 * 3 * 1 * 2, dtype=np.float32).reshape(2, 3, 1, 2))
@@ -358,8 +369,6 @@ def test_fused_decode_combine_handles_empty_splits():
     got = np.asarray(sparse_mla.combine_normalized(out, lse, jnp.float32))
     np.testing.assert_allclose(got[0, 0], (np.array([2.0, 3.0]) + 3 * np.array([4.0, 5.0])) / 4, rtol=1e-6)
     np.testing.assert_array_equal(got[1], 0)
-    garbage = out.at[0, 0].set(jnp.nan).at[1].set(jnp.inf)  # rows of empty splits are never read
-    np.testing.assert_array_equal(np.asarray(sparse_mla.combine_normalized(garbage, lse, jnp.float32)), got)
     with pytest.raises(ValueError):
         sparse_mla.SparseMLAConfig(decode_variant="nope")
 
@@ -450,8 +459,7 @@ def _sparse(length, dense, config=sparse_mla.SparseMLAConfig()):
     ("indexer decode one tile per program", lambda: _indexer(
         1, False, indexer_pallas.IndexerKernelConfig(tiles_per_program=1))),
     ("sparse decode", lambda: _sparse(1, False)), ("dense decode", lambda: _sparse(1, True)),
-    ("dense decode, even splits, empty ones skipped", lambda: _sparse(1, True, sparse_mla.SparseMLAConfig(
-        dense_even_splits=True, skip_empty_splits=True))),
+    ("dense decode, static splits", lambda: _sparse(1, True, sparse_mla.SparseMLAConfig(dense_even_splits=False))),
     ("sparse decode heads_split", lambda: _sparse(1, False, HEADS_SPLIT)),
     ("dense decode heads_split", lambda: _sparse(1, True, HEADS_SPLIT)),
     ("sparse prefill", lambda: _sparse(64, False)), ("dense prefill", lambda: _sparse(64, True)),

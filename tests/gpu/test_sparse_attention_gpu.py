@@ -142,7 +142,7 @@ def test_sparse_mla(rng, length, dense, dtype, config, heads=128):
 # decode at one tensor-parallel rank's heads (16 of 128): the tunings benchmarks/sparse_attention.py sweeps there
 SMALL_HEAD_TUNINGS = {"default": DEFAULT, "w8": SparseMLAConfig(small_decode_warps=8),
                       "s64": SparseMLAConfig(min_split_tokens=64), "k64": SparseMLAConfig(decode_block_k=64),
-                      "even_skip": SparseMLAConfig(dense_even_splits=True, skip_empty_splits=True),
+                      "static": SparseMLAConfig(dense_even_splits=False),
                       "st3": SparseMLAConfig(num_stages=3), "s32": SparseMLAConfig(min_split_tokens=32)}
 
 
