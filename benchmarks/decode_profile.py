@@ -261,11 +261,10 @@ def main(argv=None) -> int:
     if args.pallas:
         extra["pallas"] = args.pallas
     tile_options = {}
-    if args.dense_fused_prologues:
-        extra["dense_fused_prologues"] = tile_options["fused_prologues"] = True
-    if args.dense_pair_partials:
-        extra["dense_pair_partials"] = tile_options["pair_partials"] = True
-    for name, _, text in (pair.partition("=") for pair in args.dense_tiles):
+    # the older tile switches are shorthands for --dense-tiles
+    tile_pairs = [text for flag, text in ((args.dense_fused_prologues, "fused_prologues=true"),
+                                          (args.dense_pair_partials, "pair_partials=true")) if flag]
+    for name, _, text in (pair.partition("=") for pair in tile_pairs + args.dense_tiles):
         extra[f"dense_{name}"] = tile_options[name] = parse_value(text)
     # the older switches are shorthands for --set; (module, constant, value) read when the model traces
     shorthands = [text for flag, text in ((args.shared_apart, "model.moe.SHARED_IN_ROUTED_KERNELS=false"),

@@ -31,15 +31,6 @@ from jax.experimental import pallas as pl
 from . import tiles
 
 
-# The default of `SparseMLAConfig.dense_even_splits` (read when a kernel is traced). On the H200
-# (benchmarks/mla_decode_splits.py's cases, 16 heads, one request at position 150 in a 33K-token block table: 256
-# splits) the fused decode kernel took 4.65 us with it against 11.04 us without, 4.97 against 11.19 at position 2000,
-# 19.0 against 20.8 at 30000 (with empty splits also skipped, a variant not kept: 0.3 us less, but the combine's
-# mask of their rows cost ~1.2 us); tests/gpu/test_sparse_attention_gpu.py's 16-head decode cases passed with both
-# on. In the model's own decode, whose tables are as wide as the batch's contexts need, no difference was measured.
-DENSE_EVEN_SPLITS = True
-
-
 @dataclass(frozen=True)
 class SparseMLAConfig:
     """Tile sizes and launch parameters (powers of two)."""
@@ -65,13 +56,12 @@ class SparseMLAConfig:
     small_decode_warps: int = 4
     num_stages: int = 2
     decode_variant: str = "fused"  # decode: "fused" or "heads_split" (grid request, head block, split)
-    # dense decode deals the live key chunks out evenly over the splits (`split_chunks`) instead of static ranges;
-    # None: the module's DENSE_EVEN_SPLITS
-    dense_even_splits: bool | None = None
-
-    @property
-    def even_splits(self) -> bool:
-        return DENSE_EVEN_SPLITS if self.dense_even_splits is None else self.dense_even_splits
+    # dense decode deals the live key chunks out evenly over the splits (`split_chunks`) instead of static ranges.
+    # H200 (benchmarks/mla_decode_splits.py's cases, 16 heads, one request in a 33K-token table: 256 splits): the
+    # fused decode kernel 4.65 us against 11.04 at position 150, 4.97 against 11.19 at 2000, 19.0 against 20.8 at
+    # 30000 (empty splits also skipped, not kept: 0.3 us less there, ~1.2 us more in the combine's mask of their
+    # rows); the 16-head GPU tests pass with it. In the model's narrow tables no difference was measured.
+    dense_even_splits: bool = True
 
     def __post_init__(self):
         if self.decode_variant not in ("heads_split", "fused"):
@@ -107,13 +97,15 @@ def split_chunks(split, splits: int, chunks_per_split: int, live):
 
 
 def _split_range(split, splits, chunks_per_split, qpos, block_k, dense, even):
-    """This program's (first, last) key chunks: dense attention stops at the chunks holding keys at or before
-    `qpos` (and with `even` deals them out evenly, `split_chunks`)."""
+    """This program's (first, last) key chunks: a selection's static range; dense attention's stops at the chunks
+    holding keys at or before `qpos` (with `even`, those dealt out evenly: `split_chunks`)."""
+    if not dense:
+        return split_chunks(split, splits, chunks_per_split, None)
     live = jnp.maximum(qpos + block_k, 0) // block_k
-    if dense and even:
+    if even:
         return split_chunks(split, splits, chunks_per_split, live)
     first, last = split_chunks(split, splits, chunks_per_split, None)
-    return first, jnp.maximum(first, jnp.minimum(last, live)) if dense else last
+    return first, jnp.maximum(first, jnp.minimum(last, live))
 
 
 def _attend_split(step, first, last, heads, rank_pieces):
@@ -280,7 +272,7 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
     args += [tables, tiles.cache_rows(cache)]
     kernel = functools.partial(
         _kernel, length=length, block_k=block_k, splits=splits, chunks_per_split=n_chunks // splits,
-        even=config.even_splits, dense=indices is None,
+        even=config.dense_even_splits, dense=indices is None,
         scale=scale, rank_pieces=tiles.segments(rank), rope_pieces=tiles.segments(rope_dim),
         layer_row0=layer * n_blocks * block_size, block_size=block_size, partial=splits > 1)
     grid = (n_rows, heads_p // block_h, splits)
@@ -317,7 +309,7 @@ def _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions,
                           layer * n_blocks * block_size, block_size)
     kernel = functools.partial(
         _fused_decode_kernel, block_k=block_k, splits=splits, chunks_per_split=n_chunks // splits,
-        even=config.even_splits, dense=indices is None,
+        even=config.dense_even_splits, dense=indices is None,
         scale=scale, rank_pieces=tiles.segments(rank), rope_pieces=tiles.segments(rope_dim))
     part_dtype = cache.dtype if jnp.dtype(cache.dtype).itemsize < 4 else jnp.float32
     grid = (heads_p // block_h, splits, n_rows)  # head blocks sharing a split's rows are adjacent programs
