@@ -2,7 +2,7 @@
 width 768) and a DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at 1, 16, 64, 256 tokens and an 8K prefill.
 
     python3 benchmarks/moe.py [--results benchmarks/RESULTS.md] [--shapes medium,deepseek] [--tokens 1,16,64,256,8192]
-                              [--sweep [all|split_k|decode16|gemv|dense,...]] [--dense-only | --variants fused,fp8,...]
+                              [--sweep [all|split_k|decode16|gemv|dense|mlp,...]] [--dense-only | --variants fused,fp8,...]
 
 Variants, on the same weights (random MXFP4; the others converted from it) and the same uniform top-k routing:
   bf16      jax.lax.ragged_dot over dense bf16 experts (dayzero.kernels.moe.moe_experts with block_m=None)
@@ -36,7 +36,8 @@ an ideal bf16 kernel reading only the active experts at the copy bandwidth. A va
 is reported as not measured. Prints a table and appends a dated line to the results file.
 `--sweep` also times the MMA kernels over a few tile configurations: at 1 token (split-K ones included) or, with
 `decode16`, at 16 tokens; `gemv`: the CUDA-core kernels over GEMV_SWEEP's tiles at each token count up to 64;
-`dense`: the bf16 dense-expert kernels over DENSE_SWEEP's tiles at each token count up to 16 (GPU time).
+`dense`: the bf16 dense-expert kernels over DENSE_SWEEP's tiles at each token count up to 16 (GPU time); `mlp`: the
+one-kernel MLP (DenseTiles.fused_mlp) over MLP_SWEEP's tiles likewise.
 """
 
 from __future__ import annotations
@@ -301,16 +302,38 @@ DENSE_SWEEP = {  # label: DenseTiles, swept by --sweep dense at each token count
 }
 
 
-def dense_sweep(layer, name, n_tokens: int, impl) -> dict:
-    """The dense-expert kernels (kernels/moe_dense.py, bf16 experts) over `choose_tiles`' own tiles and DENSE_SWEEP's
-    at `n_tokens` tokens: GPU time of the layer call (us, all its kernels) and of its two Pallas kernels, from a
-    profiler trace."""
-    n_experts, top_k, hidden, _ = SHAPES[name]
+MLP_SWEEP = {  # label: DenseTiles of the one-kernel MLP (kernels/moe_dense_fused.py), swept by --sweep mlp
+    "mlp_i64_sk256_bn512": _dense(fused_mlp=True, block_i=64, step_k=256, block_n=512),  # FUSED_MLP_TILES
+    "mlp_i64_sk256_bn512_c2": _dense(fused_mlp=True, block_i=64, step_k=256, block_n=512, k_chains=2),
+    "mlp_i64_sk256_bn512_c4": _dense(fused_mlp=True, block_i=64, step_k=256, block_n=512, k_chains=4),
+    "mlp_i32_sk256_bn512_c2": _dense(fused_mlp=True, step_k=256, block_n=512, k_chains=2),
+    "mlp_i32_sk256_bn512_c4": _dense(fused_mlp=True, step_k=256, block_n=512, k_chains=4),
+    "mlp_i32_sk128_bn256_c4": _dense(fused_mlp=True, step_k=128, block_n=256, k_chains=4),
+    "mlp_i64_sk128_bn256_c2": _dense(fused_mlp=True, block_i=64, step_k=128, block_n=256, k_chains=2),
+    "mlp_i64_sk256_bn512_c4_w8": _dense(fused_mlp=True, block_i=64, step_k=256, block_n=512, k_chains=4,
+                                        num_warps=8),
+}
+
+
+def dense_sweep(layer, name, n_tokens: int, impl, table: dict | None = None, shared_parts: int = 0) -> dict:
+    """The dense-expert kernels (kernels/moe_dense.py, bf16 experts) over `choose_tiles`' own tiles and those of
+    `table` (DENSE_SWEEP by default) at `n_tokens` tokens: GPU time of the layer call (us, all its kernels) and of
+    its Pallas kernels, from a profiler trace. `shared_parts` P > 0: with a shared MLP of P x the experts'
+    intermediate width riding in the same kernels (as the medium hybrid's 2 shared experts do)."""
+    n_experts, top_k, hidden, inter = SHAPES[name]
     ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
     x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
+    shared = None
+    if shared_parts:
+        keys = jax.random.split(jax.random.key(2), 3)
+        shared = (jax.random.normal(keys[0], (hidden, shared_parts * inter), jnp.bfloat16) * 0.02,
+                  jax.random.normal(keys[1], (hidden, shared_parts * inter), jnp.bfloat16) * 0.02,
+                  jax.random.normal(keys[2], (shared_parts * inter, hidden), jnp.bfloat16) * 0.02)
     out = {}
-    for label, tiles in {"choose_tiles": moe_dense.choose_tiles(ids.size, n_experts), **DENSE_SWEEP}.items():
-        call = lambda x, d, tiles=tiles: moe_dense.grouped_swiglu(x, ids, w, *d, tiles=tiles,
+    table = DENSE_SWEEP if table is None else table
+    pairs = ids.size + n_tokens * shared_parts
+    for label, tiles in {"choose_tiles": moe_dense.choose_tiles(pairs, n_experts + shared_parts), **table}.items():
+        call = lambda x, d, tiles=tiles: moe_dense.grouped_swiglu(x, ids, w, *d, tiles=tiles, shared=shared,
                                                                    interpret=impl == "interpret")
         got = attempt(label, lambda call=call: traced_device_time(call, x, layer[2], impl == "interpret"))
         if got is not None and got[0] is not None:
@@ -426,8 +449,15 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
                 continue
             if which == "dense":
                 for n in [t for t in tokens if t <= 16] or [1]:
-                    results[f"{name}_sweep_dense_T{n}_us"] = r = dense_sweep(layer, name, n, args.impl)
+                    results[f"{name}_sweep_dense_T{n}_us"] = r = dense_sweep(layer, name, n, args.impl,
+                                                                             shared_parts=args.shared_parts)
                     print(f"tile sweep (dense bf16), {n} token(s), GPU time (us):", r)
+                continue
+            if which == "mlp":
+                for n in [t for t in tokens if t <= 16] or [1]:
+                    results[f"{name}_sweep_mlp_T{n}_us"] = r = dense_sweep(layer, name, n, args.impl, MLP_SWEEP,
+                                                                           args.shared_parts)
+                    print(f"tile sweep (dense bf16, one-kernel MLP), {n} token(s), GPU time (us):", r)
                 continue
             n = 16 if which == "decode16" else 1
             results[f"{name}_sweep_{which}_T{n}_fused_us"] = r = sweep(layer, name, args.impl, which)
@@ -445,7 +475,9 @@ def main(argv=None) -> int:
                         help="also sweep the fused kernel's tiles, comma-separated: all / split_k (1 token: every "
                              "tile, or the split-K ones), decode16 (16 tokens); gemv: the decode kernels' tiles at "
                              "each token count up to 64; dense: the bf16 dense-expert kernels' tiles (GPU time) "
-                             "at each token count up to 16")
+                             "at each token count up to 16; mlp: the one-kernel MLP's tiles (MLP_SWEEP) likewise")
+    parser.add_argument("--shared-parts", type=int, default=0,
+                        help="dense / mlp sweeps: a shared MLP of this many x the experts' width in the same kernels")
     parser.add_argument("--dense-only", action="store_true", help="time the bf16 variants alone (no MXFP4 / FP8)")
     parser.add_argument("--variants", help=f"comma-separated variants to time (of {', '.join(VARIANTS)}; default all)")
     args = parser.parse_args(argv)

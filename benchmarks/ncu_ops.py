@@ -8,6 +8,9 @@ Ops (shapes and inputs as in benchmarks/kda.py and benchmarks/moe.py):
   kda   chunk_kda at B1 H32 D128 bf16, T `--tokens` (default 8192): kernels kda_chunk_akk, kda_chunk_wy, kda_chunk_state
   moe   the MXFP4 layer as the model runs it (`--shape` medium or deepseek, `--tokens`): at decode sizes the CUDA-core
         kernels moe_gemv_gate_up_r*, moe_gemv_down_r*; else moe_gate_up[_split_k], moe_down[...]
+  moe_dense  the same layer with bf16 experts through kernels/moe_dense.py (`--tiles field=value,...` overrides the
+        fields of `choose_tiles`' DenseTiles, e.g. fused_mlp=true,block_i=64): moe_dense_gate_up / moe_dense_down,
+        or moe_dense_fused_mlp
 `--tuning field=value,...` overrides KdaTuning fields (kda). The first call compiles; `--calls` calls run in all,
 so `ncu -c` with the kernels of one call profiles them once compiled (Triton's compile launches nothing).
 """
@@ -63,18 +66,48 @@ def run_moe(shape: str, tokens: int, calls: int) -> None:
     print(f"moe {shape} T{tokens}: |y| {float(jnp.linalg.norm(y.astype(jnp.float32))):.4g}")
 
 
+def run_moe_dense(shape: str, tokens: int, calls: int, tiles_spec: str | None) -> None:
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_profile import parse_value  # benchmarks/decode_profile.py
+    from moe import SHAPES, routing  # benchmarks/moe.py
+
+    from dayzero.kernels import moe_dense
+
+    n_experts, top_k, hidden, inter = SHAPES[shape]
+    keys = jax.random.split(jax.random.key(0), 3)
+    w_gate, w_up = (jax.random.normal(k, (n_experts, hidden, inter), jnp.bfloat16) * 0.02 for k in keys[:2])
+    w_down = jax.random.normal(keys[2], (n_experts, inter, hidden), jnp.bfloat16) * 0.02
+    ids, w = routing(jax.random.key(tokens), tokens, n_experts, top_k)
+    x = jax.random.normal(jax.random.key(1), (tokens, hidden), jnp.bfloat16)
+    fields = {name: parse_value(text) for name, _, text in
+              (pair.partition("=") for pair in filter(None, (tiles_spec or "").split(",")))}
+    tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), **fields)
+    fn = jax.jit(lambda x, *d: moe_dense.grouped_swiglu(x, ids, w, *d, tiles=tiles))
+    for _ in range(calls):
+        y = jax.block_until_ready(fn(x, w_gate, w_up, w_down))
+    print(f"moe_dense {shape} T{tokens} {tiles}: |y| {float(jnp.linalg.norm(y.astype(jnp.float32))):.4g}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("op", choices=("kda", "moe"))
+    parser.add_argument("op", choices=("kda", "moe", "moe_dense"))
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--shape", default="deepseek", help="moe: medium or deepseek")
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--tuning", help="kda: KdaTuning overrides, e.g. intra_block_k=64,intra_warps=8")
+    parser.add_argument("--tiles", help="moe_dense: DenseTiles overrides, e.g. fused_mlp=true,block_i=64")
     args = parser.parse_args(argv)
     if args.op == "kda":
         run_kda(args.tokens or 8192, args.calls, args.tuning)
-    else:
+    elif args.op == "moe":
         run_moe(args.shape, args.tokens or 16, args.calls)
+    else:
+        run_moe_dense(args.shape, args.tokens or 1, args.calls, args.tiles)
     return 0
 
 

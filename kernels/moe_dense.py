@@ -14,6 +14,7 @@ used weight tile once, straight from the stacked [E, K, N] experts, and do only 
 - gate and up share one kernel (the same x tile feeds both), then SwiGLU in XLA and the down kernel; with
   `DenseTiles.swiglu_epilogue` (K not split) the gate/up kernel applies the SwiGLU to its sums, and with
   `DenseTiles.fused_prologues` the row gather (and the SwiGLU) happen in the kernels' operand loads instead;
+- `DenseTiles.fused_mlp` runs the whole MLP in one kernel instead (`moe_dense_fused`; off by default);
 - a shared-expert MLP can ride along (`grouped_swiglu(shared=)`): split over its intermediate columns into parts
   of the experts' shape, it runs as extra experts of the same two kernels, read in place from its own weights.
 
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import moe_tiles, tiles as tiling
+from . import moe_dense_fused, moe_tiles, tiles as tiling
 
 # Whether these kernels have passed tests/gpu/test_moe_dense_gpu.py on a GPU (H200, jax 0.11.2: 7/7 on 2026-11-30,
 # and faster than both XLA paths at 1 and 16 tokens, benchmarks/RESULTS.md). Until a kernel has, dispatch runs the
@@ -72,6 +73,13 @@ class DenseTiles:
     # per token for the sums over just the pairs' rows); tests/gpu/test_moe_dense_gpu.py -k pairs passes at the
     # medium shapes.
     pair_partials: bool = False
+    # The whole SwiGLU MLP in one kernel (`moe_dense_fused`: gate/up, SwiGLU, down, routing weight and combine by
+    # float32 atomics, one program per tile and `block_i` intermediate columns), instead of the gather, two kernels
+    # and XLA's sums, SwiGLU and combine. block_n is then the down product's column step, step_k the gate/up K step.
+    # Chosen up to `FUSED_MLP_MAX_PAIRS` pairs (0: off; see there for its H200 figures).
+    fused_mlp: bool = False
+    block_i: int = 32
+    k_chains: int = 1  # the one-kernel MLP's independent accumulators per K step
 
 
 # Calls of at least this many token-expert pairs take `DenseTiles.swiglu_epilogue`: on the H200 (medium hybrid,
@@ -82,11 +90,22 @@ EPILOGUE_MIN_PAIRS = 96
 # hybrid (benchmarks/moe.py --sweep dense: the two kernels 18.7 us against 19.9 with 8 slices; decode_profile.py
 # batch 1: 1.180 ms of kernels per token against 1.218, fifteenth session) the longer programs stream better.
 FEW_PAIRS = 16
+# Calls of at most this many pairs run the one-kernel MLP (`DenseTiles.fused_mlp`) with FUSED_MLP_TILES' blocks. 0:
+# never. On the H200 (medium hybrid layer with its shared MLP, benchmarks/moe.py --sweep mlp --shared-parts 2,
+# sixteenth session) its best tiles took the same GPU time per layer call as the split-K kernels at one token (31.25
+# against 31.22 us, one kernel against five) and more at 16 tokens (139 against 130 us): with K whole, a program per
+# 64 intermediate columns leaves ~1 warp per scheduler, each waiting on its own MMA accumulator chain (ncu: 6%
+# achieved occupancy, 1.9 TB/s).
+FUSED_MLP_MAX_PAIRS = 0
+FUSED_MLP_TILES = dict(block_i=64, step_k=256, block_n=512)
 
 
 def choose_tiles(n_pairs: int, n_experts: int) -> DenseTiles:
-    """16-row tiles while experts see few rows (decode; K split for parallelism), 64-row tiles for prefill."""
+    """16-row tiles while experts see few rows (decode; K split for parallelism, or the one-kernel MLP up to
+    `FUSED_MLP_MAX_PAIRS` pairs), 64-row tiles for prefill."""
     rows = n_pairs / max(1, min(n_experts, n_pairs))
+    if n_pairs <= FUSED_MLP_MAX_PAIRS:
+        return DenseTiles(block_m=moe_tiles.DECODE_BLOCK_M, fused_mlp=True, **FUSED_MLP_TILES)
     if rows <= 16:
         return DenseTiles(block_m=moe_tiles.DECODE_BLOCK_M, swiglu_epilogue=n_pairs >= EPILOGUE_MIN_PAIRS,
                           k_slices=4 if n_pairs <= FEW_PAIRS else 8)
@@ -266,6 +285,11 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     elif tiles.block_m != moe_tiles.DECODE_BLOCK_M or sched.row_of_pair.shape != topk_ids.shape:
         raise ValueError(f"a schedule of {sched.row_of_pair.shape} pairs in {moe_tiles.DECODE_BLOCK_M}-row tiles "
                          f"for {topk_ids.shape} pairs in {tiles.block_m}-row tiles")
+    if tiles.fused_mlp:
+        return moe_dense_fused.fused_swiglu(
+            x, sched, topk_weights, w_gate, w_up, w_down, block_m=tiles.block_m, block_i=tiles.block_i,
+            step_k=tiles.step_k, block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            k_chains=tiles.k_chains, shared=shared, interpret=interpret).astype(x.dtype)
     if tiles.fused_prologues:  # padding rows of used tiles read zeros, so their hidden rows are silu(0) * 0 = 0
         rows, gather = x, dict(token_of_row=sched.token_of_row, prologue="gather")
     else:

@@ -34,15 +34,17 @@ _grouped = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles", "interpre
     ((37, 5, 48, 80, 2), "one_expert_takes_all", moe_dense.DenseTiles(block_m=8, block_n=16, step_k=16, k_slices=1)),
 ])
 # "fused": row gather and SwiGLU in the kernels' operand loads; "epilogue": the SwiGLU on the gate/up kernel's sums;
-# "pairs": partial sums stored and reduced for the pairs' rows only
-@pytest.mark.parametrize("variant", ["xla", "fused", "epilogue", "pairs"])
+# "pairs": partial sums stored and reduced for the pairs' rows only; "mlp": the whole MLP in one kernel (atomic sums),
+# "mlp_chains": with two accumulator chains per K step
+@pytest.mark.parametrize("variant", ["xla", "fused", "epilogue", "pairs", "mlp", "mlp_chains"])
 def test_matches_oracle(seed, shape, kind, tiles, variant):
     """Odd dims (blocks cut to their power-of-two divisors), K split or not, pairs sharing experts, one expert
     spread over several tiles while others sit idle."""
     rng = np.random.default_rng(seed)
     args = _case(rng, *shape, kind=kind)
     tiles = dataclasses.replace(tiles, fused_prologues=variant == "fused", swiglu_epilogue=variant == "epilogue",
-                                pair_partials=variant == "pairs")
+                                pair_partials=variant == "pairs", fused_mlp=variant.startswith("mlp"),
+                                k_chains=2 if variant == "mlp_chains" else 1)
     got = _grouped(*(jnp.asarray(a) for a in args), tiles=tiles, interpret=True)
     err = rel_err(got, dense_oracle(*args))
     assert got.dtype == jnp.float32 and err < 1e-5, f"{shape}: {err:.2e} (seed={seed})"
@@ -80,14 +82,17 @@ def test_lowers_to_triton_at_model_shapes(n_tokens):
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=epilogue), *args) == 2
         pairs = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), pair_partials=True)
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=pairs), *args) == 2
+        mlp = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), fused_mlp=True)
+        assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=mlp), *args) == 1
         shared = (spec((hidden, 2 * inter), jnp.bfloat16),) * 2 + (spec((2 * inter, hidden), jnp.bfloat16),)
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a[:6], shared=a[6:]), *args, *shared) == 2
 
 
 def test_dispatch_and_tiles(monkeypatch):
     """CPU runs the XLA paths; decode-sized calls take 16-row tiles with K split (in at most 4 slices up to FEW_PAIRS
-    pairs), prefill 64-row tiles; the SwiGLU epilogue from EPILOGUE_MIN_PAIRS pairs on; an epilogue the kernels do
-    not have is refused by name."""
+    pairs), prefill 64-row tiles; the SwiGLU epilogue from EPILOGUE_MIN_PAIRS pairs on; the one-kernel MLP up to
+    FUSED_MLP_MAX_PAIRS pairs (0 by default); an epilogue the kernels do not have, or accumulator chains that do not
+    split the K step, are refused by name."""
     assert dispatch.choose("moe_dense", ("reference", "pallas"), platform="cpu") == "reference"
     assert not moe_dense.supported(40, 24) and moe_dense.supported(2048, 768)
     assert moe_dense.choose_tiles(6, 64).block_m == 16 and moe_dense.choose_tiles(2048 * 6, 64).block_m == 64
@@ -98,6 +103,15 @@ def test_dispatch_and_tiles(monkeypatch):
     with pytest.raises(ValueError, match="epilogue"):
         moe_dense.grouped_matmul(x, jnp.zeros((1,), jnp.int32), (w,), moe_dense.DenseTiles(), interpret=True,
                                  epilogue="swiglu")
+    assert not moe_dense.choose_tiles(8, 66).fused_mlp  # the one-kernel MLP: off unless FUSED_MLP_MAX_PAIRS says
+    monkeypatch.setattr(moe_dense, "FUSED_MLP_MAX_PAIRS", 8)
+    chosen = moe_dense.choose_tiles(8, 66)
+    assert chosen.fused_mlp and chosen.block_i == moe_dense.FUSED_MLP_TILES["block_i"]
+    assert not moe_dense.choose_tiles(9, 66).fused_mlp
+    ids, ones = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), jnp.float32)
+    with pytest.raises(ValueError, match="k_chains"):
+        moe_dense.grouped_swiglu(jnp.zeros((1, 32)), ids, ones, w, w, w.transpose(0, 2, 1),
+                                 tiles=dataclasses.replace(chosen, step_k=16, k_chains=3), interpret=True)
 
 
 def test_shared_expert_runs_as_one_grouped_expert_at_decode_sizes(seed, monkeypatch):
@@ -131,10 +145,11 @@ def test_shared_expert_runs_as_one_grouped_expert_at_decode_sizes(seed, monkeypa
                                     w["down_proj"]["kernel"]) is None  # CPU: the caller's dense layers run
 
 
-@pytest.mark.parametrize("n_tokens,parts,fused", [(1, 2, False), (5, 1, False), (3, 3, True), (4, 2, "pairs")])
+@pytest.mark.parametrize("n_tokens,parts,fused", [(1, 2, False), (5, 1, False), (3, 3, True), (4, 2, "pairs"),
+                                                   (1, 2, "mlp"), (6, 3, "mlp")])
 def test_shared_mlp_as_extra_experts(seed, n_tokens, parts, fused):
     """A shared-expert SwiGLU MLP (intermediate `parts` x the experts') passed as `shared`: the routed experts' output
-    plus the MLP's, against the float64 oracle of both; one token (its own schedule), several, the fused loads; a
+    plus the MLP's, against the float64 oracle of both; one token (its own schedule), several, the fused loads, the one-kernel MLP; a
     shared MLP that does not split into the experts' shape is refused by name."""
     rng = np.random.default_rng(seed)
     hidden, inter = 32, 16
@@ -142,7 +157,8 @@ def test_shared_mlp_as_extra_experts(seed, n_tokens, parts, fused):
     sg, su = (rng.standard_normal((hidden, parts * inter)).astype(np.float32) * 0.3 for _ in range(2))
     sd = rng.standard_normal((parts * inter, hidden)).astype(np.float32) * 0.3
     tiles = moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=2, min_programs=16,
-                                 fused_prologues=fused is True, pair_partials=fused == "pairs")
+                                 fused_prologues=fused is True, pair_partials=fused == "pairs",
+                                 fused_mlp=fused == "mlp")
     got = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles", "interpret"))(
         *(jnp.asarray(a) for a in (x, ids, weights, wg, wu, wd)), tiles=tiles, interpret=True,
         shared=tuple(jnp.asarray(a) for a in (sg, su, sd)))

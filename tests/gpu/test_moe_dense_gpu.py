@@ -34,8 +34,8 @@ def _layer(key, n_experts, hidden, inter, dtype):
     ((64, 6, 2048, 768), 5, jnp.float32, False), ((256, 8, 7168, 2048), 1, jnp.bfloat16, False),
     ((256, 8, 7168, 2048), 64, jnp.bfloat16, False)])
 # "fused": DenseTiles.fused_prologues (row gather and SwiGLU in the operand loads); "epilogue": swiglu_epilogue;
-# "pairs": pair_partials
-@pytest.mark.parametrize("fused", [False, "fused", "epilogue", "pairs"])
+# "pairs": pair_partials; "mlp": fused_mlp (the whole MLP in one kernel, float32 atomics)
+@pytest.mark.parametrize("fused", [False, "fused", "epilogue", "pairs", "mlp"])
 def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed, fused):
     n_experts, top_k, hidden, inter = shape
     key = jax.random.key(seed)
@@ -47,7 +47,8 @@ def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed, fused)
     x = jax.random.normal(jax.random.fold_in(key, 3), (n_tokens, hidden), dtype)
     if fused:
         tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), fused_prologues=fused == "fused",
-                                    swiglu_epilogue=fused == "epilogue", pair_partials=fused == "pairs")
+                                    swiglu_epilogue=fused == "epilogue", pair_partials=fused == "pairs",
+                                    fused_mlp=fused == "mlp")
         got = _grouped(x, ids.astype(jnp.int32), w, *weights, tiles=tiles)
     else:
         got = _experts(x, ids.astype(jnp.int32), w, *weights, impl="pallas")
@@ -78,7 +79,7 @@ def test_shared_expert_as_one_grouped_expert(n_tokens):
 
 
 @pytest.mark.parametrize("n_tokens", [1, 8, 16])
-@pytest.mark.parametrize("fused", [False, True, "epilogue", "pairs"])
+@pytest.mark.parametrize("fused", [False, True, "epilogue", "pairs", "mlp"])
 def test_shared_mlp_in_routed_kernels(n_tokens, fused):
     """The medium hybrid's MoE layer (64 experts top-6, 2048 x 768) with its 1536-wide shared MLP as two extra experts
     of the routed kernels (`grouped_swiglu(shared=)`), against the routed kernels plus the MLP at float32 precision."""
@@ -91,7 +92,8 @@ def test_shared_mlp_in_routed_kernels(n_tokens, fused):
                       jnp.int32)
     weights = jax.random.uniform(jax.random.fold_in(key, 5), (n_tokens, 6), jnp.float32)
     tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * 8, 66), fused_prologues=fused is True,
-                                swiglu_epilogue=fused == "epilogue", pair_partials=fused == "pairs")
+                                swiglu_epilogue=fused == "epilogue", pair_partials=fused == "pairs",
+                                fused_mlp=fused == "mlp")
     got = jax.jit(lambda *a: moe_dense.grouped_swiglu(*a[:6], tiles=tiles, shared=a[6:]))(
         x, ids, weights, wg, wu, wd, sg, su, sd).astype(jnp.float32)
     with jax.default_matmul_precision("highest"):

@@ -1,0 +1,71 @@
+"""A float atomic add with relaxed memory ordering for Pallas (Triton) kernels.
+
+`pallas.triton.atomic_add` lowers with acquire-release ordering: on sm_90 Triton fences every call (MEMBAR.ALL.GPU
+before the atomic, an L1 invalidate after), so a loop that streams weights and adds its results atomically waits for
+every load in flight at each add. Kernels that only accumulate sums, and read them after the kernel ends, need no
+ordering between their atomics; `add_relaxed` emits them relaxed (the same vectorised ATOMG / RED, no fences).
+
+It reuses the Pallas atomic primitive's shape rules and its interpret-mode discharge (there, as for
+`atomic_add`, no mask, and either all slice / scalar indices or all array indices), and lowers with Triton's
+RELAXED semantic. This leans on Pallas' internal lowering module (present in jax 0.10 and 0.11); where it is
+missing, `add_relaxed` falls back to `pallas.triton.atomic_add`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.experimental.pallas import triton as pltriton
+
+try:  # Pallas internals: the atomic primitive's pieces and the Triton lowering registry
+    from jax._src import core as _core
+    from jax._src import state as _state
+    from jax._src import tree_util as _tree_util
+    from jax._src.lib.triton import dialect as _tt
+    from jax._src.pallas.triton import lowering as _lowering
+    from jax._src.pallas.triton import primitives as _primitives
+    from jax._src.state import discharge as _discharge
+    from jax._src.state import indexing as _indexing
+    from jax._src.state import primitives as _state_primitives
+except ImportError:  # pragma: no cover - a jax without them: the acquire-release atomic
+    _primitives = None
+
+
+def _build_primitive():
+    if _primitives is None or not hasattr(_primitives, "atomic_rmw_p"):
+        return None
+    prim = _core.Primitive("atomic_add_relaxed")
+    prim.def_effectful_abstract_eval(_primitives._atomic_abstract_eval)
+    _discharge.register_discharge_rule(prim)(_primitives._atomic_rmw_discharge_rule)
+
+    @_lowering.register_lowering(prim)
+    def _lower(ctx, *args_flat, args_tree, atomic_type):
+        block_info, *_ = ctx.block_infos
+        ptr, indexers, val, mask = args_tree.unflatten(args_flat)
+        *_, value_aval, mask_aval = args_tree.unflatten(ctx.avals_in)
+        indexers = list(indexers)
+        if not indexers or not isinstance(indexers[-1], _indexing.NDIndexer):
+            ref_aval = _state.transform_type(indexers, ctx.avals_in[0])
+            indexers.append(_indexing.NDIndexer.make_trivial_indexer(ref_aval.shape))
+        if len(indexers) != 1:
+            raise NotImplementedError("add_relaxed takes a single indexer")
+        ptr = _lowering._compute_pointers_from_indices(ptr, block_info, indexers[0])
+        val = _lowering._ensure_ir_value(val, value_aval)
+        if mask is not None:
+            mask = _lowering._ensure_ir_value(mask, mask_aval)
+        return _lowering._atomic_rmw(_tt.RMWOp.FADD, ptr, val, mask=mask, semantic=_tt.MemSemantic.RELAXED)
+
+    return prim
+
+
+_ADD_RELAXED = _build_primitive()
+
+
+def add_relaxed(ref, idx, val, *, mask: Any | None = None):
+    """ref[idx] += val atomically, with no ordering against other memory operations (float refs). Returns
+    nothing useful (the old values: unused results let Triton emit reductions)."""
+    if _ADD_RELAXED is None:
+        return pltriton.atomic_add(ref, idx, val, mask=mask)
+    x_ref, transforms = _state_primitives.get_ref_and_transforms(ref, idx, "atomic_add_relaxed")
+    args_flat, args_tree = _tree_util.tree_flatten((x_ref, transforms, val, mask))
+    return _ADD_RELAXED.bind(*args_flat, args_tree=args_tree, atomic_type=_primitives.AtomicOpType.ADD)
