@@ -37,7 +37,8 @@ is reported as not measured. Prints a table and appends a dated line to the resu
 `--sweep` also times the MMA kernels over a few tile configurations: at 1 token (split-K ones included) or, with
 `decode16`, at 16 tokens; `gemv`: the CUDA-core kernels over GEMV_SWEEP's tiles at each token count up to 64;
 `dense`: the bf16 dense-expert kernels over DENSE_SWEEP's tiles at each token count up to 16 (GPU time); `mlp`: the
-one-kernel MLP (DenseTiles.fused_mlp) over MLP_SWEEP's tiles likewise.
+one-kernel MLP (DenseTiles.fused_mlp) over MLP_SWEEP's tiles likewise, and choose_tiles' own with the down kernel's
+atomic combine.
 """
 
 from __future__ import annotations
@@ -302,7 +303,9 @@ DENSE_SWEEP = {  # label: DenseTiles, swept by --sweep dense at each token count
 }
 
 
-MLP_SWEEP = {  # label: DenseTiles of the one-kernel MLP (kernels/moe_dense_fused.py), swept by --sweep mlp
+# label: DenseTiles of the one-kernel MLP (kernels/moe_dense_fused.py), swept by --sweep mlp after choose_tiles' own
+# tiles with the down kernel's atomic combine (DenseTiles.atomic_combine)
+MLP_SWEEP = {
     "mlp_i64_sk256_bn512": _dense(fused_mlp=True, block_i=64, step_k=256, block_n=512),  # FUSED_MLP_TILES
     "mlp_i64_sk256_bn512_c2": _dense(fused_mlp=True, block_i=64, step_k=256, block_n=512, k_chains=2),
     "mlp_i64_sk256_bn512_c4": _dense(fused_mlp=True, block_i=64, step_k=256, block_n=512, k_chains=4),
@@ -332,7 +335,8 @@ def dense_sweep(layer, name, n_tokens: int, impl, table: dict | None = None, sha
     out = {}
     table = DENSE_SWEEP if table is None else table
     pairs = ids.size + n_tokens * shared_parts
-    for label, tiles in {"choose_tiles": moe_dense.choose_tiles(pairs, n_experts + shared_parts), **table}.items():
+    chosen = moe_dense.choose_tiles(pairs, n_experts + shared_parts)
+    for label, tiles in {"choose_tiles": chosen, **table}.items():
         call = lambda x, d, tiles=tiles: moe_dense.grouped_swiglu(x, ids, w, *d, tiles=tiles, shared=shared,
                                                                    interpret=impl == "interpret")
         got = attempt(label, lambda call=call: traced_device_time(call, x, layer[2], impl == "interpret"))
@@ -455,7 +459,10 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
                 continue
             if which == "mlp":
                 for n in [t for t in tokens if t <= 16] or [1]:
-                    results[f"{name}_sweep_mlp_T{n}_us"] = r = dense_sweep(layer, name, n, args.impl, MLP_SWEEP,
+                    table = {"choose_tiles+combine": dataclasses.replace(moe_dense.choose_tiles(
+                        n * (SHAPES[name][1] + args.shared_parts), SHAPES[name][0] + args.shared_parts),
+                        atomic_combine=True), **MLP_SWEEP}
+                    results[f"{name}_sweep_mlp_T{n}_us"] = r = dense_sweep(layer, name, n, args.impl, table,
                                                                            args.shared_parts)
                     print(f"tile sweep (dense bf16, one-kernel MLP), {n} token(s), GPU time (us):", r)
                 continue

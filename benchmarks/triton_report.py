@@ -139,8 +139,8 @@ def kda_cases() -> dict:
 def moe_dense_cases() -> dict:
     """The dense-expert grouped matmuls at the medium hybrid's layer (64 experts, top-6, 2048 x 768, bf16) at 1 and
     16 tokens, with the XLA row gather and SwiGLU, with them in the kernels' operand loads, with the SwiGLU as the
-    gate/up kernel's epilogue (16 tokens) or the partial sums of the pairs' rows only (1 token), and the whole MLP in
-    one kernel (`fused_mlp`) at 16 / 32 / 64 intermediate columns per program."""
+    gate/up kernel's epilogue (16 tokens) or the partial sums of the pairs' rows only (1 token), the down kernel's
+    atomic combine, and the whole MLP in one kernel (`fused_mlp`) at 16 / 32 / 64 intermediate columns per program."""
     import dataclasses
 
     from dayzero.kernels import moe_dense
@@ -159,6 +159,9 @@ def moe_dense_cases() -> dict:
             name = f"moe_dense T{n_tokens}" + {False: "", True: " fused_prologues", "epilogue": " epilogue",
                                                "pairs": " pair_partials"}[fused]
             cases[name] = (lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)
+        tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), atomic_combine=True)
+        cases[f"moe_dense T{n_tokens} atomic_combine"] = (
+            lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)
         for block_i in (16, 32, 64):
             tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), fused_mlp=True,
                                         block_i=block_i)

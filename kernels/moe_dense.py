@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import moe_dense_fused, moe_tiles, tiles as tiling
+from . import atomics, moe_dense_fused, moe_tiles, tiles as tiling
 
 # Whether these kernels have passed tests/gpu/test_moe_dense_gpu.py on a GPU (H200, jax 0.11.2: 7/7 on 2026-11-30,
 # and faster than both XLA paths at 1 and 16 tokens, benchmarks/RESULTS.md). Until a kernel has, dispatch runs the
@@ -80,6 +80,10 @@ class DenseTiles:
     fused_mlp: bool = False
     block_i: int = 32
     k_chains: int = 1  # the one-kernel MLP's independent accumulators per K step
+    # The down kernel weights its rows and adds them into the tokens' [T, H] float32 sums by atomics (K slices
+    # included), instead of storing per-row (per-slice) sums for XLA to add up and combine: one kernel fewer per MoE
+    # layer, plus a zero fill. Not yet measured on a GPU: off.
+    atomic_combine: bool = False
 
 
 # Calls of at least this many token-expert pairs take `DenseTiles.swiglu_epilogue`: on the H200 (medium hybrid,
@@ -141,7 +145,9 @@ def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue):
 
 
 def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, epilogue, n_routed, has_shared,
-                    masked):
+                    masked, masked_atomics, combine_tokens):
+    # epilogue "combine": each row's token and routing weight come first
+    (row_token_ref, row_weight_ref), refs = (refs[:2], refs[2:]) if epilogue == "combine" else ((None, None), refs)
     valid_ref, refs = (refs[0], refs[1:]) if masked else (None, refs)  # rows to store (the rest stay unwritten)
     token_ref = refs[0] if prologue == "gather" else None  # the rows' tokens come first where they are gathered
     x_ref, *refs = refs[1:] if prologue == "gather" else refs
@@ -161,6 +167,17 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, ep
         if epilogue == "swiglu":  # each projection rounded to the output dtype first, as the unfused path does
             gate, up = (acc.astype(o_ref.dtype).astype(jnp.float32) for acc in accs)
             o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = (jax.nn.silu(gate) * up).astype(o_ref.dtype)
+            return
+        if epilogue == "combine":  # weighted, added into the flat [(T + bm) * N] sums of the rows' tokens
+            n_tokens, n_dim = combine_tokens, w_refs[0].shape[2]
+            token = row_token_ref[pl.ds(r0, bm)]
+            real = token < n_tokens
+            # padding rows go to distinct scratch rows past the tokens (interpret mode adds their zeros there)
+            target = jnp.where(real, token, n_tokens + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0))
+            columns = n0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+            y = accs[0] * row_weight_ref[pl.ds(r0, bm)][:, None]
+            atomics.add_relaxed(o_ref, (target[:, None] * n_dim + columns,), y,
+                                mask=jnp.broadcast_to(real[:, None], (bm, bn)) if masked_atomics else None)
             return
         for i, acc in enumerate(accs):
             if masked:
@@ -193,7 +210,7 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
                    interpret: bool = False, token_of_row: jax.Array | None = None,
                    prologue: str | None = None, shared: tuple[jax.Array, ...] | None = None,
                    epilogue: str | None = None, out_dtype=jnp.float32, row_valid: jax.Array | None = None,
-                   sum_slices: bool = True) -> jax.Array:
+                   sum_slices: bool = True, combine: tuple[jax.Array, jax.Array, int] | None = None) -> jax.Array:
     """x_rows [R, K] (R a multiple of block_m; tile t = rows [t*block_m, (t+1)*block_m) uses expert tile_expert[t],
     -1: unused), weights: each [E, K, N] -> [R, len(weights), N] (rows of unused tiles undefined), float32 sums
     rounded to `out_dtype` (once, after the K slices are added up). `epilogue` "swiglu" (two weights, gate and up):
@@ -203,7 +220,10 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     over just the rows it reads.
 
     `prologue` (see `_load_rows`): "gather" takes the tokens [T, K] as x_rows and the rows' tokens `token_of_row`
-    [R] (R from it); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `shared` (one per weight):
+    [R] (R from it); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `epilogue` "combine" (one
+    weight; `combine` = (the rows' tokens [R], T for padding rows; their routing weights [R] float32; T)): [T, N]
+    float32, each row's sums times its weight added into its token's row by float32 atomics (K slices included; no
+    rounding per row; the order of the adds varies run to run). `shared` (one per weight):
     an MLP's weight split in P parts of the experts' shape, as extra experts E .. E + P - 1; each either [K, P * N]
     (part p its columns p*N ..) or [P, K, N]."""
     weights_k = weights[0].shape[1]
@@ -217,9 +237,11 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
         raise ValueError(f"unknown prologue {prologue!r} (None, 'gather' or 'swiglu')")
     if k_dim != weights_k:
         raise ValueError(f"rows of {k_dim} features for weights of {weights_k} inputs")
-    if epilogue not in (None, "swiglu") or (epilogue == "swiglu" and (len(weights) != 2 or row_valid is not None)):
-        raise ValueError(f"epilogue {epilogue!r} for {len(weights)} weights (None, or 'swiglu' for gate and up, all "
-                         f"rows written)")
+    if epilogue not in (None, "swiglu", "combine") or (
+            epilogue == "swiglu" and (len(weights) != 2 or row_valid is not None)) or (
+            epilogue == "combine" and (len(weights) != 1 or row_valid is not None or combine is None)):
+        raise ValueError(f"epilogue {epilogue!r} for {len(weights)} weights (None; 'swiglu' for gate and up, all rows "
+                         f"written; or 'combine' for one weight, with the rows' tokens and weights)")
     n_dim = weights[0].shape[2]
     bm = tiles.block_m
     bn = tiling.pow2_divisor(n_dim, tiles.block_n)
@@ -227,21 +249,30 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     k_steps = k_dim // sk
     grid = (n_rows // bm, n_dim // bn)
     wanted = -(-tiles.min_programs // (grid[0] * grid[1]))
-    slices = 1 if epilogue else max(d for d in range(1, min(tiles.k_slices, wanted, k_steps) + 1)
-                                    if k_steps % d == 0)
+    slices = 1 if epilogue == "swiglu" else max(d for d in range(1, min(tiles.k_slices, wanted, k_steps) + 1)
+                                                if k_steps % d == 0)
+    combine_tokens = combine[2] if epilogue == "combine" else None
     kernel = functools.partial(_grouped_kernel, n_w=len(weights), bm=bm, bn=bn, sk=sk, steps=k_steps // slices,
                                prologue=prologue, epilogue=epilogue, n_routed=weights[0].shape[0],
-                               has_shared=shared is not None, masked=row_valid is not None)
+                               has_shared=shared is not None, masked=row_valid is not None,
+                               masked_atomics=not interpret, combine_tokens=combine_tokens)
+    operands = [tile_expert.astype(jnp.int32)]
+    if epilogue == "combine":
+        operands += [combine[0].astype(jnp.int32), combine[1].astype(jnp.float32)]
+    operands += [*([] if row_valid is None else [row_valid.astype(jnp.int32)]),
+                 *([token_of_row.astype(jnp.int32)] if prologue == "gather" else []), x_rows, *weights,
+                 *(shared or ())]
+    common = dict(grid=grid + (slices,), compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
+                  interpret=interpret, name="moe_dense_gate_up" if len(weights) == 2 else "moe_dense_down")
+    if epilogue == "combine":
+        zeros = jnp.zeros(((combine_tokens + bm) * n_dim,), jnp.float32)
+        sums = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
+                              input_output_aliases={len(operands): 0}, **common)(*operands, zeros)
+        return sums[:combine_tokens * n_dim].reshape(combine_tokens, n_dim)
     out_shape = (n_rows, n_dim) if epilogue else (slices, n_rows, len(weights), n_dim)
     partial = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype if slices == 1 else jnp.float32),
-        grid=grid + (slices,),
-        compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
-        interpret=interpret,
-        name="moe_dense_gate_up" if len(weights) == 2 else "moe_dense_down",
-    )(tile_expert.astype(jnp.int32), *([] if row_valid is None else [row_valid.astype(jnp.int32)]),
-      *([token_of_row.astype(jnp.int32)] if prologue == "gather" else []), x_rows, *weights, *(shared or ()))
+        kernel, out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype if slices == 1 else jnp.float32), **common,
+    )(*operands)
     if epilogue or not sum_slices:
         return partial
     return partial[0] if slices == 1 else jnp.sum(partial, axis=0).astype(out_dtype)
@@ -311,6 +342,10 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
         real = sched.real_rows()[:, None]  # rows of unused tiles hold whatever the buffer held
         hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
     # rows of unused tiles stay undefined, but no program of the down kernel and no pair of `combine` reads them
+    if tiles.atomic_combine:
+        combine = (sched.token_of_row, moe_dense_fused.row_weights(sched, topk_weights), n_tokens)
+        return grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
+                              prologue=down_prologue, epilogue="combine", combine=combine).astype(x.dtype)
     out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
                          prologue=down_prologue, out_dtype=x.dtype)
     return moe_tiles.combine(out[:, 0], sched, topk_weights).astype(x.dtype)

@@ -35,16 +35,18 @@ _grouped = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles", "interpre
 ])
 # "fused": row gather and SwiGLU in the kernels' operand loads; "epilogue": the SwiGLU on the gate/up kernel's sums;
 # "pairs": partial sums stored and reduced for the pairs' rows only; "mlp": the whole MLP in one kernel (atomic sums),
-# "mlp_chains": with two accumulator chains per K step
-@pytest.mark.parametrize("variant", ["xla", "fused", "epilogue", "pairs", "mlp", "mlp_chains"])
+# "mlp_chains": with two accumulator chains per K step; "+combine": the down kernel's atomic weighted combine
+@pytest.mark.parametrize("variant", ["xla", "fused", "epilogue", "pairs", "mlp", "mlp_chains", "xla+combine",
+                                     "fused+combine", "epilogue+combine"])
 def test_matches_oracle(seed, shape, kind, tiles, variant):
     """Odd dims (blocks cut to their power-of-two divisors), K split or not, pairs sharing experts, one expert
     spread over several tiles while others sit idle."""
     rng = np.random.default_rng(seed)
     args = _case(rng, *shape, kind=kind)
-    tiles = dataclasses.replace(tiles, fused_prologues=variant == "fused", swiglu_epilogue=variant == "epilogue",
-                                pair_partials=variant == "pairs", fused_mlp=variant.startswith("mlp"),
-                                k_chains=2 if variant == "mlp_chains" else 1)
+    base = variant.split("+")[0]
+    tiles = dataclasses.replace(tiles, fused_prologues=base == "fused", swiglu_epilogue=base == "epilogue",
+                                pair_partials=base == "pairs", fused_mlp=base.startswith("mlp"),
+                                k_chains=2 if base == "mlp_chains" else 1, atomic_combine=variant.endswith("combine"))
     got = _grouped(*(jnp.asarray(a) for a in args), tiles=tiles, interpret=True)
     err = rel_err(got, dense_oracle(*args))
     assert got.dtype == jnp.float32 and err < 1e-5, f"{shape}: {err:.2e} (seed={seed})"
@@ -84,6 +86,8 @@ def test_lowers_to_triton_at_model_shapes(n_tokens):
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=pairs), *args) == 2
         mlp = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), fused_mlp=True)
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=mlp), *args) == 1
+        combine = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), atomic_combine=True)
+        assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a, tiles=combine), *args) == 2
         shared = (spec((hidden, 2 * inter), jnp.bfloat16),) * 2 + (spec((2 * inter, hidden), jnp.bfloat16),)
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a[:6], shared=a[6:]), *args, *shared) == 2
 
@@ -146,7 +150,8 @@ def test_shared_expert_runs_as_one_grouped_expert_at_decode_sizes(seed, monkeypa
 
 
 @pytest.mark.parametrize("n_tokens,parts,fused", [(1, 2, False), (5, 1, False), (3, 3, True), (4, 2, "pairs"),
-                                                   (1, 2, "mlp"), (6, 3, "mlp")])
+                                                   (1, 2, "mlp"), (6, 3, "mlp"), (1, 2, "combine"),
+                                                   (5, 2, "combine")])
 def test_shared_mlp_as_extra_experts(seed, n_tokens, parts, fused):
     """A shared-expert SwiGLU MLP (intermediate `parts` x the experts') passed as `shared`: the routed experts' output
     plus the MLP's, against the float64 oracle of both; one token (its own schedule), several, the fused loads, the one-kernel MLP; a
@@ -158,7 +163,7 @@ def test_shared_mlp_as_extra_experts(seed, n_tokens, parts, fused):
     sd = rng.standard_normal((parts * inter, hidden)).astype(np.float32) * 0.3
     tiles = moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=2, min_programs=16,
                                  fused_prologues=fused is True, pair_partials=fused == "pairs",
-                                 fused_mlp=fused == "mlp")
+                                 fused_mlp=fused == "mlp", atomic_combine=fused == "combine")
     got = jax.jit(moe_dense.grouped_swiglu, static_argnames=("tiles", "interpret"))(
         *(jnp.asarray(a) for a in (x, ids, weights, wg, wu, wd)), tiles=tiles, interpret=True,
         shared=tuple(jnp.asarray(a) for a in (sg, su, sd)))

@@ -34,8 +34,9 @@ def _layer(key, n_experts, hidden, inter, dtype):
     ((64, 6, 2048, 768), 5, jnp.float32, False), ((256, 8, 7168, 2048), 1, jnp.bfloat16, False),
     ((256, 8, 7168, 2048), 64, jnp.bfloat16, False)])
 # "fused": DenseTiles.fused_prologues (row gather and SwiGLU in the operand loads); "epilogue": swiglu_epilogue;
-# "pairs": pair_partials; "mlp": fused_mlp (the whole MLP in one kernel, float32 atomics)
-@pytest.mark.parametrize("fused", [False, "fused", "epilogue", "pairs", "mlp"])
+# "pairs": pair_partials; "mlp": fused_mlp (the whole MLP in one kernel, float32 atomics); "combine": atomic_combine
+# (the down kernel's weighted combine by float32 atomics); "mlp_chains": fused_mlp with 4 accumulator chains
+@pytest.mark.parametrize("fused", [False, "fused", "epilogue", "pairs", "mlp", "combine", "mlp_chains"])
 def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed, fused):
     n_experts, top_k, hidden, inter = shape
     key = jax.random.key(seed)
@@ -48,7 +49,8 @@ def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed, fused)
     if fused:
         tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), fused_prologues=fused == "fused",
                                     swiglu_epilogue=fused == "epilogue", pair_partials=fused == "pairs",
-                                    fused_mlp=fused == "mlp")
+                                    fused_mlp=fused.startswith("mlp"), k_chains=4 if fused == "mlp_chains" else 1,
+                                    atomic_combine=fused == "combine")
         got = _grouped(x, ids.astype(jnp.int32), w, *weights, tiles=tiles)
     else:
         got = _experts(x, ids.astype(jnp.int32), w, *weights, impl="pallas")
@@ -79,7 +81,7 @@ def test_shared_expert_as_one_grouped_expert(n_tokens):
 
 
 @pytest.mark.parametrize("n_tokens", [1, 8, 16])
-@pytest.mark.parametrize("fused", [False, True, "epilogue", "pairs", "mlp"])
+@pytest.mark.parametrize("fused", [False, True, "epilogue", "pairs", "mlp", "combine"])
 def test_shared_mlp_in_routed_kernels(n_tokens, fused):
     """The medium hybrid's MoE layer (64 experts top-6, 2048 x 768) with its 1536-wide shared MLP as two extra experts
     of the routed kernels (`grouped_swiglu(shared=)`), against the routed kernels plus the MLP at float32 precision."""
@@ -93,7 +95,7 @@ def test_shared_mlp_in_routed_kernels(n_tokens, fused):
     weights = jax.random.uniform(jax.random.fold_in(key, 5), (n_tokens, 6), jnp.float32)
     tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * 8, 66), fused_prologues=fused is True,
                                 swiglu_epilogue=fused == "epilogue", pair_partials=fused == "pairs",
-                                fused_mlp=fused == "mlp")
+                                fused_mlp=fused == "mlp", atomic_combine=fused == "combine")
     got = jax.jit(lambda *a: moe_dense.grouped_swiglu(*a[:6], tiles=tiles, shared=a[6:]))(
         x, ids, weights, wg, wu, wd, sg, su, sd).astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
