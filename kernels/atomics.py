@@ -32,7 +32,11 @@ except ImportError:  # pragma: no cover - a jax without them: the acquire-releas
 
 
 def _build_primitive():
-    if _primitives is None or not hasattr(_primitives, "atomic_rmw_p"):
+    """The relaxed atomic-add primitive, or None where this jax lacks the Pallas pieces it reuses."""
+    needed = ("atomic_rmw_p", "_atomic_abstract_eval", "_atomic_rmw_discharge_rule", "AtomicOpType")
+    if _primitives is None or not all(hasattr(_primitives, name) for name in needed) or not all(
+            hasattr(_lowering, name) for name in ("register_lowering", "_compute_pointers_from_indices",
+                                                  "_ensure_ir_value", "_atomic_rmw")):
         return None
     prim = _core.Primitive("atomic_add_relaxed")
     prim.def_effectful_abstract_eval(_primitives._atomic_abstract_eval)

@@ -343,7 +343,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
         hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
     # rows of unused tiles stay undefined, but no program of the down kernel and no pair of `combine` reads them
     if tiles.atomic_combine:
-        combine = (sched.token_of_row, moe_dense_fused.row_weights(sched, topk_weights), n_tokens)
+        combine = (sched.token_of_row, moe_tiles.row_weights(sched, topk_weights), n_tokens)
         return grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
                               prologue=down_prologue, epilogue="combine", combine=combine).astype(x.dtype)
     out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,

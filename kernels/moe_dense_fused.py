@@ -128,7 +128,7 @@ def fused_swiglu(x: jax.Array, sched: moe_tiles.Schedule, topk_weights: jax.Arra
     kernel = functools.partial(_fused_kernel, bm=block_m, bi=bi, sk=sk, bn=bn, chains=k_chains, n_routed=n_experts,
                                has_shared=shared is not None, masked=not interpret)
     operands = (sched.tile_expert.astype(jnp.int32), sched.token_of_row.astype(jnp.int32),
-                row_weights(sched, topk_weights), x, w_gate, w_up, w_down, *(shared or ()))
+                moe_tiles.row_weights(sched, topk_weights), x, w_gate, w_up, w_down, *(shared or ()))
     zeros = jnp.zeros(((n_tokens + block_m) * hidden,), jnp.float32)
     out = pl.pallas_call(
         kernel,
@@ -141,10 +141,3 @@ def fused_swiglu(x: jax.Array, sched: moe_tiles.Schedule, topk_weights: jax.Arra
     )(*operands, zeros)
     return out[:n_tokens * hidden].reshape(n_tokens, hidden)
 
-
-def row_weights(sched: moe_tiles.Schedule, topk_weights: jax.Array) -> jax.Array:
-    """[R] float32: each padded row's routing weight (topk_weights [T, k] at the pair the row holds), 0 for padding
-    rows. One compare-and-sum pass (no scatter)."""
-    rows = jnp.arange(sched.token_of_row.shape[0], dtype=jnp.int32)
-    match = rows[:, None] == sched.row_of_pair.reshape(1, -1)
-    return jnp.sum(jnp.where(match, topk_weights.reshape(1, -1).astype(jnp.float32), 0.0), axis=1)

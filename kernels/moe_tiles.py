@@ -138,6 +138,14 @@ def take_or_zero(values: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.concatenate([values, jnp.zeros((1,) + values.shape[1:], values.dtype)])[index]
 
 
+def row_weights(sched: Schedule, topk_weights: jax.Array) -> jax.Array:
+    """[R] float32: each padded row's routing weight (topk_weights [T, k] at the pair the row holds), 0 for padding
+    rows. One compare-and-sum pass (no scatter)."""
+    rows = jnp.arange(sched.token_of_row.shape[0], dtype=jnp.int32)
+    match = rows[:, None] == sched.row_of_pair.reshape(1, -1)
+    return jnp.sum(jnp.where(match, topk_weights.reshape(1, -1).astype(jnp.float32), 0.0), axis=1)
+
+
 def weighted_sum(picked: jax.Array, topk_weights: jax.Array) -> jax.Array:
     """picked [T, k, D] per-pair expert outputs -> [T, D] float32: weighted by the routing weights, summed."""
     return jnp.sum(picked.astype(jnp.float32) * topk_weights.astype(jnp.float32)[..., None], axis=1)  # no dot: no TF32

@@ -68,7 +68,6 @@ def _block_k(n_experts: int, hidden: int) -> int:
 def _router_kernel(x_ref, w_ref, bias_ref, ids_ref, weights_ref, *, n_tokens, top_k, block_k, sigmoid,
                    renormalize, scale):
     n_experts, hidden = w_ref.shape
-    k_pad = ids_ref.shape[1]
     r0 = pl.program_id(0) * BLOCK_M
     token = r0 + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
     real = token < n_tokens
