@@ -101,6 +101,10 @@ FEW_PAIRS = 16
 # 64 intermediate columns leaves ~1 warp per scheduler, each waiting on its own MMA accumulator chain (ncu: 6%
 # achieved occupancy, 1.9 TB/s).
 FUSED_MLP_MAX_PAIRS = 0
+# One-token calls (a batch-1 decode step) hand the gate/up kernel the token padded to one block_m-row block that
+# every tile reads (the single-token schedule puts the token in each tile's first row), instead of gathering R rows
+# (at batch 1 of the medium hybrid a 112 x 2048 gather, ~2 us per MoE layer on the H200). Not yet measured: off.
+ONE_TOKEN_BLOCK = False
 FUSED_MLP_TILES = dict(block_i=64, step_k=256, block_n=512)
 
 
@@ -129,7 +133,10 @@ def supported(hidden: int, inter: int, tiles: DenseTiles = DenseTiles()) -> bool
 def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue):
     """The x block [bm, sk] of rows r0.. at columns k0.. that tile's matmul reads. prologue None: x_ref holds the
     rows; "gather": x_ref holds the tokens [T, K] and token_ref each row's token (T or more: a padding row, zeros);
-    "swiglu": x_ref holds gate and up side by side [R, 2K], the block is silu(gate) * up rounded to their dtype."""
+    "swiglu": x_ref holds gate and up side by side [R, 2K], the block is silu(gate) * up rounded to their dtype;
+    "block": x_ref holds one block of bm rows [bm, K] that every tile reads (one token, zero rows below it)."""
+    if prologue == "block":
+        return x_ref[pl.ds(0, bm), pl.ds(k0, sk)]
     if prologue == "gather":
         n_tokens = x_ref.shape[0]
         token = token_ref[pl.ds(r0, bm)]
@@ -220,21 +227,24 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     over just the rows it reads.
 
     `prologue` (see `_load_rows`): "gather" takes the tokens [T, K] as x_rows and the rows' tokens `token_of_row`
-    [R] (R from it); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `epilogue` "combine" (one
+    [R] (R from it); "block" takes one block_m-row block that every tile reads as its rows (and `token_of_row` [R]
+    for R); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `epilogue` "combine" (one
     weight; `combine` = (the rows' tokens [R], T for padding rows; their routing weights [R] float32; T)): [T, N]
     float32, each row's sums times its weight added into its token's row by float32 atomics (K slices included; no
     rounding per row; the order of the adds varies run to run). `shared` (one per weight):
     an MLP's weight split in P parts of the experts' shape, as extra experts E .. E + P - 1; each either [K, P * N]
     (part p its columns p*N ..) or [P, K, N]."""
     weights_k = weights[0].shape[1]
-    if prologue == "gather":
+    if prologue in ("gather", "block"):
         n_rows, k_dim = token_of_row.shape[0], x_rows.shape[1]
+        if prologue == "block" and x_rows.shape[0] != tiles.block_m:
+            raise ValueError(f"prologue 'block' takes one block of {tiles.block_m} rows, not {x_rows.shape[0]}")
     elif prologue == "swiglu":
         n_rows, k_dim = x_rows.shape[0], x_rows.shape[1] // 2
     elif prologue is None:
         n_rows, k_dim = x_rows.shape
     else:
-        raise ValueError(f"unknown prologue {prologue!r} (None, 'gather' or 'swiglu')")
+        raise ValueError(f"unknown prologue {prologue!r} (None, 'gather', 'block' or 'swiglu')")
     if k_dim != weights_k:
         raise ValueError(f"rows of {k_dim} features for weights of {weights_k} inputs")
     if epilogue not in (None, "swiglu", "combine") or (
@@ -323,6 +333,11 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
             k_chains=tiles.k_chains, shared=shared, interpret=interpret).astype(x.dtype)
     if tiles.fused_prologues:  # padding rows of used tiles read zeros, so their hidden rows are silu(0) * 0 = 0
         rows, gather = x, dict(token_of_row=sched.token_of_row, prologue="gather")
+    elif ONE_TOKEN_BLOCK and n_tokens == 1 and not tiles.pair_partials:
+        # one token: each tile holds it in its first row (`moe_tiles` single-token schedule), so every tile reads
+        # the same block, the token above zero rows, instead of a gather writing R rows
+        rows = jnp.pad(x, ((0, tiles.block_m - 1), (0, 0)))
+        gather = dict(token_of_row=sched.token_of_row, prologue="block")
     else:
         rows, gather = moe_tiles.take_or_zero(x, sched.token_of_row), {}  # padding rows zero
     if tiles.pair_partials and not (tiles.swiglu_epilogue or tiles.fused_prologues):
@@ -338,7 +353,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
         hidden, down_prologue = gate_up.reshape(gate_up.shape[0], -1), "swiglu"
     else:
         gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
-                                 out_dtype=x.dtype)
+                                 out_dtype=x.dtype, **gather)
         real = sched.real_rows()[:, None]  # rows of unused tiles hold whatever the buffer held
         hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
     # rows of unused tiles stay undefined, but no program of the down kernel and no pair of `combine` reads them
