@@ -2,7 +2,7 @@
 
 At a decode step the split-K path of `moe_dense` runs a row gather, the gate/up kernel, XLA's sums and SwiGLU, the
 down kernel and XLA's weighted combine: five launches per MoE layer, each a few microseconds of ramp and tail at
-these sizes. Here one program takes one 16-row tile of one expert (the `moe_tiles` schedule) and one block of
+these sizes. Here one program takes one row tile of one expert (the `moe_tiles` schedule) and one block of
 `block_i` intermediate columns, and does the whole MLP for that block:
 
 1. gate and up [rows, block_i]: the tile's rows read from x by token (padding rows zero) times the expert's gate and
