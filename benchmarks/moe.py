@@ -318,11 +318,13 @@ MLP_SWEEP = {
 }
 
 
-def dense_sweep(layer, name, n_tokens: int, impl, table: dict | None = None, shared_parts: int = 0) -> dict:
+def dense_sweep(layer, name, n_tokens: int, impl, table: dict | None = None, shared_parts: int = 0,
+                with_combine: bool = False) -> dict:
     """The dense-expert kernels (kernels/moe_dense.py, bf16 experts) over `choose_tiles`' own tiles and those of
     `table` (DENSE_SWEEP by default) at `n_tokens` tokens: GPU time of the layer call (us, all its kernels) and of
     its Pallas kernels, from a profiler trace. `shared_parts` P > 0: with a shared MLP of P x the experts'
-    intermediate width riding in the same kernels (as the medium hybrid's 2 shared experts do)."""
+    intermediate width riding in the same kernels (as the medium hybrid's 2 shared experts do). `with_combine`: also
+    choose_tiles' own tiles with the down kernel's atomic combine ("choose_tiles+combine")."""
     n_experts, top_k, hidden, inter = SHAPES[name]
     ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
     x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
@@ -336,7 +338,10 @@ def dense_sweep(layer, name, n_tokens: int, impl, table: dict | None = None, sha
     table = DENSE_SWEEP if table is None else table
     pairs = ids.size + n_tokens * shared_parts
     chosen = moe_dense.choose_tiles(pairs, n_experts + shared_parts)
-    for label, tiles in {"choose_tiles": chosen, **table}.items():
+    own = {"choose_tiles": chosen}
+    if with_combine:
+        own["choose_tiles+combine"] = dataclasses.replace(chosen, atomic_combine=True)
+    for label, tiles in {**own, **table}.items():
         call = lambda x, d, tiles=tiles: moe_dense.grouped_swiglu(x, ids, w, *d, tiles=tiles, shared=shared,
                                                                    interpret=impl == "interpret")
         got = attempt(label, lambda call=call: traced_device_time(call, x, layer[2], impl == "interpret"))
@@ -459,11 +464,8 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
                 continue
             if which == "mlp":
                 for n in [t for t in tokens if t <= 16] or [1]:
-                    table = {"choose_tiles+combine": dataclasses.replace(moe_dense.choose_tiles(
-                        n * (SHAPES[name][1] + args.shared_parts), SHAPES[name][0] + args.shared_parts),
-                        atomic_combine=True), **MLP_SWEEP}
-                    results[f"{name}_sweep_mlp_T{n}_us"] = r = dense_sweep(layer, name, n, args.impl, table,
-                                                                           args.shared_parts)
+                    results[f"{name}_sweep_mlp_T{n}_us"] = r = dense_sweep(layer, name, n, args.impl, MLP_SWEEP,
+                                                                           args.shared_parts, with_combine=True)
                     print(f"tile sweep (dense bf16, one-kernel MLP), {n} token(s), GPU time (us):", r)
                 continue
             n = 16 if which == "decode16" else 1

@@ -52,7 +52,7 @@ def _build_primitive():
             ref_aval = _state.transform_type(indexers, ctx.avals_in[0])
             indexers.append(_indexing.NDIndexer.make_trivial_indexer(ref_aval.shape))
         if len(indexers) != 1:
-            raise NotImplementedError("add_relaxed takes a single indexer")
+            raise ValueError(f"add_relaxed takes one index into the ref, got {len(indexers)} (index a view instead)")
         ptr = _lowering._compute_pointers_from_indices(ptr, block_info, indexers[0])
         val = _lowering._ensure_ir_value(val, value_aval)
         if mask is not None:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import atomics, moe_dense_fused, moe_tiles, tiles as tiling
+from . import moe_dense_fused, moe_tiles, tiles as tiling
 
 # Whether these kernels have passed tests/gpu/test_moe_dense_gpu.py on a GPU (H200, jax 0.11.2: 7/7 on 2026-11-30,
 # and faster than both XLA paths at 1 and 16 tokens, benchmarks/RESULTS.md). Until a kernel has, dispatch runs the
@@ -176,15 +176,9 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, ep
             o_ref[pl.ds(r0, bm), pl.ds(n0, bn)] = (jax.nn.silu(gate) * up).astype(o_ref.dtype)
             return
         if epilogue == "combine":  # weighted, added into the flat [(T + bm) * N] sums of the rows' tokens
-            n_tokens, n_dim = combine_tokens, w_refs[0].shape[2]
-            token = row_token_ref[pl.ds(r0, bm)]
-            real = token < n_tokens
-            # padding rows go to distinct scratch rows past the tokens (interpret mode adds their zeros there)
-            target = jnp.where(real, token, n_tokens + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0))
-            columns = n0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
-            y = accs[0] * row_weight_ref[pl.ds(r0, bm)][:, None]
-            atomics.add_relaxed(o_ref, (target[:, None] * n_dim + columns,), y,
-                                mask=jnp.broadcast_to(real[:, None], (bm, bn)) if masked_atomics else None)
+            moe_dense_fused.add_to_tokens(o_ref, row_token_ref[pl.ds(r0, bm)],
+                                          accs[0] * row_weight_ref[pl.ds(r0, bm)][:, None], n0,
+                                          n_tokens=combine_tokens, n_dim=w_refs[0].shape[2], masked=masked_atomics)
             return
         for i, acc in enumerate(accs):
             if masked:
@@ -275,10 +269,7 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     common = dict(grid=grid + (slices,), compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
                   interpret=interpret, name="moe_dense_gate_up" if len(weights) == 2 else "moe_dense_down")
     if epilogue == "combine":
-        zeros = jnp.zeros(((combine_tokens + bm) * n_dim,), jnp.float32)
-        sums = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
-                              input_output_aliases={len(operands): 0}, **common)(*operands, zeros)
-        return sums[:combine_tokens * n_dim].reshape(combine_tokens, n_dim)
+        return moe_dense_fused.token_sums(kernel, operands, combine_tokens, bm, n_dim, **common)
     out_shape = (n_rows, n_dim) if epilogue else (slices, n_rows, len(weights), n_dim)
     partial = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype if slices == 1 else jnp.float32), **common,

@@ -71,15 +71,11 @@ def _fused_kernel(tile_expert_ref, token_ref, row_weight_ref, x_ref, *refs, bm, 
         gate, up = (sum(accs[w::2][1:], accs[w]).astype(dtype).astype(jnp.float32) for w in range(2))
         h = (jax.nn.silu(gate) * up).astype(dtype)  # [bm, bi]
         row_weight = row_weight_ref[pl.ds(r0, bm)]
-        # padding rows go to distinct scratch rows past the tokens (interpret mode adds their zeros there)
-        target = jnp.where(real, token, n_tokens + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0))
-        mask = jnp.broadcast_to(real[:, None], (bm, bn)) if masked else None
 
         def down_step(j, carry):
             n0 = pl.multiple_of(j * bn, bn)
             y = tiling.mm(h, down_block(n0).astype(dtype)) * row_weight[:, None]
-            columns = n0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
-            atomics.add_relaxed(o_ref, (target[:, None] * hidden + columns,), y, mask=mask)
+            add_to_tokens(o_ref, token, y, n0, n_tokens=n_tokens, n_dim=hidden, masked=masked)
             return carry
 
         jax.lax.fori_loop(0, hidden // bn, down_step, 0)
@@ -129,15 +125,30 @@ def fused_swiglu(x: jax.Array, sched: moe_tiles.Schedule, topk_weights: jax.Arra
                                has_shared=shared is not None, masked=not interpret)
     operands = (sched.tile_expert.astype(jnp.int32), sched.token_of_row.astype(jnp.int32),
                 moe_tiles.row_weights(sched, topk_weights), x, w_gate, w_up, w_down, *(shared or ()))
-    zeros = jnp.zeros(((n_tokens + block_m) * hidden,), jnp.float32)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
-        grid=(sched.token_of_row.shape[0] // block_m, inter // bi),
-        input_output_aliases={len(operands): 0},
-        compiler_params=tiling.compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="moe_dense_fused_mlp",
-    )(*operands, zeros)
-    return out[:n_tokens * hidden].reshape(n_tokens, hidden)
+    return token_sums(kernel, operands, n_tokens, block_m, hidden,
+                      grid=(sched.token_of_row.shape[0] // block_m, inter // bi),
+                      compiler_params=tiling.compiler_params(num_warps, num_stages), interpret=interpret,
+                      name="moe_dense_fused_mlp")
+
+
+def add_to_tokens(o_ref, token, y, n0, *, n_tokens: int, n_dim: int, masked: bool):
+    """In a kernel of `token_sums`: adds y [bm, bn] float32 (one tile's rows, of tokens `token` [bm], T or more for
+    padding rows) into the flat sums o_ref [(T + bm) * n_dim] at columns n0 .. n0 + bn, by relaxed atomics.
+    `masked` (GPU): padding rows add nothing; unmasked (interpret mode, which cannot mask an atomic): they add into
+    distinct scratch rows past the tokens."""
+    bm, bn = y.shape
+    real = token < n_tokens
+    target = jnp.where(real, token, n_tokens + jax.lax.broadcasted_iota(jnp.int32, (bm,), 0))
+    columns = n0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+    atomics.add_relaxed(o_ref, (target[:, None] * n_dim + columns,), y,
+                        mask=jnp.broadcast_to(real[:, None], (bm, bn)) if masked else None)
+
+
+def token_sums(kernel, operands, n_tokens: int, block_m: int, n_dim: int, **call) -> jax.Array:
+    """Runs `kernel` (pl.pallas_call options `call`) on `operands` plus a zeroed float32 buffer [(T + block_m) *
+    n_dim] that it adds into (`add_to_tokens`; its last ref) -> the tokens' sums [T, n_dim] float32."""
+    zeros = jnp.zeros(((n_tokens + block_m) * n_dim,), jnp.float32)
+    sums = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
+                          input_output_aliases={len(operands): 0}, **call)(*operands, zeros)
+    return sums[:n_tokens * n_dim].reshape(n_tokens, n_dim)
 
