@@ -8,6 +8,8 @@ Ops (shapes and inputs as in benchmarks/kda.py and benchmarks/moe.py):
   kda   chunk_kda at B1 H32 D128 bf16, T `--tokens` (default 8192): kernels kda_chunk_akk, kda_chunk_wy, kda_chunk_state
   moe   the MXFP4 layer as the model runs it (`--shape` medium or deepseek, `--tokens`): at decode sizes the CUDA-core
         kernels moe_gemv_gate_up_r*, moe_gemv_down_r*; else moe_gate_up[_split_k], moe_down[...]
+  kda_decode  the medium hybrid's one-kernel KDA decode step (kernels/kda/decode_layer.py: 16 heads x 128, low rank
+        128, conv 4, bf16) at `--tokens` rows (default 1): kernel kda_decode_layer
   moe_dense  the same layer with bf16 experts through kernels/moe_dense.py (`--tiles field=value,...` overrides the
         fields of `choose_tiles`' DenseTiles, e.g. fused_mlp=true,block_i=64): moe_dense_gate_up / moe_dense_down,
         or moe_dense_fused_mlp
@@ -66,6 +68,30 @@ def run_moe(shape: str, tokens: int, calls: int) -> None:
     print(f"moe {shape} T{tokens}: |y| {float(jnp.linalg.norm(y.astype(jnp.float32))):.4g}")
 
 
+def run_kda_decode(rows: int, calls: int) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from dayzero.kernels.kda import decode_layer
+
+    heads, dim, rank, width, layers = 16, 128, 128, 4, 2
+    hd = heads * dim
+    ks = iter(jax.random.split(jax.random.key(rows), 12))
+    normal = lambda shape, dtype=jnp.bfloat16, s=1.0: (jax.random.normal(next(ks), shape) * s).astype(dtype)
+    args = (normal((rows, 3 * hd)), normal((rows, 2 * rank + heads)),
+            tuple(normal((hd, width), s=0.3) for _ in range(3)), normal((rank, hd), s=0.1),
+            jnp.zeros((heads,), jnp.float32), jnp.zeros((hd,), jnp.float32), normal((rank, hd), s=0.1),
+            jnp.ones((dim,), jnp.float32), normal((layers, 2 * rows, 3, hd, width - 1)),
+            normal((layers, 2 * rows, heads, dim, dim), jnp.float32, 0.1))
+    slots, lengths = jnp.arange(rows, dtype=jnp.int32), jnp.ones((rows,), jnp.int32)
+    fn = jax.jit(lambda *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None),
+                 donate_argnums=(8, 9))
+    conv, pool = args[8], args[9]
+    for _ in range(calls):
+        o, conv, pool = jax.block_until_ready(fn(*args[:8], conv, pool, slots, lengths))
+    print(f"kda_decode B{rows}: |o| {float(jnp.linalg.norm(o.astype(jnp.float32))):.4g}")
+
+
 def run_moe_dense(shape: str, tokens: int, calls: int, tiles_spec: str | None) -> None:
     import dataclasses
 
@@ -95,7 +121,7 @@ def run_moe_dense(shape: str, tokens: int, calls: int, tiles_spec: str | None) -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("op", choices=("kda", "moe", "moe_dense"))
+    parser.add_argument("op", choices=("kda", "kda_decode", "moe", "moe_dense"))
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--shape", default="deepseek", help="moe: medium or deepseek")
     parser.add_argument("--calls", type=int, default=2)
@@ -104,6 +130,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.op == "kda":
         run_kda(args.tokens or 8192, args.calls, args.tuning)
+    elif args.op == "kda_decode":
+        run_kda_decode(args.tokens or 1, args.calls)
     elif args.op == "moe":
         run_moe(args.shape, args.tokens or 16, args.calls)
     else:

@@ -82,7 +82,11 @@ class DenseTiles:
     k_chains: int = 1  # the one-kernel MLP's independent accumulators per K step
     # The down kernel weights its rows and adds them into the tokens' [T, H] float32 sums by atomics (K slices
     # included), instead of storing per-row (per-slice) sums for XLA to add up and combine: one kernel fewer per MoE
-    # layer, plus a zero fill. Not yet measured on a GPU: off.
+    # layer, plus a zero fill. Off: on the H200 (medium hybrid, decode_profile.py --dense-tiles atomic_combine=true,
+    # 2026-12-03) batch 1 took 1.204 ms of kernels per token against 1.174 (309 kernels against 280: the zero fill
+    # and the float32 sums' convert are kernels of their own in the model), batch 16 2.980 against 2.934, though a
+    # lone layer call measured 29.9 against 31.5 us (moe.py --sweep mlp); tests/gpu/test_moe_dense_gpu.py -k
+    # combine passes.
     atomic_combine: bool = False
 
 
@@ -103,8 +107,10 @@ FEW_PAIRS = 16
 FUSED_MLP_MAX_PAIRS = 0
 # One-token calls (a batch-1 decode step) hand the gate/up kernel the token padded to one block_m-row block that
 # every tile reads (the single-token schedule puts the token in each tile's first row), instead of gathering R rows
-# (at batch 1 of the medium hybrid a 112 x 2048 gather, ~2 us per MoE layer on the H200). Not yet measured: off.
-ONE_TOKEN_BLOCK = False
+# (at batch 1 of the medium hybrid a 112 x 2048 gather, ~2 us per MoE layer on the H200). On the H200 (medium
+# hybrid, benchmarks/decode_profile.py, 2026-12-03, seventeenth session): batch 1 1.152 ms of kernels per token
+# against 1.174 without (pipelined 1.105 against 1.129); tests/gpu/test_moe_dense_gpu.py -k one_token 4/4.
+ONE_TOKEN_BLOCK = True
 FUSED_MLP_TILES = dict(block_i=64, step_k=256, block_n=512)
 
 

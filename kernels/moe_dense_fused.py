@@ -23,7 +23,9 @@ into parts of the experts' intermediate width (`moe_dense.grouped_swiglu(shared=
 Measured on the H200 (benchmarks/NOTES_serving.md, sixteenth session): correct, but no faster than the split-K
 kernels, so off by default (`moe_dense.FUSED_MLP_MAX_PAIRS`). With K whole, a layer has only 72-144 programs of 4
 warps and each warp waits on its own MMA accumulator chain (ncu: 6.9% achieved occupancy). `k_chains` splits each K
-step over independent accumulators, to give a warp more MMAs in flight (not yet measured). Two forms measured and
+step over independent accumulators, to give a warp more MMAs in flight: no gain measured (seventeenth session, one
+token with the shared MLP inside: 2 chains 31.65 us, 4 chains 33.0, against 33.55 with one and 31.48 for the split-K
+kernels; moe.py --sweep mlp --shared-parts 2; tests/gpu/test_moe_dense_gpu.py -k mlp_chains passes). Two forms measured and
 dropped: per-pair partial sums added by XLA instead of the atomics (same kernel time, more traffic) and programs
 starting their down-product column walk at different chunks (no change: the atomics' contention is not the cost).
 """

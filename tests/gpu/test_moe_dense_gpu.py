@@ -124,3 +124,33 @@ def test_moe_block_with_the_router_schedule_kernel(monkeypatch, n_tokens):
     monkeypatch.setattr(model_moe, "ROUTER_SCHEDULE", False)
     without = run()
     assert np.all(np.isfinite(with_kernel)) and np.array_equal(with_kernel, without)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("atomic_combine", [False, True])
+def test_one_token_block_matches_gather(monkeypatch, shared, atomic_combine):
+    """`moe_dense.ONE_TOKEN_BLOCK` compiled on the GPU: one token of the medium hybrid's layer (its shared MLP as
+    two extra experts or not), the gate/up kernel reading the padded token block in every tile instead of gathered
+    rows, gives what the gather path gives (the same kernels' sums, bit for bit without atomics)."""
+    key = jax.random.key(7)
+    wg, wu, wd = _layer(key, 64, 2048, 768, jnp.bfloat16)
+    extra = ()
+    if shared:
+        extra = tuple(jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) * 0.02
+                      for i, s in ((1, (2048, 1536)), (2, (2048, 1536)), (3, (1536, 2048))))
+    x = jax.random.normal(jax.random.fold_in(key, 4), (1, 2048), jnp.bfloat16)
+    ids = jnp.asarray([[5, 17, 3, 40, 63, 22]], jnp.int32)
+    w = jax.random.uniform(jax.random.fold_in(key, 5), (1, 6), jnp.float32)
+    tiles = dataclasses.replace(moe_dense.choose_tiles(6 + 2 * shared, 64 + 2 * shared),
+                                atomic_combine=atomic_combine)
+    # a new function each time: the module constant is read when the call traces
+    run = lambda: np.asarray(jax.jit(lambda *a: moe_dense.grouped_swiglu(
+        *a[:6], tiles=tiles, shared=a[6:] or None))(x, ids, w, wg, wu, wd, *extra), np.float32)
+    gathered = run()
+    monkeypatch.setattr(moe_dense, "ONE_TOKEN_BLOCK", True)
+    block = run()
+    assert np.all(np.isfinite(block))
+    if atomic_combine:  # the order of the float32 adds varies
+        np.testing.assert_allclose(block, gathered, rtol=0, atol=1e-2 * float(np.max(np.abs(gathered))))
+    else:
+        assert np.array_equal(block, gathered)
