@@ -3,13 +3,16 @@ slots kernel (`KimiDeltaAttention.step`) against the one-kernel decode step (`de
 kernels/kda/decode_layer.py) at several launch widths.
 
     python3 benchmarks/kda_decode_layer.py [--results benchmarks/RESULTS.md] [--batches 1,16,64] [--warps 2,4,8]
+                                           [--splits 1,2,4]
 
 The medium hybrid's KDA layer (16 heads x 128, hidden 2048, bf16): `LAYERS` layers, each with its own weights and
 cache slice, chained in one jitted call (the caches donated and passed on, as the engine's decode does), one token
 per row. Device time per layer, kernels per layer and the longest kernels per layer (instance numbers folded) from a
 profiler trace of one call after a warm-up; the bytes roofline is the layer's weights plus its rows' states (read and
 written) and conv states at the HBM copy bandwidth measured in the same run. Both variants include the layer's input
-and output projections; both compile with the model's GPU compiler options (`dispatch.compiler_options`).
+and output projections; both compile with the model's GPU compiler options (`dispatch.compiler_options`). `--splits`:
+the one-kernel step with each head split over that many blocks of value columns (`decode_layer.VALUE_SPLIT`, at
+every batch size here), o_proj finishing the heads' norm; variants are named fused_w{warps} or fused_w{warps}_s{split}.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--warps", default="2,4,8")
+    parser.add_argument("--splits", default="1", help="value blocks per head for the one-kernel step")
     parser.add_argument("--preset", default="medium_hybrid")
     args = parser.parse_args(argv)
     cfg = get_preset(args.preset)
@@ -87,7 +91,7 @@ def main(argv=None) -> int:
     copy_bw = hbm_copy_bandwidth()
     res = {"hbm_copy_TBps": round(copy_bw / 1e12, 3), "layer_weight_MB": round(weight_bytes / 1e6, 2)}
     heads, dim, width = cfg.kda_num_heads, cfg.kda_dim, cfg.kda_conv_size
-    original_warps = decode_layer.NUM_WARPS
+    original = decode_layer.NUM_WARPS, decode_layer.VALUE_SPLIT, decode_layer.VALUE_SPLIT_MAX_ROWS
     for batch in (int(b) for b in args.batches.split(",")):
         slots_total = batch + 1
         conv = jnp.zeros((LAYERS, slots_total, 3, dim, width - 1), jnp.bfloat16)
@@ -98,15 +102,17 @@ def main(argv=None) -> int:
         state_bytes = batch * (2 * heads * cfg.kda_head_dim ** 2 * 4 + 2 * 3 * dim * (width - 1) * 2)
         roofline_us = (weight_bytes + state_bytes) / copy_bw * 1e6
         row = {"roofline_us": round(roofline_us, 2)}
-        variants = [("xla", None)] + [(f"fused_w{w}", int(w)) for w in args.warps.split(",")]
-        for name, warps in variants:
-            decode_layer.NUM_WARPS = warps or original_warps
+        variants = [("xla", None, 1)] + [(f"fused_w{w}" + (f"_s{p}" if int(p) > 1 else ""), int(w), int(p))
+                                         for w in args.warps.split(",") for p in args.splits.split(",")]
+        for name, warps, split in variants:
+            decode_layer.NUM_WARPS = warps or original[0]
+            decode_layer.VALUE_SPLIT, decode_layer.VALUE_SPLIT_MAX_ROWS = split * batch, batch
             fn = chained(attn, "xla" if warps is None else "fused")
             us, n_kernels, top, conv, pool = time_variant(fn, params, x, valid, slots, conv, pool)
             row[name] = {"us_per_layer": round(us, 2), "kernels_per_layer": round(n_kernels, 1),
                          "pct_of_roofline": round(100 * roofline_us / us, 1) if us else None, "top_us": top}
             print(f"B{batch} {name}: {us:.2f} us per layer, {n_kernels:.1f} kernels per layer", flush=True)
-        decode_layer.NUM_WARPS = original_warps
+        decode_layer.NUM_WARPS, decode_layer.VALUE_SPLIT, decode_layer.VALUE_SPLIT_MAX_ROWS = original
         res[f"B{batch}"] = row
     device = jax.devices()[0]
     append_line(args.results, f"- {datetime.date.today()} kda_decode_layer.py, {device.device_kind}, commit "

@@ -105,8 +105,8 @@ FEW_PAIRS = 16
 # 64 intermediate columns leaves ~1 warp per scheduler, each waiting on its own MMA accumulator chain (ncu: 6%
 # achieved occupancy, 1.9 TB/s).
 FUSED_MLP_MAX_PAIRS = 0
-# One-token calls (a batch-1 decode step) hand the gate/up kernel the token padded to one block_m-row block that
-# every tile reads (the single-token schedule puts the token in each tile's first row), instead of gathering R rows
+# One-token calls (a batch-1 decode step) hand the gate/up kernel the token itself, which every tile reads as its first
+# row above zero rows (the single-token schedule puts the token there), instead of gathering R rows
 # (at batch 1 of the medium hybrid a 112 x 2048 gather, ~2 us per MoE layer on the H200). On the H200 (medium
 # hybrid, benchmarks/decode_profile.py, 2026-12-03, seventeenth session): batch 1 1.152 ms of kernels per token
 # against 1.174 without (pipelined 1.105 against 1.129); tests/gpu/test_moe_dense_gpu.py -k one_token 4/4.
@@ -140,9 +140,11 @@ def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue):
     """The x block [bm, sk] of rows r0.. at columns k0.. that tile's matmul reads. prologue None: x_ref holds the
     rows; "gather": x_ref holds the tokens [T, K] and token_ref each row's token (T or more: a padding row, zeros);
     "swiglu": x_ref holds gate and up side by side [R, 2K], the block is silu(gate) * up rounded to their dtype;
-    "block": x_ref holds one block of bm rows [bm, K] that every tile reads (one token, zero rows below it)."""
+    "block": x_ref holds one token [1, K] that every tile reads as its first row, above bm - 1 zero rows."""
     if prologue == "block":
-        return x_ref[pl.ds(0, bm), pl.ds(k0, sk)]
+        first = jax.lax.broadcasted_iota(jnp.int32, (bm,), 0) == 0
+        rows = x_ref[jnp.zeros((bm,), jnp.int32), pl.ds(k0, sk)]  # the token in every row, then all but the first
+        return jnp.where(first[:, None], rows, jnp.zeros_like(rows))
     if prologue == "gather":
         n_tokens = x_ref.shape[0]
         token = token_ref[pl.ds(r0, bm)]
@@ -227,18 +229,18 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     over just the rows it reads.
 
     `prologue` (see `_load_rows`): "gather" takes the tokens [T, K] as x_rows and the rows' tokens `token_of_row`
-    [R] (R from it); "block" takes one block_m-row block that every tile reads as its rows (and `token_of_row` [R]
-    for R); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `epilogue` "combine" (one
-    weight; `combine` = (the rows' tokens [R], T for padding rows; their routing weights [R] float32; T)): [T, N]
-    float32, each row's sums times its weight added into its token's row by float32 atomics (K slices included; no
-    rounding per row; the order of the adds varies run to run). `shared` (one per weight):
-    an MLP's weight split in P parts of the experts' shape, as extra experts E .. E + P - 1; each either [K, P * N]
-    (part p its columns p*N ..) or [P, K, N]."""
+    [R] (R from it); "block" takes one token [1, K] that every tile reads as its first row above zero rows (and
+    `token_of_row` [R] for R); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `epilogue`
+    "combine" (one weight; `combine` = (the rows' tokens [R], T for padding rows; their routing weights [R] float32;
+    T)): [T, N] float32, each row's sums times its weight added into its token's row by float32 atomics (K slices
+    included; no rounding per row; the order of the adds varies run to run). `shared` (one per weight): an MLP's
+    weight split in P parts of the experts' shape, as extra experts E .. E + P - 1; each either [K, P * N] (part p
+    its columns p*N ..) or [P, K, N]."""
     weights_k = weights[0].shape[1]
     if prologue in ("gather", "block"):
         n_rows, k_dim = token_of_row.shape[0], x_rows.shape[1]
-        if prologue == "block" and x_rows.shape[0] != tiles.block_m:
-            raise ValueError(f"prologue 'block' takes one block of {tiles.block_m} rows, not {x_rows.shape[0]}")
+        if prologue == "block" and x_rows.shape[0] != 1:
+            raise ValueError(f"prologue 'block' takes one token row, not {x_rows.shape[0]}")
     elif prologue == "swiglu":
         n_rows, k_dim = x_rows.shape[0], x_rows.shape[1] // 2
     elif prologue is None:
@@ -332,9 +334,8 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
         rows, gather = x, dict(token_of_row=sched.token_of_row, prologue="gather")
     elif ONE_TOKEN_BLOCK and n_tokens == 1 and not tiles.pair_partials:
         # one token: each tile holds it in its first row (`moe_tiles` single-token schedule), so every tile reads
-        # the same block, the token above zero rows, instead of a gather writing R rows
-        rows = jnp.pad(x, ((0, tiles.block_m - 1), (0, 0)))
-        gather = dict(token_of_row=sched.token_of_row, prologue="block")
+        # the token as its first row above zero rows, instead of a gather writing R rows
+        rows, gather = x, dict(token_of_row=sched.token_of_row, prologue="block")
     else:
         rows, gather = moe_tiles.take_or_zero(x, sched.token_of_row), {}  # padding rows zero
     if tiles.pair_partials and not (tiles.swiglu_epilogue or tiles.fused_prologues):

@@ -25,8 +25,8 @@ kernels, so off by default (`moe_dense.FUSED_MLP_MAX_PAIRS`). With K whole, a la
 warps and each warp waits on its own MMA accumulator chain (ncu: 6.9% achieved occupancy). `k_chains` splits each K
 step over independent accumulators, to give a warp more MMAs in flight: no gain measured (seventeenth session, one
 token with the shared MLP inside: 2 chains 31.65 us, 4 chains 33.0, against 33.55 with one and 31.48 for the split-K
-kernels; moe.py --sweep mlp --shared-parts 2; tests/gpu/test_moe_dense_gpu.py -k mlp_chains passes). Two forms measured and
-dropped: per-pair partial sums added by XLA instead of the atomics (same kernel time, more traffic) and programs
+kernels; moe.py --sweep mlp --shared-parts 2; tests/gpu/test_moe_dense_gpu.py -k mlp_chains passes). Two forms
+measured and dropped: per-pair partial sums added by XLA instead of the atomics (same kernel time, more traffic) and programs
 starting their down-product column walk at different chunks (no change: the atomics' contention is not the cost).
 """
 

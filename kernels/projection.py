@@ -23,6 +23,10 @@ over it) and XLA adds them up, scales, rounds and adds the residual (`finished`)
 sums come back as they are (`Partials`), for a consumer kernel that adds up the columns it reads itself (the KDA
 decode step with `model.kda.PROJECTION_PARTIALS`; off: no gain measured).
 
+x may also come as `HeadScaled` (the KDA decode step split over value blocks: float32 values and per-head sums of
+squares): each loaded block is then scaled by its head's 1 / rms and rounded to the weights' dtype before the dot,
+the gated RMSNorm's last step done where o_proj reads its input.
+
 `reference` is the same in plain XLA; `choose` picks between them (dispatch name "projection").
 """
 
@@ -87,10 +91,40 @@ class Partials:
 Projected = jax.Array | Partials  # what a group of `project` comes back as
 
 
-def finished(out: Projected, residual: jax.Array | None = None) -> jax.Array:
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "squares"],
+                   meta_fields=["head_dim", "eps", "dtype"])
+@dataclass(frozen=True)
+class HeadScaled:
+    """Rows still to be scaled per head: values [M, K] float32; squares [M, G * P] float32, P partial sums of squares
+    for each of the G = K / head_dim heads (head g's at columns g * P ..). `finished(self)` is round(values *
+    rsqrt(sum of the head's P squares / head_dim + eps)) in `dtype`: an RMSNorm over each head whose weight (and
+    gate) the values already carry."""
+
+    values: jax.Array
+    squares: jax.Array
+    head_dim: int
+    eps: float
+    dtype: str
+
+    @property
+    def parts(self) -> int:
+        return self.squares.shape[1] * self.head_dim // self.values.shape[1]
+
+    def scales(self) -> jax.Array:
+        """[M, K] float32: each column's head's 1 / rms."""
+        rows, k_dim = self.values.shape
+        heads = k_dim // self.head_dim
+        ms = jnp.sum(self.squares.reshape(rows, heads, self.parts), axis=-1) / self.head_dim
+        return jnp.repeat(jax.lax.rsqrt(ms + self.eps), self.head_dim, axis=1)
+
+
+def finished(out: Projected | HeadScaled, residual: jax.Array | None = None) -> jax.Array:
     """A group's output as `project` returns it by default: `Partials` added up over their slices, scaled by the
-    norm's 1 / rms, rounded to their dtype (plus `residual`, rounded again); an array as it is (plus `residual`)."""
-    if isinstance(out, Partials):
+    norm's 1 / rms, rounded to their dtype (plus `residual`, rounded again); `HeadScaled` rows scaled and rounded;
+    an array as it is (plus `residual`)."""
+    if isinstance(out, HeadScaled):
+        out = (out.values * out.scales()).astype(out.dtype)
+    elif isinstance(out, Partials):
         total = jnp.sum(out.sums, axis=0)
         if out.squares is not None:
             total = total * jax.lax.rsqrt(jnp.sum(out.squares, axis=0) / out.k_dim + out.eps)[:, None]
@@ -133,6 +167,14 @@ def supported(rows: int, k_dim: int, widths: tuple[int, ...]) -> bool:
 
 
 def _check(x, groups, norm_weight, residual):
+    if isinstance(x, HeadScaled):
+        if x.values.ndim != 2 or x.values.shape[1] % x.head_dim or x.squares.shape[0] != x.values.shape[0] \
+                or (x.squares.shape[1] * x.head_dim) % x.values.shape[1]:
+            raise ValueError(f"projection: head-scaled rows {x.values.shape} with squares {x.squares.shape} do not "
+                             f"split into heads of {x.head_dim}")
+        if norm_weight is not None:
+            raise ValueError("projection: head-scaled rows take no norm weight")
+        x = jax.ShapeDtypeStruct(x.values.shape, x.dtype)
     if x.ndim != 2:
         raise ValueError(f"projection: x must be [rows, K], got {x.shape}")
     rows, k_dim = x.shape
@@ -165,6 +207,8 @@ def reference(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_w
     """The XLA form of `project`: the norm, one product per weight, each group's outputs concatenated (finished
     arrays whatever `finish` says: a consumer of `project(finish=False)` takes those too)."""
     _check(x, groups, norm_weight, residual)
+    if isinstance(x, HeadScaled):
+        x = finished(x)
     h = x if norm_weight is None else _rms_norm(x, norm_weight, eps)
     outs = tuple(jnp.concatenate([jnp.dot(h, w) for w in group], axis=-1) if len(group) > 1 else jnp.dot(h, group[0])
                  for group in groups)
@@ -173,13 +217,14 @@ def reference(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_w
     return outs
 
 
-def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm, has_residual, eps):
-    x_ref = refs[0]
-    norm_ref = refs[1] if has_norm else None
-    res_ref = refs[1 + has_norm] if has_residual else None
-    w_refs = refs[1 + has_norm + has_residual:1 + has_norm + has_residual + n_weights]
+def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm, has_residual, eps, head_scaled):
+    x_ref, refs = refs[0], refs[1:]
+    heads_ref, refs = (refs[0], refs[1:]) if head_scaled else (None, refs)  # [M, G * P] the heads' squares
+    norm_ref = refs[0] if has_norm else None
+    res_ref = refs[has_norm] if has_residual else None
+    w_refs = refs[has_norm + has_residual:has_norm + has_residual + n_weights]
     out_refs = refs[-n_groups:]
-    dtype = x_ref.dtype
+    dtype = w_refs[0].dtype
     pid, part = pl.program_id(0), pl.program_id(1)  # column block, K slice
     partial = len(out_refs[0].shape) == 3  # [slices, M, N] float32 partial sums
     squares_ref = refs[-n_groups - 1] if partial and has_norm else None  # [slices, M] the rows' partial squares
@@ -191,7 +236,14 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
     def x_block(k0):
         return x_ref[row_index, pl.ds(k0, sk)]
 
-    if has_norm:  # x * weight per block; the rows' mean squares summed on the way, the 1 / rms applied at the end
+    if head_scaled:  # float32 values times their head's 1 / rms (a block lies within one head), rounded
+        head_dim, parts, head_eps = head_scaled
+
+        def load(k0):
+            squares = heads_ref[row_index, pl.ds(pl.multiple_of(k0 // head_dim * parts, parts), parts)]
+            scale = jax.lax.rsqrt(jnp.sum(squares, axis=1) / head_dim + head_eps)
+            return (x_block(k0) * scale[:, None]).astype(dtype), 0.0
+    elif has_norm:  # x * weight per block; the rows' mean squares summed on the way, the 1 / rms applied at the end
         def load(k0):
             xb = x_block(k0).astype(jnp.float32)
             return (norm_ref[pl.ds(k0, sk)].astype(jnp.float32)[None, :] * xb).astype(dtype), jnp.sum(xb * xb, 1)
@@ -231,15 +283,21 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret", "finish"))
-def project(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_weight: jax.Array | None = None,
-            eps: float = 1e-6, residual: jax.Array | None = None, tiles: ProjectionTiles | None = None,
-            interpret: bool = False, finish: bool = True) -> tuple[Projected, ...]:
-    """x [M, K] -> one array [M, sum of the group's N] of x.dtype per group (see the module docstring). Needs
-    `supported(M, K, widths)`. `finish` False (no residual): where K is split, each group comes back as its
-    `Partials` (`finished` makes the array of them)."""
+def project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...], *,
+            norm_weight: jax.Array | None = None, eps: float = 1e-6, residual: jax.Array | None = None,
+            tiles: ProjectionTiles | None = None, interpret: bool = False,
+            finish: bool = True) -> tuple[Projected, ...]:
+    """x [M, K] (or `HeadScaled` rows, of its dtype) -> one array [M, sum of the group's N] of x.dtype per group (see
+    the module docstring). Needs `supported(M, K, widths)`. `finish` False (no residual): where K is split, each
+    group comes back as its `Partials` (`finished` makes the array of them)."""
     _check(x, groups, norm_weight, residual)
     if residual is not None and not finish:
         raise ValueError("projection: a residual is added by finished; project(finish=False) takes none")
+    head_scaled = None
+    if isinstance(x, HeadScaled):
+        head_scaled = (x.head_dim, x.parts, float(x.eps))
+        x, head_squares = x.values, x.squares
+    dtype = groups[0][0].dtype
     rows, k_dim = x.shape
     widths = [(g, sum(w.shape[1] for w in group[:i]), w.shape[1])
               for g, group in enumerate(groups) for i, w in enumerate(group)]
@@ -248,16 +306,17 @@ def project(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_wei
                          f"{[n for _, _, n in widths]} not supported (rows a power of two <= {MAX_ROWS}, "
                          "K and widths multiples of 16)")
     tiles = tiles or ProjectionTiles()
-    sk = tiling.pow2_divisor(k_dim, tiles.step_k)
+    sk = tiling.pow2_divisor(k_dim if head_scaled is None else head_scaled[0], tiles.step_k)
     blocks, slices = _plan(widths, k_dim // sk, tiles)
     residual_in_kernel = residual is not None and slices == 1  # else XLA adds it after the partial sums
     kernel = functools.partial(_kernel, n_weights=len(widths), n_groups=len(groups), blocks=blocks, rows=rows,
                                k_dim=k_dim, sk=sk, steps=k_dim // sk // slices, has_norm=norm_weight is not None,
-                               has_residual=residual_in_kernel, eps=float(eps))
-    operands = [x, *([norm_weight] if norm_weight is not None else []), *([residual] if residual_in_kernel else []),
+                               has_residual=residual_in_kernel, eps=float(eps), head_scaled=head_scaled)
+    operands = [x, *([] if head_scaled is None else [head_squares]),
+                *([norm_weight] if norm_weight is not None else []), *([residual] if residual_in_kernel else []),
                 *(w for group in groups for w in group)]
     widths_out = [sum(w.shape[1] for w in group) for group in groups]
-    out_shape = [jax.ShapeDtypeStruct((rows, n), x.dtype) if slices == 1 else
+    out_shape = [jax.ShapeDtypeStruct((rows, n), dtype) if slices == 1 else
                  jax.ShapeDtypeStruct((slices, rows, n), jnp.float32) for n in widths_out]
     partial_squares = slices > 1 and norm_weight is not None
     if partial_squares:
@@ -275,7 +334,7 @@ def project(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_wei
     squares = None
     if partial_squares:
         squares, *outs = outs
-    parts = tuple(Partials(o, squares, k_dim, float(eps), jnp.dtype(x.dtype).name) for o in outs)
+    parts = tuple(Partials(o, squares, k_dim, float(eps), jnp.dtype(dtype).name) for o in outs)
     if not finish:
         return parts
     return (finished(parts[0], residual),) if residual is not None else tuple(map(finished, parts))

@@ -138,7 +138,8 @@ class KimiDeltaAttention(nn.Module):
 
         The norm and the six input projections are one `kernels.projection` call where dispatch picks it (q|k|v and
         f_a|g_a|b come out side by side, as the step kernel takes them; where K is split, as float32 partial sums
-        that the step kernel adds up itself, with `PROJECTION_PARTIALS`), and so are o_proj and the residual add."""
+        that the step kernel adds up itself, with `PROJECTION_PARTIALS`), and so are o_proj and the residual add
+        (with the step split over value blocks, o_proj's loads finish the gated norm: `projection.HeadScaled`)."""
         cfg = self.config
         rows = x[:, 0]
         weight = lambda module, name="kernel": module.variables["params"][name]
@@ -153,6 +154,7 @@ class KimiDeltaAttention(nn.Module):
             weight(self.f_b_proj), self.A_log, self.dt_bias, weight(self.g_b_proj), weight(self.o_norm, "weight"),
             conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=cfg.rms_norm_eps,
             lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
+            value_split=decode_layer.value_split(rows.shape[0], cfg.kda_head_dim),
             interpret=self.decode_layer_kind(x) == "interpret")
         (out,) = project(o, ((weight(self.o_proj),),), residual=rows)
         return out[:, None], conv_cache, state_pool

@@ -249,6 +249,29 @@ def test_decode_layer_matches_reference(seed, lower_bound, batch, heads, width):
     assert np.all(np.asarray(got[0][0], np.float32) == 0)  # the padding row outputs zeros
 
 
+@pytest.mark.parametrize("head_dim,split", [(32, 2), (64, 4)])
+def test_decode_layer_value_split(seed, head_dim, split):
+    """`decode_step(value_split=P)` (interpret mode): each head as P programs of value columns gives the unsplit
+    step's caches exactly and its output as `projection.HeadScaled` rows whose finished form is the unsplit output
+    (to bf16 rounding: the same float32 terms in another order); a split below 16 columns is refused by name."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+
+    args = decode_layer_inputs(seed, 3, 2, head_dim)
+    options = dict(layer=1, eps=1e-5, lower_bound=-5.0, interpret=True)
+    one = decode_layer.decode_step(*args, **options)
+    got = decode_layer.decode_step(*args, **options, value_split=split)
+    assert isinstance(got[0], projection.HeadScaled) and got[0].parts == split and got[0].head_dim == head_dim
+    assert got[0].values.shape == (3, 2 * head_dim) and got[0].squares.shape == (3, 2 * split)
+    assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(one[1], np.float32))
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(one[2]), rtol=1e-6, atol=1e-6)
+    finished = projection.finished(got[0])
+    assert finished.dtype == one[0].dtype and _rel_err(finished, one[0]) < 4e-3
+    assert np.all(np.asarray(finished[0], np.float32) == 0)  # the padding row outputs zeros
+    with pytest.raises(ValueError, match="value_split"):
+        decode_layer.decode_step(*args, **options, value_split=head_dim // 8)
+
+
 def _as_partials(projected, rng, slices, k_dim=256, eps=1e-6, norm=True):
     """Float32 split-K sums (and squares) whose `projection.finished` is near `projected` [B, N]: the rows'
     values cut into `slices` random parts, times the rms the squares give (so the norm's scale undoes it)."""
@@ -312,6 +335,8 @@ def test_decode_layer_lowers_to_triton():
                         decode_layer_inputs(0, 1, 16, 128, slots_total=20, padding_row=False))
     sums = [spec((8,) + a.shape, jnp.float32) for a in args[:2]]
     assert count_triton_kernels(with_partials, *sums, spec((8, 1), jnp.float32), *args[2:]) == 1
+    split = lambda *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None, value_split=4)
+    assert count_triton_kernels(split, *args) == 1
 
 
 def test_model_decode_layer_path_equals_step(seed, monkeypatch):
@@ -382,6 +407,42 @@ def test_model_decode_layer_path_equals_step(seed, monkeypatch):
     monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "reference")
     plain, _ = step(token, at, jnp.ones((2, 1), bool), cache, tables, rows, decode=True)
     assert _rel_err(fused, plain) < 3e-2
+
+
+def test_model_decode_with_value_split(seed, monkeypatch):
+    """KimiDeltaAttention.decode_in_place with the step split over value blocks (`decode_layer.VALUE_SPLIT`, interpret
+    mode) and o_proj through the projection kernel (interpret mode, finishing the heads' norm as it loads) or XLA:
+    the unsplit path's output and caches to bf16 rounding."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+    from dayzero.model.kda import KimiDeltaAttention
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(kda_num_heads=16, kda_head_dim=32)
+    rng = np.random.default_rng(seed)
+    layer, slots_total = 1, 5
+    attn = KimiDeltaAttention(cfg, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, 1, cfg.hidden_size)) * 0.02, jnp.bfloat16)
+    norm_weight = jnp.asarray(rng.uniform(0.5, 1.5, cfg.hidden_size), jnp.float32)
+    params = attn.init(jax.random.key(seed % 1000), x)
+    conv = jnp.asarray(rng.standard_normal((2, slots_total, 3, cfg.kda_dim, cfg.kda_conv_size - 1)), jnp.bfloat16)
+    pool = jnp.asarray(rng.standard_normal((2, slots_total, 16, 32, 32)) * 0.1, jnp.float32)
+    slots, valid = jnp.asarray([3, 1], jnp.int32), jnp.ones((2, 1), bool)
+    monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
+    monkeypatch.setattr(decode_layer, "VALUE_SPLIT_MAX_ROWS", 2)
+    chosen = projection.choose
+    run = lambda: attn.apply(params, x, norm_weight, valid, conv, pool, slots, layer, method="decode_in_place")
+    for projections in ("reference", "interpret"):
+        monkeypatch.setattr(projection, "choose", lambda *a, impl=None, p=projections: chosen(*a, impl=p))
+        monkeypatch.setattr(decode_layer, "VALUE_SPLIT", 1)
+        want = run()
+        monkeypatch.setattr(decode_layer, "VALUE_SPLIT", 4)  # 2 blocks per head for these 2 rows
+        got = run()
+        assert decode_layer.value_split(2, 32) == 2 and decode_layer.value_split(3, 32) == 1
+        assert decode_layer.value_split(1, 32) == 2 and decode_layer.value_split(1, 16) == 1  # blocks >= 16
+        assert _rel_err(got[0] - x, want[0] - x) < 1e-2, projections
+        assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))
+        np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6, atol=1e-6)
 
 
 def test_decode_layer_names_what_it_does_not_take():

@@ -242,8 +242,8 @@ def test_model_moe_with_the_router_schedule_kernel(seed, monkeypatch):
 
 @pytest.mark.parametrize("variant", ["xla", "epilogue", "combine", "shared"])
 def test_one_token_block_rows(seed, monkeypatch, variant):
-    """`ONE_TOKEN_BLOCK`: a one-token call's gate/up kernel reads the token padded to one block in every tile
-    instead of gathered rows: the same result as the gather (exactly, in interpret mode) and the float64 oracle; a
+    """`ONE_TOKEN_BLOCK`: a one-token call's gate/up kernel reads the token as the first row of every tile (zero rows
+    below it) instead of gathered rows: the same result as the gather (exactly, in interpret mode) and the float64 oracle; a
     block of the wrong height is refused by name."""
     rng = np.random.default_rng(seed)
     x, ids, weights, wg, wu, wd = _case(rng, 1, 6, 32, 16, 3)
@@ -257,6 +257,7 @@ def test_one_token_block_rows(seed, monkeypatch, variant):
     # a new function each time: the module constant is read when the call traces
     run = lambda: np.asarray(jax.jit(lambda *a: moe_dense.grouped_swiglu(*a, tiles=tiles, interpret=True,
                                                                           shared=shared))(*args))
+    monkeypatch.setattr(moe_dense, "ONE_TOKEN_BLOCK", False)
     gathered = run()
     monkeypatch.setattr(moe_dense, "ONE_TOKEN_BLOCK", True)
     block = run()

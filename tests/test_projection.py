@@ -109,6 +109,37 @@ def test_split_k(seed, slices):
     assert np.max(np.abs(np.asarray(got, np.float64) - oracle)) <= 1e-2 * np.max(np.abs(oracle))
 
 
+@pytest.mark.parametrize("parts,slices", [(1, 1), (2, 1), (4, 4)])
+def test_head_scaled_rows(seed, parts, slices):
+    """x as `HeadScaled` (float32 values, `parts` sums of squares per 32-column head): each loaded block scaled by
+    its head's 1 / rms and rounded to the weights' dtype, then the product and the residual, K split or not: the
+    XLA form's result (finished rows, then the product) to bf16 rounding, against a float64 oracle; shapes that do
+    not split into heads, or a norm weight besides, are refused by name."""
+    rng = np.random.default_rng(seed)
+    rows, k_dim, head_dim = 4, 128, 32
+    values = jnp.asarray(rng.standard_normal((rows, k_dim)) * rng.uniform(0.1, 10, (rows, 1)), jnp.float32)
+    squares = jnp.asarray(rng.uniform(0.5, 2.0, (rows, k_dim // head_dim * parts)) * head_dim / parts, jnp.float32)
+    x = projection.HeadScaled(values, squares, head_dim, 1e-5, "bfloat16")
+    assert x.parts == parts
+    w = jnp.asarray(rng.standard_normal((k_dim, 64)) * 0.05, jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16)
+    tiles = projection.ProjectionTiles(block_n=32, step_k=64, min_programs=10 ** 6, k_slices=slices)
+    (got,) = projection.project(x, ((w,),), residual=residual, tiles=tiles, interpret=True)
+    (xla,) = projection.reference(x, ((w,),), residual=residual)
+    finished = projection.finished(x)
+    ms = np.asarray(squares, np.float64).reshape(rows, -1, parts).sum(-1) / head_dim
+    scaled = np.asarray(values, np.float64) / np.sqrt(np.repeat(ms, head_dim, axis=1) + 1e-5)
+    assert finished.dtype == jnp.bfloat16 and np.allclose(np.asarray(finished, np.float64), scaled, rtol=8e-3)
+    (oracle,) = _oracle(finished, ((w,),), None, 0.0, residual)
+    assert got.dtype == jnp.bfloat16 and got.shape == (rows, 64)
+    for out in (got, xla):
+        assert np.max(np.abs(np.asarray(out, np.float64) - oracle)) <= 1e-2 * np.max(np.abs(oracle))
+    with pytest.raises(ValueError, match="heads of 48"):
+        projection.project(projection.HeadScaled(values, squares, 48, 1e-5, "bfloat16"), ((w,),), interpret=True)
+    with pytest.raises(ValueError, match="no norm weight"):
+        projection.project(x, ((w,),), norm_weight=jnp.ones(k_dim), interpret=True)
+
+
 def test_unfinished_partials(seed):
     """`project(finish=False)`: with K split, each group's `Partials` (float32 sums per slice, the norm's squares,
     the dtype they round to), which `finished` turns into exactly the default call's output; without a split, the
@@ -169,6 +200,11 @@ def test_lowers_to_triton_at_model_shapes(rows):
     assert count_triton_kernels(fn, x, norm, *ins[0], *ins[1]) == 1
     out = lambda o, r, w: projection.project(o, ((w,),), residual=r)
     assert count_triton_kernels(out, x, x, spec(2048, 2048)) == 1
+    # o_proj of the KDA step split in 4 value blocks per head: float32 rows scaled per 128-column head as they load
+    scaled = lambda v, sq, r, w: projection.project(projection.HeadScaled(v, sq, 128, 1e-5, "bfloat16"), ((w,),),
+                                                    residual=r)
+    assert count_triton_kernels(scaled, spec(rows, 2048, dtype=jnp.float32), spec(rows, 64, dtype=jnp.float32), x,
+                                spec(2048, 2048)) == 1
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 32])

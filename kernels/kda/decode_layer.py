@@ -1,5 +1,6 @@
 """The KDA layer's decode step between its input projections and its output projection, in one Pallas (Triton)
-kernel: one token per row, one program per (row, head).
+kernel: one token per row, one program per (row, head), or per (row, head, block of value columns) with
+`value_split`.
 
 In XLA the same step is ~13 kernels per layer at batch 1 (the conv-state gather, the q/k/v short convs, the f_b and
 g_b projections, the gate and beta fusions, the recurrent step, the gated norm, the conv-state scatter: ~22 us of
@@ -39,6 +40,26 @@ GPU_VERIFIED = True
 # The model's launch width (`model.kda.KimiDeltaAttention.decode_in_place` passes it): 4 warps measured fastest on the
 # H200 at batch 1, 16 and 64 against 2 and 8 (benchmarks/kda_decode_layer.py, NOTES_serving.md).
 NUM_WARPS = 4
+# Decode calls of at most `VALUE_SPLIT_MAX_ROWS` rows run each head as VALUE_SPLIT // rows programs of value columns
+# (`decode_step(value_split=)`; ~128 programs for the medium hybrid's 16 heads): at batch 1 its 16 programs leave the
+# GPU nearly idle (ncu on the H200, 2026-12-03: 12.3 us, 16 CTAs of 255 registers, one warp per scheduler, 183
+# GB/s). On the H200 (seventeenth session; tests/gpu/test_kda_gpu.py -k value_split 6/6): the step kernel 11.2 ->
+# 6.9 us per layer at batch 1 (8 blocks), the KDA layer 31.2 -> 29.2 us (kda_decode_layer.py: 1 row, 8 blocks;
+# 2 rows 31.2 -> 29.2 with 4 blocks, 29.9 with 8; 4 rows 31.6 -> 31.4 with 4, 33.3 with 8), and the model's batch-1
+# decode 1.158 -> 1.138 ms of kernels per token (pipelined 1.115 -> 1.090; decode_profile.py --set
+# kernels.kda.decode_layer.VALUE_SPLIT=1 for the A/B). The XLA scatter of the q and k conv inputs (1.2 us per layer)
+# takes part of what the kernel saves. 1: off.
+VALUE_SPLIT = 8
+VALUE_SPLIT_MAX_ROWS = 2
+
+
+def value_split(rows: int, head_dim: int) -> int:
+    """The `decode_step(value_split=)` the model uses for a call of `rows` rows on heads of `head_dim` value
+    columns: VALUE_SPLIT // rows, cut to a divisor of head_dim leaving blocks of at least 16 columns."""
+    split = max(1, VALUE_SPLIT // rows) if rows <= VALUE_SPLIT_MAX_ROWS else 1
+    while split > 1 and (head_dim % split or head_dim // split < 16):
+        split -= 1
+    return split
 
 
 def _pow2_16(n: int) -> bool:
@@ -74,47 +95,76 @@ def _projected_loader(refs, b, *, act, layout):
 
 
 def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, scale, eps, lower_bound, act,
-            qkv_layout, fgb_layout):
+            qkv_layout, fgb_layout, value_split):
     b, h = pl.program_id(0), pl.program_id(1)
+    part = pl.program_id(2)  # which of the head's `value_split` blocks of value columns (state columns) this is
     qkv_at, refs = _projected_loader(refs, b, act=act, layout=qkv_layout)
     fgb_at, refs = _projected_loader(refs, b, act=act, layout=fgb_layout)
-    (qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, conv_ref, pool_ref, o_ref, conv_out_ref,
-     pool_out_ref) = refs
+    (qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, conv_ref, pool_ref, o_ref, *split_refs,
+     conv_out_ref, pool_out_ref) = refs
     dim = heads * head_dim
+    vb = head_dim // value_split
     rnd = lambda x: x.astype(act).astype(jnp.float32)  # where the model materialises a 16-bit tensor
     slot = slot_ref[b]
     live = len_ref[b] > 0
     c0 = pl.multiple_of(h * head_dim, head_dim)
-    chans = pl.ds(c0, head_dim)
-    state = pool_ref[layer, slot, h, :, :]  # first: its HBM read overlaps the conv and gate work below
+    v0 = pl.multiple_of(part * vb, vb)  # the block's value columns within the head
+    chans, values = pl.ds(c0, head_dim), pl.ds(pl.multiple_of(c0 + v0, vb), vb)
+    state = pool_ref[layer, slot, h, :, pl.ds(v0, vb)]  # first: its HBM read overlaps the conv and gate work below
 
-    def conv(stream, w_ref):
-        x = qkv_at(pl.ds(pl.multiple_of(stream * dim + c0, head_dim), head_dim))
-        history = [conv_ref[layer, slot, stream, chans, j].astype(jnp.float32) for j in range(width - 1)]
-        taps = history + [x]
-        acc = sum(tap * w_ref[chans, j].astype(jnp.float32) for j, tap in enumerate(taps))
-        for j in range(width - 1):  # the cache keeps the last W - 1 inputs; padding rows keep theirs
-            conv_out_ref[layer, slot, stream, chans, j] = jnp.where(live, taps[j + 1], history[j]).astype(
-                conv_out_ref.dtype)
+    def taps_of(stream, cols, size):  # the channels' last W - 1 inputs from the cache, then this token's
+        x = qkv_at(pl.ds(stream * dim + cols.start, size))
+        return [conv_ref[layer, slot, stream, cols, j].astype(jnp.float32) for j in range(width - 1)] + [x]
+
+    def shift(taps, store):  # the cache keeps the last W - 1 inputs; padding rows keep theirs
+        for j in range(width - 1):
+            store(j, jnp.where(live, taps[j + 1], taps[j]))
+
+    def in_place(stream, cols):
+        def store(j, value):
+            conv_out_ref[layer, slot, stream, cols, j] = value.astype(conv_out_ref.dtype)
+        return store
+
+    def to_rows(stream):  # the split's separate output of shifted q and k inputs [B, 2, H * K, W - 1]
+        def store(j, value):
+            split_refs[1][b, stream, values, j] = value.astype(split_refs[1].dtype)
+        return store
+
+    def conv(stream, w_ref, cols, size, store=True):
+        taps = taps_of(stream, cols, size)
+        acc = sum(tap * w_ref[cols, j].astype(jnp.float32) for j, tap in enumerate(taps))
+        if store:
+            shift(taps, in_place(stream, cols))
         return rnd(acc * jax.nn.sigmoid(acc))
 
-    def low_rank_up(offset, w_ref):  # [R] @ [R, K] columns of the head, rounded as the projection's output
+    def low_rank_up(offset, w_ref, cols):  # [R] @ [R, C] columns, rounded as the projection's output
         a = fgb_at(pl.ds(offset, low_rank))
-        w = w_ref[pl.ds(0, low_rank), chans].astype(jnp.float32)
+        w = w_ref[pl.ds(0, low_rank), cols].astype(jnp.float32)
         return rnd(jnp.sum(a[:, None] * w, axis=0))
 
-    q, k, v = conv(0, qw_ref), conv(1, kw_ref), conv(2, vw_ref)
-    g = kda_reference.log_decay(low_rank_up(0, fb_ref) + dtb_ref[chans], alog_ref[h], lower_bound)
+    # q and k over all of the head's key channels, v over the block's. Split, every block of a head reads all of
+    # its q and k conv inputs, so none may shift them in place (another block could read them after): each block
+    # writes the shifted inputs of its share of the channels (the block's value columns) to a separate output
+    q, k = (conv(i, w, chans, head_dim, store=value_split == 1) for i, w in ((0, qw_ref), (1, kw_ref)))
+    v = conv(2, vw_ref, values, vb)
+    if value_split > 1:
+        for stream in (0, 1):
+            shift(taps_of(stream, values, vb), to_rows(stream))
+    g = kda_reference.log_decay(low_rank_up(0, fb_ref, chans) + dtb_ref[chans], alog_ref[h], lower_bound)
     beta = jax.nn.sigmoid(fgb_at(2 * low_rank + h))
     token = (_l2normalize(q), _l2normalize(k), v, jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0), live)
     state, o = _delta_step(state, token, scale, output_before_update=True)  # a padding row keeps its state
-    pool_out_ref[layer, slot, h, :, :] = state
+    pool_out_ref[layer, slot, h, :, pl.ds(v0, vb)] = state
     o = rnd(o)
 
-    gate = low_rank_up(low_rank, gb_ref)
-    normed = o * jax.lax.rsqrt(jnp.sum(o * o) / head_dim + eps)
-    out = norm_ref[...].astype(jnp.float32) * normed * jax.nn.sigmoid(gate)
-    o_ref[b, chans] = out.astype(o_ref.dtype)
+    gate = jax.nn.sigmoid(low_rank_up(low_rank, gb_ref, values))
+    weight = norm_ref[pl.ds(v0, vb)].astype(jnp.float32)
+    if value_split == 1:
+        normed = o * jax.lax.rsqrt(jnp.sum(o * o) / head_dim + eps)
+        o_ref[b, chans] = (weight * normed * gate).astype(o_ref.dtype)
+    else:  # the head's norm needs all its blocks: o_proj's loads scale by it (`projection.HeadScaled`)
+        o_ref[b, values] = weight * o * gate
+        split_refs[0][b, h * value_split + part] = jnp.sum(o * o)
 
 
 def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple | None]:
@@ -125,10 +175,11 @@ def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple |
     return [projected.sums, *squares], (projected.k_dim, projected.eps, bool(squares))
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "eps", "lower_bound", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "eps", "lower_bound", "num_warps", "value_split",
+                                             "interpret"))
 def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, conv_cache, state_pool, slots,
                 lengths, *, layer: int, eps: float, lower_bound: float | None, num_warps: int = NUM_WARPS,
-                interpret: bool = False):
+                value_split: int = 1, interpret: bool = False):
     """One decode token per row through the KDA layer's conv, gates, recurrence and gated norm.
 
     qkv [B, 3 * H * K] (the q, k, v projections, concatenated), fgb [B, 2R + H] (the f_a and g_a projections and
@@ -138,6 +189,12 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     dt_bias [H * K]; norm_weight [K] (the gated norm's); conv_cache [L, S, 3, H * K, W - 1] and state_pool
     [L, S, H, K, K] float32, both updated in place at (layer, slots[b]); slots [B] int32, lengths [B] int32 (0: a
     padding row). Returns (o [B, H * K] ready for o_proj, conv_cache, state_pool).
+
+    `value_split` P > 1: each head runs as P programs of K / P value columns (P times the programs, for batches too
+    small to fill the GPU); the gated norm then cannot finish in a program, and o comes back as
+    `projection.HeadScaled` (float32 weight * o * gate, and each block's sum of o^2), which o_proj's kernel (or
+    `projection.finished`) scales by the head's 1 / rms. Every block reads all of its head's q and k conv inputs, so
+    their shifted copies go into the cache by an XLA scatter after the kernel (v's, each block's own, in place).
     """
     act = jnp.dtype(qkv.dtype)  # (a Partials' dtype is the one its sums round to)
     batch = qkv.sums.shape[1] if isinstance(qkv, projection.Partials) else qkv.shape[0]
@@ -147,25 +204,39 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     if not supported(heads, head_dim, state_pool.shape[4], low_rank, width, act):
         raise ValueError(f"kda decode layer: heads {heads} x {head_dim}, low rank {low_rank}, conv {width}, "
                          f"{act} not supported")
+    if value_split < 1 or head_dim % value_split or head_dim // value_split < 16:
+        raise ValueError(f"kda decode layer: value_split {value_split} does not cut {head_dim} value columns into "
+                         "blocks of at least 16")
     (qkv_ops, qkv_layout), (fgb_ops, fgb_layout) = _operands(qkv), _operands(fgb)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     inputs = [slots.astype(jnp.int32), lengths.astype(jnp.int32), *qkv_ops, *fgb_ops, *conv_weights, f_b,
               a_log.astype(jnp.float32), dt_bias.astype(jnp.float32), g_b, norm_weight, conv_cache, state_pool]
-    return pl.pallas_call(
+    split = value_split > 1
+    dim = heads * head_dim
+    outputs = [jax.ShapeDtypeStruct((batch, dim), jnp.float32 if split else act),
+               *([jax.ShapeDtypeStruct((batch, heads * value_split), jnp.float32),  # the blocks' sums of o^2
+                  jax.ShapeDtypeStruct((batch, 2, dim, width - 1), conv_cache.dtype)]  # shifted q, k conv inputs
+                 if split else []),
+               jax.ShapeDtypeStruct(conv_cache.shape, conv_cache.dtype),
+               jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)]
+    o, *split_outs, conv_cache, state_pool = pl.pallas_call(
         functools.partial(_kernel, layer=layer, heads=heads, head_dim=head_dim, low_rank=low_rank, width=width,
                           scale=head_dim ** -0.5, eps=eps, lower_bound=lower_bound, act=act, qkv_layout=qkv_layout,
-                          fgb_layout=fgb_layout),
-        grid=(batch, heads),
+                          fgb_layout=fgb_layout, value_split=value_split),
+        grid=(batch, heads, value_split),
         in_specs=[any_spec] * len(inputs),
-        out_specs=[any_spec] * 3,
-        out_shape=[jax.ShapeDtypeStruct((batch, heads * head_dim), act),
-                   jax.ShapeDtypeStruct(conv_cache.shape, conv_cache.dtype),
-                   jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)],
-        input_output_aliases={len(inputs) - 2: 1, len(inputs) - 1: 2},
+        out_specs=[any_spec] * len(outputs),
+        out_shape=outputs,
+        input_output_aliases={len(inputs) - 2: len(outputs) - 2, len(inputs) - 1: len(outputs) - 1},
         compiler_params=_params(num_warps),
         interpret=interpret,
         name="kda_decode_layer",
     )(*inputs)
+    if split:
+        squares, qk_rows = split_outs
+        o = projection.HeadScaled(o, squares, head_dim, float(eps), act.name)
+        conv_cache = conv_cache.at[layer, slots, :2].set(qk_rows)  # after the kernel: no block reads them any more
+    return o, conv_cache, state_pool
 
 
 def reference(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, conv_cache, state_pool, slots, lengths,

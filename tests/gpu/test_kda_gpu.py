@@ -177,6 +177,34 @@ def test_decode_layer_with_projection_partials_on_gpu(batch):
     assert _rel(got[0], want[0]) < 1e-2 and _rel(got[1], want[1]) < 1e-2 and _rel(got[2], want[2]) < 1e-3
 
 
+@pytest.mark.parametrize("split", [2, 4, 8])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_decode_layer_value_split_on_gpu(split, batch):
+    """The decode step split over value blocks (`value_split`), compiled at the medium hybrid's layer: the unsplit
+    kernel's caches (conv equal, states to float32 rounding) and, once its `HeadScaled` rows are finished (by XLA,
+    or by o_proj's projection kernel as it loads them), the unsplit output and o_proj's product to bf16 rounding."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+    from test_kda_kernels import decode_layer_inputs
+
+    seed = _seed()
+    args = decode_layer_inputs(seed, batch, 16, 128, slots_total=40, padding_row=batch > 1)
+    options = dict(layer=1, eps=1e-5, lower_bound=None)
+    one = jax.jit(lambda *a: decode_layer.decode_step(*a, **options))(*args)
+    got = jax.jit(lambda *a: decode_layer.decode_step(*a, **options, value_split=split))(*args)
+    assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(one[1], np.float32))
+    assert _rel(got[2], one[2]) < 1e-5
+    assert _rel(projection.finished(got[0]), one[0]) < 1e-2
+    w = (jax.random.normal(jax.random.key(seed), (2048, 2048)) * 0.02).astype(jnp.bfloat16)
+    residual = (jax.random.normal(jax.random.key(seed + 1), (batch, 2048)) * 0.01).astype(jnp.bfloat16)
+    rows = 1 if batch == 1 else 8  # the kernel's row buckets: powers of two
+    pad = lambda a: jnp.pad(a, ((0, rows - batch), (0, 0)))
+    head_scaled = projection.HeadScaled(pad(got[0].values), pad(got[0].squares), 128, got[0].eps, got[0].dtype)
+    (kernel,) = jax.jit(lambda h, r, w: projection.project(h, ((w,),), residual=r))(head_scaled, pad(residual), w)
+    (want,) = jax.jit(lambda o, r, w: projection.reference(o, ((w,),), residual=r))(one[0], residual, w)
+    assert _rel(kernel[:batch], want) < 1e-2
+
+
 def test_model_decode_with_the_decode_layer_kernel_on_gpu(monkeypatch):
     """A bf16 hybrid with 128-wide KDA heads: a cached decode step's logits and caches with the one-kernel KDA decode
     layer against the same step through the separate ops (both compiled on the GPU), to bf16 rounding."""

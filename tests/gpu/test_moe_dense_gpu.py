@@ -130,7 +130,7 @@ def test_moe_block_with_the_router_schedule_kernel(monkeypatch, n_tokens):
 @pytest.mark.parametrize("atomic_combine", [False, True])
 def test_one_token_block_matches_gather(monkeypatch, shared, atomic_combine):
     """`moe_dense.ONE_TOKEN_BLOCK` compiled on the GPU: one token of the medium hybrid's layer (its shared MLP as
-    two extra experts or not), the gate/up kernel reading the padded token block in every tile instead of gathered
+    two extra experts or not), the gate/up kernel reading the token as every tile's first row instead of gathered
     rows, gives what the gather path gives (the same kernels' sums, bit for bit without atomics)."""
     key = jax.random.key(7)
     wg, wu, wd = _layer(key, 64, 2048, 768, jnp.bfloat16)
@@ -146,6 +146,7 @@ def test_one_token_block_matches_gather(monkeypatch, shared, atomic_combine):
     # a new function each time: the module constant is read when the call traces
     run = lambda: np.asarray(jax.jit(lambda *a: moe_dense.grouped_swiglu(
         *a[:6], tiles=tiles, shared=a[6:] or None))(x, ids, w, wg, wu, wd, *extra), np.float32)
+    monkeypatch.setattr(moe_dense, "ONE_TOKEN_BLOCK", False)
     gathered = run()
     monkeypatch.setattr(moe_dense, "ONE_TOKEN_BLOCK", True)
     block = run()
