@@ -15,6 +15,12 @@ GPU time per layer on the H200, benchmarks/NOTES_serving.md). A program here, fo
 4. the gated RMSNorm of the head's output (rounded to the activations' dtype first, as the model's is) with
    sigmoid(g_b applied to the row's g_a output).
 
+With `value_split` P, a program takes K / P of the head's value columns: the delta rule treats each column of the
+state apart, so only the conv of q and k and the gate over all K channels are repeated per block. The gated norm
+then needs the other blocks' outputs (o_proj's kernel finishes it: `projection.HeadScaled`), and no block may shift
+q's and k's conv inputs in place, since the head's other blocks read them: they go out separately and XLA writes
+them into the cache after the kernel.
+
 Arithmetic is float32 throughout, rounded to the activations' dtype where the model's XLA path materialises a
 16-bit tensor (the conv outputs, the f_b and g_b outputs, the recurrent output); XLA may keep more precision inside
 its fusions (`xla_allow_excess_precision`), so the two agree to 16-bit rounding, not bit for bit. Rows of length 0
