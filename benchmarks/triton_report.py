@@ -128,7 +128,10 @@ def kda_cases() -> dict:
              S((D,), jnp.bfloat16), S((12, 64, 3, dim, 3), jnp.bfloat16), S((12, 64, 16, D, D), jnp.float32),
              S((16,), jnp.int32), S((16,), jnp.int32))
     decode_layer_step = lambda *a: decode_layer.decode_step(*a, layer=0, eps=1e-5, lower_bound=None)
+    split_step = lambda *a: decode_layer.decode_step(*a, layer=0, eps=1e-5, lower_bound=None, value_split=8)
+    layer_b1 = tuple(S((1,) + a.shape[1:], a.dtype) if i in (0, 1, 10, 11) else a for i, a in enumerate(layer))
     return {"decode layer B16 H16": (decode_layer_step, layer),
+            "decode layer B1 H16 value split 8": (split_step, layer_b1),
             "chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
             "chunk_kda B1 T8192 one level per pass": (chunk(levels_apart), (q, q, q, g, beta, state)),
             "chunk_kda B1 T8192 IEEE inverse": (chunk(pallas.KdaTuning(wy_inverse="ieee", wy_warps=4)),
@@ -331,9 +334,24 @@ def moe_gemv_cases() -> dict:
     return cases
 
 
-CASES = {"indexer": indexer_cases, "kda": kda_cases, "moe_dense": moe_dense_cases, "moe_gemv": moe_gemv_cases,
-         "moe_mxfp4": moe_mxfp4_cases, "projection": projection_cases, "router": router_cases,
-         "sparse_mla": sparse_mla_cases, "topk": topk_cases}
+def moe_front_cases() -> dict:
+    """The MoE front (residual add, norm, router logits) at the medium hybrid's MoE layer (2048 features, 64
+    experts) for one row, after o_proj's 8 K slices."""
+    from dayzero.kernels import moe_front, projection
+
+    S = jax.ShapeDtypeStruct
+
+    def fn(sums, residual, norm_weight, router_weight):
+        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
+        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5)
+
+    return {f"front B{rows}": (fn, (S((8, rows, 2048), jnp.float32), S((rows, 2048), jnp.bfloat16),
+                                    S((2048,), jnp.float32), S((64, 2048), jnp.bfloat16))) for rows in (1,)}
+
+
+CASES = {"indexer": indexer_cases, "kda": kda_cases, "moe_dense": moe_dense_cases, "moe_front": moe_front_cases,
+         "moe_gemv": moe_gemv_cases, "moe_mxfp4": moe_mxfp4_cases, "projection": projection_cases,
+         "router": router_cases, "sparse_mla": sparse_mla_cases, "topk": topk_cases}
 
 
 def main(argv=None) -> int:

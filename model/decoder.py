@@ -12,6 +12,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dayzero.kernels import moe_front
+
 from . import sharding
 from .config import LAYER_KDA, MLP_MOE, ModelConfig
 from .kda import KimiDeltaAttention
@@ -50,6 +52,26 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.intermediate_size, cfg.hidden_size, self.dtype)
 
+    def _front_kind(self, x) -> str:
+        """The `kernels.moe_front` implementation for this layer's decode step on x [B, 1, D] ("reference": none;
+        the attention finishes its residual add and the MoE block normalises and routes as usual)."""
+        cfg = self.config
+        if not (isinstance(self.mlp, MoE) and self.mesh is None and x.shape[1] == 1):
+            return "reference"
+        return moe_front.choose(x.shape[0], cfg.hidden_size, cfg.num_experts, x.dtype)
+
+    def _mlp_front(self, update, residual, workspace, kind: str):
+        """The MoE half of a decode step from the attention's unfinished output: o_proj's `update` and the layer
+        input `residual` [B, D] -> (x [B, 1, D], workspace), the residual add, the norm and the router's logits in
+        `kernels.moe_front`'s one kernel."""
+        cfg = self.config
+        router_weight = self.mlp.variables["params"]["gate"]["weight"]
+        norm_weight = self.post_attention_layernorm.variables["params"]["weight"]
+        x, normed, logits = moe_front.by_kind(kind)(update, residual, norm_weight, router_weight,
+                                                    eps=cfg.rms_norm_eps)
+        y, workspace = self.mlp(normed[:, None], workspace, logits=logits)
+        return x[:, None] + y, workspace
+
     def _mlp(self, x, workspace):
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
@@ -71,10 +93,15 @@ class DecoderLayer(nn.Module):
         fused = decode and (self.self_attn.decode_layer_kind(x) if self.is_kda
                             else self.self_attn.decode_projection_kind(x)) != "reference"
         norm_weight = self.input_layernorm.variables["params"]["weight"] if fused else None
+        # the MoE block's front (residual add, norm, router logits) in one kernel after a KDA layer's decode step
+        front = self._front_kind(x) if fused and self.is_kda else "reference"
         if fused and self.is_kda:
             x, conv, state = self.self_attn.decode_in_place(x, norm_weight, valid, cache["conv"], cache["state"],
-                                                            slots, index)
+                                                            slots, index, unfinished=front != "reference")
             cache = dict(cache, conv=conv, state=state)
+            if front != "reference":
+                x, workspace = self._mlp_front(*x, workspace, front)
+                return x, cache, workspace
         elif fused:
             x, cache = self.self_attn.step(x, positions, valid, cache, index, block_tables, norm_weight=norm_weight)
         elif self.is_kda:

@@ -130,7 +130,8 @@ class KimiDeltaAttention(nn.Module):
             return "reference"
         return decode_layer.choose()
 
-    def decode_in_place(self, x, norm_weight, valid, conv_cache, state_pool, slots, layer: int):
+    def decode_in_place(self, x, norm_weight, valid, conv_cache, state_pool, slots, layer: int,
+                        unfinished: bool = False):
         """One decode token per row through `kernels.kda.decode_layer` (needs `decode_layer_kind(x)` != "reference"):
         x [B, 1, D] the layer's input before its input RMSNorm (weight `norm_weight` [D]), valid [B, 1], conv_cache
         [L, S, 3, dim, W - 1] and state_pool [L, S, H, K, V] (every KDA layer's; row b uses slot slots[b] of layer
@@ -139,7 +140,10 @@ class KimiDeltaAttention(nn.Module):
         The norm and the six input projections are one `kernels.projection` call where dispatch picks it (q|k|v and
         f_a|g_a|b come out side by side, as the step kernel takes them; where K is split, as float32 partial sums
         that the step kernel adds up itself, with `PROJECTION_PARTIALS`), and so are o_proj and the residual add
-        (with the step split over value blocks, o_proj's loads finish the gated norm: `projection.HeadScaled`)."""
+        (with the step split over value blocks, o_proj's loads finish the gated norm: `projection.HeadScaled`).
+
+        `unfinished`: the first result is (o_proj's output as `project(finish=False)` gives it, x [B, D]) instead of
+        their sum [B, 1, D], for a consumer that adds them up itself (`kernels.moe_front`)."""
         cfg = self.config
         rows = x[:, 0]
         weight = lambda module, name="kernel": module.variables["params"][name]
@@ -156,6 +160,9 @@ class KimiDeltaAttention(nn.Module):
             lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
             value_split=decode_layer.value_split(rows.shape[0], cfg.kda_head_dim),
             interpret=self.decode_layer_kind(x) == "interpret")
+        if unfinished:
+            (update,) = project(o, ((weight(self.o_proj),),), finish=False)
+            return (update, rows), conv_cache, state_pool
         (out,) = project(o, ((weight(self.o_proj),),), residual=rows)
         return out[:, None], conv_cache, state_pool
 

@@ -121,21 +121,22 @@ class Router(nn.Module):
     one_kernel: bool = True
 
     @nn.compact
-    def __call__(self, x, shared_parts: int = 0):
+    def __call__(self, x, shared_parts: int = 0, logits: jax.Array | None = None):
         """x [N, D] -> (topk_ids [N, k] int32, topk_weights [N, k] float32). With `shared_parts` P > 0: (ids,
         weights, schedule), where the select-and-schedule kernel ran (`kernels.router.select_and_schedule`, up to
         `SCHEDULE_MAX_TOKENS` tokens): the shared MLP's P parts appended to every token as experts E .. E + P - 1 of
         weight 1 (ids / weights [N, k + P], `kernels.moe.routed_and_shared`'s layout) and their
-        `moe_tiles.Schedule` in 16-row tiles from the same launch; elsewhere the routed [N, k] and None."""
+        `moe_tiles.Schedule` in 16-row tiles from the same launch; elsewhere the routed [N, k] and None. `logits`
+        [N, E] float32: x's logits, computed already (`kernels.moe_front`), not again here."""
         cfg = self.config
         weight = self.param("weight", nn.initializers.normal(0.02), (cfg.num_experts, cfg.hidden_size), self.dtype)
         bias = None
         if cfg.router_bias:
             bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
-        ids, weights, sched = self._route(x, weight, bias, shared_parts)
+        ids, weights, sched = self._route(x, weight, bias, shared_parts, logits)
         return (ids, weights, sched) if shared_parts else (ids, weights)
 
-    def _route(self, x, weight, bias, shared_parts: int):
+    def _route(self, x, weight, bias, shared_parts: int, logits: jax.Array | None = None):
         """(ids, weights, schedule or None): the shared parts and schedule included only where the
         select-and-schedule kernel ran."""
         cfg = self.config
@@ -144,9 +145,10 @@ class Router(nn.Module):
                 if self.one_kernel else "reference")
         options = dict(top_k=cfg.num_experts_per_token, sigmoid=cfg.router_activation == "sigmoid",
                        renormalize=cfg.renormalize, scale=float(cfg.routed_scaling_factor))
-        if kind != "reference":
+        if kind != "reference" and logits is None:
             return *router_kernel.route_tokens(x, weight, bias, **options, interpret=kind == "interpret"), None
-        logits = router_logits(x, weight)
+        if logits is None:
+            logits = router_logits(x, weight)
         kind = (router_kernel.choose_select(cfg.num_experts, cfg.num_experts_per_token, restricting_groups(cfg))
                 if self.one_kernel else "reference")
         if (kind != "reference" and shared_parts and ROUTER_SCHEDULE
@@ -309,8 +311,9 @@ class MoE(nn.Module):
     mesh: Any = None
 
     @nn.compact
-    def __call__(self, x, workspace: Workspace | None = None):
-        """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`)."""
+    def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None):
+        """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`).
+        `logits` [B * T, E] float32: the router's logits of x, computed already (`kernels.moe_front`)."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         router = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")
@@ -320,11 +323,12 @@ class MoE(nn.Module):
                 and moe_kernels.shared_kernel_kind(params["experts"]["w_gate"]) != "reference"):
             experts, mlp = params["experts"], params["shared_experts"]
             shared = tuple(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
-            ids, weights, sched = router(flat, shared_parts=shared[0].shape[1] // experts["w_gate"].shape[2])
+            ids, weights, sched = router(flat, shared_parts=shared[0].shape[1] // experts["w_gate"].shape[2],
+                                         logits=logits)
             y = moe_kernels.routed_and_shared(flat, ids, weights, experts["w_gate"], experts["w_up"],
                                               experts["w_down"], shared, sched=sched)
             return y.reshape(x.shape), workspace
-        ids, weights = router(flat)
+        ids, weights = router(flat, logits=logits)
         y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(flat, ids, weights, workspace)
         y = y.reshape(x.shape)
         if cfg.num_shared_experts:

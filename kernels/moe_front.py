@@ -1,0 +1,139 @@
+"""The front of a batch-1 decode step's MoE block in one Pallas (Triton) kernel: the attention's residual add, the
+post-attention RMSNorm and the router's logits.
+
+After a decode layer's attention, XLA runs two reductions before the router's select kernel: one adds up o_proj's
+split-K partial sums, adds the residual and sums the squares (~3.5 us per MoE layer at batch 1 on the H200), one
+normalises and multiplies by the router weight (~2-2.5 us; benchmarks/NOTES_serving.md, seventeenth session). Here
+one launch does both for the one row. A program takes `EXPERT_BLOCK` experts and loads everything at once (its
+router weight block first: it does not depend on x), with no loop:
+
+1. x = round(residual + round(sum of the partial sums)) (as `projection.finished` with a residual) and its squares;
+2. normed = round(weight * round(x / rms)) (as `model.norms.RMSNorm`);
+3. its experts' logits, the sums of normed * weight in float32 (bf16 products are exact in float32, as the
+   reference's are; only the order of the adds differs); the first program also writes x and normed.
+
+A first form (seventeenth session) walked the features in 64-column steps, twice, with the rows as a 16-row block
+for the tensor cores: correct on the H200 (tests/gpu/test_moe_front_gpu.py 7/7) but 44 us per call, the 64 dependent
+steps each waiting on its loads (batch 1 1.540 ms of kernels per token against 1.138 without). Takes one row, H a
+power of two up to `MAX_HIDDEN`, E a multiple of `EXPERT_BLOCK`, 16-bit activations (`supported`). `reference` is
+the same in XLA; `choose` picks (dispatch name "moe_front").
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import dispatch, projection, tiles as tiling
+
+# Not yet run on a GPU in this form: CUDA keeps the XLA form unless asked (impl="pallas" or DAYZERO_KERNELS).
+GPU_VERIFIED = False
+EXPERT_BLOCK = 8
+MAX_HIDDEN = 8192
+NUM_WARPS = 8
+
+
+def supported(rows: int, hidden: int, n_experts: int, dtype) -> bool:
+    """Whether the kernel takes this call (see the module docstring)."""
+    return (rows == 1 and 16 <= hidden <= MAX_HIDDEN and hidden & (hidden - 1) == 0
+            and n_experts % EXPERT_BLOCK == 0 and jnp.dtype(dtype).itemsize == 2)
+
+
+def choose(rows: int, hidden: int, n_experts: int, dtype, impl: str | None = None) -> str:
+    """"pallas" / "interpret" where dispatch picks the kernel and it takes the call, else "reference"."""
+    kind = dispatch.choose("moe_front", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
+    return kind if supported(rows, hidden, n_experts, dtype) else "reference"
+
+
+def _check(update, residual, norm_weight, router_weight):
+    rows, hidden = residual.shape
+    if isinstance(update, projection.Partials):
+        if update.squares is not None or update.sums.shape[1:] != (rows, hidden) or update.dtype != residual.dtype:
+            raise ValueError(f"moe front: the update's partial sums {update.sums.shape} ({update.dtype}, squares "
+                             f"{'given' if update.squares is not None else 'none'}) do not match the residual "
+                             f"{residual.dtype}{list(residual.shape)} (no norm statistics expected)")
+    elif update is not None and (update.shape != residual.shape or update.dtype != residual.dtype):
+        raise ValueError(f"moe front: update {update.dtype}{list(update.shape)} for residual "
+                         f"{residual.dtype}{list(residual.shape)}")
+    if norm_weight.shape != (hidden,) or router_weight.ndim != 2 or router_weight.shape[1] != hidden:
+        raise ValueError(f"moe front: norm weight {norm_weight.shape} and router weight {router_weight.shape} for "
+                         f"{hidden} features ([H] and [E, H])")
+
+
+def reference(update: projection.Projected | None, residual: jax.Array, norm_weight: jax.Array,
+              router_weight: jax.Array, *, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """XLA: (x [M, H] = residual + the update, finished and rounded as o_proj's projection does; normed [M, H] =
+    RMSNorm(x) as `model.norms.RMSNorm`; logits [M, E] float32, the sums of float32 products, as
+    `model.moe.router_logits` computes them for decode-sized calls). `update`: o_proj's `projection.Partials` (no
+    squares), its finished [M, H] of the residual's dtype, or None (x = residual)."""
+    _check(update, residual, norm_weight, router_weight)
+    x = residual if update is None else projection.finished(update, residual)
+    x32 = x.astype(jnp.float32)
+    unit = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+    normed = (norm_weight * unit).astype(x.dtype)
+    logits = jnp.sum(normed[:, None, :].astype(jnp.float32) * router_weight[None].astype(jnp.float32), axis=-1)
+    return x, normed, logits
+
+
+def _kernel(*refs, hidden, slices, eps):
+    sums_ref = refs[0] if slices else None
+    res_ref, norm_ref, w_ref, x_out, normed_out, logits_out = refs[bool(slices):]
+    dtype = res_ref.dtype
+    e0 = pl.multiple_of(pl.program_id(0) * EXPERT_BLOCK, EXPERT_BLOCK)
+    row, cols = pl.ds(0, 1), pl.ds(0, hidden)
+    weight = w_ref[pl.ds(e0, EXPERT_BLOCK), cols]  # [EXPERT_BLOCK, H]: first, its read overlaps the rest
+    x = res_ref[row, cols].astype(jnp.float32)  # [1, H]
+    if slices:
+        x = x + jnp.sum(sums_ref[pl.ds(0, slices), row, cols], axis=0).astype(dtype).astype(jnp.float32)
+    x = x.astype(dtype).astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)
+    unit = (x * inv_rms).astype(dtype).astype(jnp.float32)
+    normed = (norm_ref[cols].astype(jnp.float32)[None, :] * unit).astype(dtype)
+    logits = jnp.sum(normed.astype(jnp.float32) * weight.astype(jnp.float32), axis=1)  # [EXPERT_BLOCK]
+    logits_out[row, pl.ds(e0, EXPERT_BLOCK)] = logits[None, :]
+
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        x_out[row, cols] = x.astype(dtype)
+        normed_out[row, cols] = normed
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+def front(update: projection.Projected | None, residual: jax.Array, norm_weight: jax.Array,
+          router_weight: jax.Array, *, eps: float, num_warps: int = NUM_WARPS,
+          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`reference`'s results in one kernel (see the module docstring): update (o_proj's `projection.Partials`
+    [S, 1, H] float32 without squares, a finished [1, H], or None), residual [1, H] 16-bit, norm_weight [H], router
+    weight [E, H] -> (x [1, H], normed [1, H], logits [1, E] float32). Needs `supported`."""
+    _check(update, residual, norm_weight, router_weight)
+    rows, hidden = residual.shape
+    n_experts = router_weight.shape[0]
+    if not supported(rows, hidden, n_experts, residual.dtype):
+        raise ValueError(f"moe front kernel: {rows} rows x {hidden} features, {n_experts} experts, {residual.dtype} "
+                         f"not supported (1 row, H a power of two up to {MAX_HIDDEN}, E a multiple of "
+                         f"{EXPERT_BLOCK}, 16-bit)")
+    if isinstance(update, projection.Partials):
+        operands, slices = [update.sums], update.slices
+    elif update is not None:  # a finished update: added in XLA first (one fusion, as before)
+        residual, operands, slices = residual + update, [], 0
+    else:
+        operands, slices = [], 0
+    outputs = [jax.ShapeDtypeStruct((rows, hidden), residual.dtype), jax.ShapeDtypeStruct((rows, hidden),
+                                                                                          residual.dtype),
+               jax.ShapeDtypeStruct((rows, n_experts), jnp.float32)]
+    return tuple(pl.pallas_call(
+        functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps)),
+        grid=(n_experts // EXPERT_BLOCK,),
+        out_shape=outputs,
+        compiler_params=tiling.compiler_params(num_warps, 1),
+        interpret=interpret,
+        name="moe_front",
+    )(*operands, residual, norm_weight, router_weight))
+
+
+def by_kind(kind: str):
+    """The `front`-signature callable for a `choose` result."""
+    return reference if kind == "reference" else functools.partial(front, interpret=kind == "interpret")

@@ -1,0 +1,136 @@
+"""kernels/moe_front.py: a decode MoE block's residual add, post-attention norm and router logits in one kernel
+(interpret mode) against its XLA form and a float64 oracle, its errors, its Triton lowering at the medium hybrid's
+shapes, and the decoder's decode step with it against the step without it."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dayzero.kernels import moe_front, projection
+from triton_lowering import count_triton_kernels
+
+
+def _inputs(rng, rows, slices, hidden=128, n_experts=32):
+    residual = jnp.asarray(rng.standard_normal((rows, hidden)), jnp.bfloat16)
+    update = None
+    if slices:
+        update = projection.Partials(jnp.asarray(rng.standard_normal((slices, rows, hidden)), jnp.float32), None,
+                                     256, 1e-6, "bfloat16")
+    norm_weight = jnp.asarray(rng.uniform(0.5, 1.5, hidden), jnp.float32)
+    router_weight = jnp.asarray(rng.standard_normal((n_experts, hidden)) * 0.1, jnp.bfloat16)
+    return update, residual, norm_weight, router_weight
+
+
+def _bf16_steps(a, b):
+    """The largest difference of a and b in units of b's bf16 spacing."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    spacing = np.maximum(np.abs(b), 1e-30) * 2.0 ** -7
+    return float(np.max(np.abs(a - b) / spacing))
+
+
+@pytest.mark.parametrize("slices,hidden,n_experts", [(8, 128, 32), (2, 256, 16), (0, 128, 32), (4, 64, 8)])
+def test_matches_xla_and_oracle(seed, slices, hidden, n_experts):
+    """o_proj's partial sums (2-8 slices) or none: x and the normed row as the XLA form rounds them (to one bf16
+    step: the partial sums' order of addition may differ), logits to float32 rounding of the XLA form's and near a
+    float64 oracle of the normed row."""
+    rng = np.random.default_rng(seed)
+    rows = 1
+    args = _inputs(rng, rows, slices, hidden, n_experts)
+    got = moe_front.front(*args, eps=1e-5, interpret=True)
+    want = moe_front.reference(*args, eps=1e-5)
+    assert [g.shape for g in got] == [(rows, hidden), (rows, hidden), (rows, n_experts)]
+    assert got[0].dtype == got[1].dtype == jnp.bfloat16 and got[2].dtype == jnp.float32
+    assert _bf16_steps(got[0], want[0]) <= 1 and _bf16_steps(got[1], want[1]) <= 2
+    if slices == 0:  # nothing to add up: x and the normed rows by the same rounding steps exactly
+        assert all(np.array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+                   for g, w in zip(got[:2], want[:2]))
+    oracle = np.asarray(got[1], np.float64) @ np.asarray(args[3], np.float64).T
+    np.testing.assert_allclose(np.asarray(got[2], np.float64), oracle, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(want[2], np.float64), np.asarray(want[1], np.float64)
+                               @ np.asarray(args[3], np.float64).T, rtol=1e-5, atol=1e-5)
+
+
+def test_finished_update_and_errors(seed):
+    """A finished o_proj output is added to the residual first; shapes that do not fit are refused by name, and
+    `supported` says what the kernel takes."""
+    rng = np.random.default_rng(seed)
+    _, residual, norm_weight, router_weight = _inputs(rng, 1, 0)
+    update = jnp.asarray(rng.standard_normal((1, 128)), jnp.bfloat16)
+    got = moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5, interpret=True)
+    want = moe_front.reference(update, residual, norm_weight, router_weight, eps=1e-5)
+    assert all(np.array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+               for g, w in zip(got[:2], want[:2]))
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="update"):
+        moe_front.front(update[:, :64], residual, norm_weight, router_weight, eps=1e-5, interpret=True)
+    with pytest.raises(ValueError, match="router weight"):
+        moe_front.front(None, residual, norm_weight, router_weight[:, :64], eps=1e-5, interpret=True)
+    squared = projection.Partials(jnp.zeros((2, 1, 128)), jnp.zeros((2, 1)), 128, 1e-6, "bfloat16")
+    with pytest.raises(ValueError, match="squares given"):
+        moe_front.front(squared, residual, norm_weight, router_weight, eps=1e-5, interpret=True)
+    with pytest.raises(ValueError, match="not supported"):
+        moe_front.front(None, residual, norm_weight, router_weight[:12], eps=1e-5, interpret=True)
+    two = jnp.concatenate([residual, residual])
+    with pytest.raises(ValueError, match="2 rows"):
+        moe_front.front(None, two, norm_weight, router_weight, eps=1e-5, interpret=True)
+    assert moe_front.supported(1, 2048, 64, jnp.bfloat16) and not moe_front.supported(2, 2048, 64, jnp.bfloat16)
+    assert not moe_front.supported(1, 48, 64, jnp.bfloat16) and not moe_front.supported(1, 2048, 6, jnp.bfloat16)
+    assert not moe_front.supported(1, 2048, 64, jnp.float32)
+    assert moe_front.choose(1, 2048, 64, jnp.bfloat16) == "reference"  # the CPU's default
+
+
+@pytest.mark.parametrize("slices", [8, 0])
+def test_lowers_to_triton_at_model_shapes(slices):
+    """The medium hybrid's MoE front (2048 features, 64 experts) after o_proj's 8 K slices or a finished sum: one
+    Triton kernel."""
+    rows = 1
+    spec = jax.ShapeDtypeStruct
+
+    def fn(residual, norm_weight, router_weight, *sums):
+        update = projection.Partials(sums[0], None, 2048, 1e-6, "bfloat16") if sums else None
+        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5)
+
+    args = [spec((rows, 2048), jnp.bfloat16), spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16)]
+    assert count_triton_kernels(fn, *args, *([spec((slices, rows, 2048), jnp.float32)] if slices else [])) == 1
+
+
+@pytest.mark.parametrize("projections", ["reference", "interpret"])
+def test_model_decode_with_the_front(seed, monkeypatch, projections):
+    """The decoder's cached decode step of one row with the KDA decode kernel (interpret mode), o_proj by XLA or by
+    the projection kernel (K split: its partial sums go to the front unfinished), and the MoE front in one kernel
+    (interpret mode) against the same step without the front: the same next-token logits to bf16 rounding, and the
+    front kernel called once per MoE layer after a KDA layer."""
+    from dayzero.kernels.kda import decode_layer
+    from dayzero.model import Model
+    from dayzero.model.cache import init_cache
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(hidden_size=64, kda_num_heads=16, kda_head_dim=16, num_experts=16,
+                         num_experts_per_token=2)
+    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
+    rng = np.random.default_rng(seed)
+    cache = init_cache(cfg, num_blocks=4, num_slots=2, dtype=jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, 5)), jnp.int32)
+    tables, rows = jnp.asarray([[1]], jnp.int32), jnp.asarray([1], jnp.int32)
+    positions = jnp.arange(5)[None]
+    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
+    _, cache = step(ids, positions, jnp.ones((1, 5), bool), cache, tables, rows)
+    token, at = ids[:, :1], jnp.full((1, 1), 5)
+    monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
+    chosen_projection = projection.choose
+    monkeypatch.setattr(projection, "choose", lambda *a, impl=None: chosen_projection(*a, impl=projections))
+    plain, _ = step(token, at, jnp.ones((1, 1), bool), cache, tables, rows, decode=True)
+    calls = []
+    front = moe_front.front
+    monkeypatch.setattr(moe_front, "choose", lambda *a, impl=None: "interpret")
+    monkeypatch.setattr(moe_front, "front", lambda *a, **k: calls.append(type(a[0]).__name__) or front(*a, **k))
+    fused, _ = step(token, at, jnp.ones((1, 1), bool), cache, tables, rows, decode=True)
+    kda_moe = sum(t == "kda" and m == "moe" for t, m in zip(cfg.layer_types, cfg.mlp_types))
+    assert kda_moe >= 1 and len(calls) == kda_moe
+    if projections == "interpret":  # o_proj's K split: its partial sums reach the front unfinished
+        assert set(calls) == {"Partials"}
+    a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
