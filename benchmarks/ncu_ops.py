@@ -10,6 +10,8 @@ Ops (shapes and inputs as in benchmarks/kda.py and benchmarks/moe.py):
         kernels moe_gemv_gate_up_r*, moe_gemv_down_r*; else moe_gate_up[_split_k], moe_down[...]
   kda_decode  the medium hybrid's one-kernel KDA decode step (kernels/kda/decode_layer.py: 16 heads x 128, low rank
         128, conv 4, bf16) at `--tokens` rows (default 1): kernel kda_decode_layer
+  projection  the medium hybrid's KDA input projections at `--tokens` rows (default 1): the input norm and q|k|v,
+        f_a|g_a|b (2048 -> 6144 + 272) in kernels/projection.py's kernel, as the model calls it: kernel decode_projection
   moe_dense  the same layer with bf16 experts through kernels/moe_dense.py (`--tiles field=value,...` overrides the
         fields of `choose_tiles`' DenseTiles, e.g. fused_mlp=true,block_i=64): moe_dense_gate_up / moe_dense_down,
         or moe_dense_fused_mlp
@@ -92,6 +94,23 @@ def run_kda_decode(rows: int, calls: int) -> None:
     print(f"kda_decode B{rows}: |o| {float(jnp.linalg.norm(o.astype(jnp.float32))):.4g}")
 
 
+def run_projection(rows: int, calls: int) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from dayzero.kernels import projection
+
+    keys = iter(jax.random.split(jax.random.key(rows), 8))
+    weight = lambda n: (jax.random.normal(next(keys), (2048, n)) * 0.02).astype(jnp.bfloat16)
+    groups = ((weight(2048), weight(2048), weight(2048)), (weight(128), weight(128), weight(16)))
+    x = jax.random.normal(next(keys), (rows, 2048), jnp.bfloat16)
+    norm = jnp.ones((2048,), jnp.float32)
+    fn = jax.jit(lambda x, n, g: projection.project(x, g, norm_weight=n, eps=1e-5))
+    for _ in range(calls):
+        out = jax.block_until_ready(fn(x, norm, groups))
+    print(f"projection B{rows}: |qkv| {float(jnp.linalg.norm(out[0].astype(jnp.float32))):.4g}")
+
+
 def run_moe_dense(shape: str, tokens: int, calls: int, tiles_spec: str | None) -> None:
     import dataclasses
 
@@ -121,7 +140,7 @@ def run_moe_dense(shape: str, tokens: int, calls: int, tiles_spec: str | None) -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("op", choices=("kda", "kda_decode", "moe", "moe_dense"))
+    parser.add_argument("op", choices=("kda", "kda_decode", "moe", "moe_dense", "projection"))
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--shape", default="deepseek", help="moe: medium or deepseek")
     parser.add_argument("--calls", type=int, default=2)
@@ -132,6 +151,8 @@ def main(argv=None) -> int:
         run_kda(args.tokens or 8192, args.calls, args.tuning)
     elif args.op == "kda_decode":
         run_kda_decode(args.tokens or 1, args.calls)
+    elif args.op == "projection":
+        run_projection(args.tokens or 1, args.calls)
     elif args.op == "moe":
         run_moe(args.shape, args.tokens or 16, args.calls)
     else:
