@@ -272,6 +272,33 @@ def test_decode_layer_value_split(seed, head_dim, split):
         decode_layer.decode_step(*args, **options, value_split=head_dim // 8)
 
 
+@pytest.mark.parametrize("partials", [False, True])
+def test_decode_layer_takes_the_six_projections_side_by_side(seed, partials):
+    """`decode_step(qkv, None, ...)` with q|k|v|f_a|g_a|b as one array (or one `projection.Partials`, as the model's
+    single projection group gives them): exactly the results of the two separate inputs; a width that does not fit
+    is refused by name."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+
+    rng = np.random.default_rng(seed)
+    args = decode_layer_inputs(seed, 3, 2, 16)
+    qkv, fgb = args[:2]
+    both = jnp.concatenate([qkv, fgb], axis=1)
+    if partials:
+        both = _as_partials(both, rng, 4)
+        qkv, fgb = (projection.Partials(both.sums[..., cols], both.squares, both.k_dim, both.eps, both.dtype)
+                    for cols in (slice(0, qkv.shape[1]), slice(qkv.shape[1], None)))
+    options = dict(layer=1, eps=1e-5, lower_bound=None, interpret=True)
+    apart = decode_layer.decode_step(qkv, fgb, *args[2:], **options)
+    joined = decode_layer.decode_step(both, None, *args[2:], **options)
+    for a, j in zip(apart, joined):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(j, np.float32))
+    ref = decode_layer.reference(both, None, *args[2:], layer=1, eps=1e-5, lower_bound=None, conv_dtype=jnp.float32)
+    assert _rel_err(joined[0], ref[0]) < 1e-2
+    with pytest.raises(ValueError, match="q\\|k\\|v\\|f_a"):
+        decode_layer.decode_step(qkv if not partials else projection.finished(qkv), None, *args[2:], **options)
+
+
 def _as_partials(projected, rng, slices, k_dim=256, eps=1e-6, norm=True):
     """Float32 split-K sums (and squares) whose `projection.finished` is near `projected` [B, N]: the rows'
     values cut into `slices` random parts, times the rms the squares give (so the norm's scale undoes it)."""

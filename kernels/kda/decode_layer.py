@@ -105,7 +105,12 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2)  # which of the head's `value_split` blocks of value columns (state columns) this is
     qkv_at, refs = _projected_loader(refs, b, act=act, layout=qkv_layout)
-    fgb_at, refs = _projected_loader(refs, b, act=act, layout=fgb_layout)
+    if fgb_layout == "after_qkv":  # one projection output q|k|v|f_a|g_a|b: f_a|g_a|b start at column 3 * H * K
+        offset = 3 * heads * head_dim
+        fgb_at = lambda index: qkv_at(pl.ds(index.start + offset, index.size) if isinstance(index, pl.Slice)
+                                      else index + offset)
+    else:
+        fgb_at, refs = _projected_loader(refs, b, act=act, layout=fgb_layout)
     (qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, conv_ref, pool_ref, o_ref, *split_refs,
      conv_out_ref, pool_out_ref) = refs
     dim = heads * head_dim
@@ -194,7 +199,8 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     as `projection.finished` would); conv_weights (q, k, v) [H * K, W] each; f_b, g_b [R, H * K]; a_log [H];
     dt_bias [H * K]; norm_weight [K] (the gated norm's); conv_cache [L, S, 3, H * K, W - 1] and state_pool
     [L, S, H, K, K] float32, both updated in place at (layer, slots[b]); slots [B] int32, lengths [B] int32 (0: a
-    padding row). Returns (o [B, H * K] ready for o_proj, conv_cache, state_pool).
+    padding row). Returns (o [B, H * K] ready for o_proj, conv_cache, state_pool). `fgb` None: qkv holds all six
+    projections side by side [B, 3 * H * K + 2R + H] (one projection output, one XLA finishing fusion fewer).
 
     `value_split` P > 1: each head runs as P programs of K / P value columns (P times the programs, for batches too
     small to fill the GPU); the gated norm then cannot finish in a program, and o comes back as
@@ -210,10 +216,15 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     if not supported(heads, head_dim, state_pool.shape[4], low_rank, width, act):
         raise ValueError(f"kda decode layer: heads {heads} x {head_dim}, low rank {low_rank}, conv {width}, "
                          f"{act} not supported")
+    qkv_width = (qkv.sums if isinstance(qkv, projection.Partials) else qkv).shape[-1]
+    if fgb is None and qkv_width != 3 * heads * head_dim + 2 * low_rank + heads:
+        raise ValueError(f"kda decode layer: q|k|v|f_a|g_a|b of {qkv_width} columns for {heads} heads x {head_dim}, "
+                         f"low rank {low_rank} (needs {3 * heads * head_dim + 2 * low_rank + heads})")
     if value_split < 1 or head_dim % value_split or head_dim // value_split < 16:
         raise ValueError(f"kda decode layer: value_split {value_split} does not cut {head_dim} value columns into "
                          "blocks of at least 16")
-    (qkv_ops, qkv_layout), (fgb_ops, fgb_layout) = _operands(qkv), _operands(fgb)
+    (qkv_ops, qkv_layout), (fgb_ops, fgb_layout) = _operands(qkv), (([], "after_qkv") if fgb is None
+                                                                     else _operands(fgb))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     inputs = [slots.astype(jnp.int32), lengths.astype(jnp.int32), *qkv_ops, *fgb_ops, *conv_weights, f_b,
               a_log.astype(jnp.float32), dt_bias.astype(jnp.float32), g_b, norm_weight, conv_cache, state_pool]
@@ -250,9 +261,12 @@ def reference(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, con
     """`decode_step` in jnp from the model's own pieces (short_conv, the recurrent reference, the gated norm's
     math), for the tests: the same arguments and results. `conv_dtype` float32: the conv's arithmetic as the
     kernel does it (default: the activations' dtype, as the model)."""
-    qkv, fgb = projection.finished(qkv), projection.finished(fgb)
-    batch = qkv.shape[0]
+    qkv = projection.finished(qkv)
     heads, head_dim = state_pool.shape[2], state_pool.shape[3]
+    if fgb is None:  # all six side by side
+        qkv, fgb = qkv[:, :3 * heads * head_dim], qkv[:, 3 * heads * head_dim:]
+    fgb = projection.finished(fgb)
+    batch = qkv.shape[0]
     low_rank = f_b.shape[0]
     act = qkv.dtype
     streams, states = [], []

@@ -205,6 +205,22 @@ def test_decode_layer_value_split_on_gpu(split, batch):
     assert _rel(kernel[:batch], want) < 1e-2
 
 
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_layer_six_projections_side_by_side_on_gpu(batch):
+    """The decode step given q|k|v|f_a|g_a|b as one array (the model's single projection output), compiled at the
+    medium hybrid's layer: the same results as given q|k|v and f_a|g_a|b apart."""
+    from dayzero.kernels.kda import decode_layer
+    from test_kda_kernels import decode_layer_inputs
+
+    args = decode_layer_inputs(_seed(), batch, 16, 128, slots_total=40, padding_row=batch > 1)
+    options = dict(layer=1, eps=1e-5, lower_bound=None)
+    apart = jax.jit(lambda *a: decode_layer.decode_step(*a, **options))(*args)
+    joined = jax.jit(lambda q, f, *a: decode_layer.decode_step(jnp.concatenate([q, f], axis=1), None, *a,
+                                                               **options))(*args)
+    for a, j in zip(apart, joined):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(j, np.float32))
+
+
 def test_model_decode_with_the_decode_layer_kernel_on_gpu(monkeypatch):
     """A bf16 hybrid with 128-wide KDA heads: a cached decode step's logits and caches with the one-kernel KDA decode
     layer against the same step through the separate ops (both compiled on the GPU), to bf16 rounding."""
