@@ -128,8 +128,11 @@ def kda_cases() -> dict:
              S((D,), jnp.bfloat16), S((12, 64, 3, dim, 3), jnp.bfloat16), S((12, 64, 16, D, D), jnp.float32),
              S((16,), jnp.int32), S((16,), jnp.int32))
     decode_layer_step = lambda *a: decode_layer.decode_step(*a, layer=0, eps=1e-5, lower_bound=None)
-    split_step = lambda *a: decode_layer.decode_step(*a, layer=0, eps=1e-5, lower_bound=None, value_split=8)
-    layer_b1 = tuple(S((1,) + a.shape[1:], a.dtype) if i in (0, 1, 10, 11) else a for i, a in enumerate(layer))
+    # at batch 1 as the model runs it: the six projections side by side, each head in 8 blocks of value columns
+    split_step = lambda q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
+                                                        value_split=8)
+    layer_b1 = (S((1, 3 * dim + 2 * D + 16), jnp.bfloat16),) + tuple(
+        S((1,) + a.shape[1:], a.dtype) if i in (10, 11) else a for i, a in enumerate(layer) if i > 1)
     return {"decode layer B16 H16": (decode_layer_step, layer),
             "decode layer B1 H16 value split 8": (split_step, layer_b1),
             "chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),

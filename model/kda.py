@@ -32,6 +32,11 @@ from .norms import GatedRMSNorm
 # with it against 1.227 without (244 kernels against 280): the step kernel grew by ~3.4 us per layer, what the three
 # kernels took (tests/gpu/test_kda_gpu.py -k partials passes).
 PROJECTION_PARTIALS = False
+# Whether `decode_in_place` takes the six input projections as one projection output (q|k|v|f_a|g_a|b side by side:
+# one XLA fusion finishes them where K is split, instead of two, ~1.1 us per KDA layer at batch 1 on the H200) rather
+# than as two groups. CPU-tested (the step's results exactly as with two inputs); off until its GPU test
+# (tests/gpu/test_kda_gpu.py -k side_by_side) and a decode_profile.py A/B have run.
+PROJECTIONS_AS_ONE = False
 
 
 def _a_log_init(key, shape, dtype):
@@ -137,9 +142,10 @@ class KimiDeltaAttention(nn.Module):
         [L, S, 3, dim, W - 1] and state_pool [L, S, H, K, V] (every KDA layer's; row b uses slot slots[b] of layer
         `layer`, both updated in place) -> (x + attention(norm(x)) [B, 1, D], conv_cache, state_pool).
 
-        The norm and the six input projections are one `kernels.projection` call where dispatch picks it (all six
-        come out side by side, as the step kernel takes them; where K is split, as float32 partial sums that the
-        step kernel adds up itself, with `PROJECTION_PARTIALS`), and so are o_proj and the residual add
+        The norm and the six input projections are one `kernels.projection` call where dispatch picks it (q|k|v and
+        f_a|g_a|b come out side by side, or all six with `PROJECTIONS_AS_ONE`, as the step kernel takes them; where
+        K is split, as float32 partial sums that the step kernel adds up itself, with `PROJECTION_PARTIALS`), and so
+        are o_proj and the residual add
         (with the step split over value blocks, o_proj's loads finish the gated norm: `projection.HeadScaled`).
 
         `unfinished`: the first result is (o_proj's output as `project(finish=False)` gives it, x [B, D]) instead of
@@ -147,15 +153,17 @@ class KimiDeltaAttention(nn.Module):
         cfg = self.config
         rows = x[:, 0]
         weight = lambda module, name="kernel": module.variables["params"][name]
-        # the six side by side as one output (q|k|v|f_a|g_a|b: one XLA fusion finishes them where K is split)
-        inputs = (tuple(weight(p) for p in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
-                                             self.b_proj)),)
+        inputs = (tuple(weight(p) for p in (self.q_proj, self.k_proj, self.v_proj)),
+                  tuple(weight(p) for p in (self.f_a_proj, self.g_a_proj, self.b_proj)))
+        if PROJECTIONS_AS_ONE:  # q|k|v|f_a|g_a|b side by side (one XLA fusion finishes them where K is split)
+            inputs = (inputs[0] + inputs[1],)
         project = projection.by_kind(projection.choose(rows.shape[0], rows.shape[1],
-                                                       tuple(w.shape[1] for w in inputs[0])))
-        (projected,) = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps,
-                               finish=not PROJECTION_PARTIALS)
+                                                       tuple(w.shape[1] for g in inputs for w in g)))
+        projected = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps,
+                            finish=not PROJECTION_PARTIALS)
+        qkv, fgb = projected if len(projected) == 2 else (projected[0], None)
         o, conv_cache, state_pool = decode_layer.decode_step(
-            projected, None, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
+            qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
             weight(self.f_b_proj), self.A_log, self.dt_bias, weight(self.g_b_proj), weight(self.o_norm, "weight"),
             conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=cfg.rms_norm_eps,
             lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,

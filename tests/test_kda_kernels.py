@@ -364,6 +364,13 @@ def test_decode_layer_lowers_to_triton():
     assert count_triton_kernels(with_partials, *sums, spec((8, 1), jnp.float32), *args[2:]) == 1
     split = lambda *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None, value_split=4)
     assert count_triton_kernels(split, *args) == 1
+    # the six projections side by side, as the model passes them (one array, or one group's partial sums)
+    joined = lambda q, *a: decode_layer.decode_step(q, None, *a, layer=1, eps=1e-5, lower_bound=None, value_split=8)
+    six = 3 * 2048 + 2 * 128 + 16
+    assert count_triton_kernels(joined, spec((1, six), jnp.bfloat16), *args[2:]) == 1
+    joined_parts = lambda sums, squares, *a: joined(projection.Partials(sums, squares, 2048, 1e-6, "bfloat16"), *a)
+    assert count_triton_kernels(joined_parts, spec((8, 1, six), jnp.float32), spec((8, 1), jnp.float32),
+                                *args[2:]) == 1
 
 
 def test_model_decode_layer_path_equals_step(seed, monkeypatch):
@@ -470,6 +477,38 @@ def test_model_decode_with_value_split(seed, monkeypatch):
         assert _rel_err(got[0] - x, want[0] - x) < 1e-2, projections
         assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))
         np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("projections", ["reference", "interpret"])
+def test_model_decode_with_projections_as_one(seed, monkeypatch, projections):
+    """KimiDeltaAttention.decode_in_place with the six input projections as one output (`PROJECTIONS_AS_ONE`; the
+    decode kernel in interpret mode, the projections by XLA or the projection kernel in interpret mode, K split):
+    exactly the two-group results."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+    from dayzero.model import kda as kda_model
+    from dayzero.model.kda import KimiDeltaAttention
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(kda_num_heads=16, kda_head_dim=16)
+    rng = np.random.default_rng(seed)
+    attn = KimiDeltaAttention(cfg, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, 1, cfg.hidden_size)), jnp.bfloat16)
+    norm_weight = jnp.asarray(rng.uniform(0.5, 1.5, cfg.hidden_size), jnp.float32)
+    params = attn.init(jax.random.key(seed % 1000), x)
+    conv = jnp.asarray(rng.standard_normal((2, 4, 3, cfg.kda_dim, cfg.kda_conv_size - 1)), jnp.bfloat16)
+    pool = jnp.asarray(rng.standard_normal((2, 4, 16, 16, 16)) * 0.1, jnp.float32)
+    slots, valid = jnp.asarray([3, 1], jnp.int32), jnp.ones((2, 1), bool)
+    monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
+    chosen = projection.choose
+    monkeypatch.setattr(projection, "choose", lambda *a, impl=None: chosen(*a, impl=projections))
+    run = lambda: attn.apply(params, x, norm_weight, valid, conv, pool, slots, 1, method="decode_in_place")
+    monkeypatch.setattr(kda_model, "PROJECTIONS_AS_ONE", False)
+    apart = run()
+    monkeypatch.setattr(kda_model, "PROJECTIONS_AS_ONE", True)
+    joined = run()
+    for a, j in zip(apart, joined):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(j, np.float32)), projections
 
 
 def test_decode_layer_names_what_it_does_not_take():
