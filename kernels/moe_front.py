@@ -117,13 +117,14 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
                          f"{EXPERT_BLOCK}, 16-bit)")
     if isinstance(update, projection.Partials):
         operands, slices = [update.sums], update.slices
+        if slices & (slices - 1):  # a block of the partial sums: a power of two (as kernels.projection splits K)
+            raise ValueError(f"moe front kernel: {slices} partial sums; takes a power of two")
     elif update is not None:  # a finished update: added in XLA first (one fusion, as before)
         residual, operands, slices = residual + update, [], 0
     else:
         operands, slices = [], 0
-    outputs = [jax.ShapeDtypeStruct((rows, hidden), residual.dtype), jax.ShapeDtypeStruct((rows, hidden),
-                                                                                          residual.dtype),
-               jax.ShapeDtypeStruct((rows, n_experts), jnp.float32)]
+    row = jax.ShapeDtypeStruct((rows, hidden), residual.dtype)
+    outputs = [row, row, jax.ShapeDtypeStruct((rows, n_experts), jnp.float32)]
     return tuple(pl.pallas_call(
         functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps)),
         grid=(n_experts // EXPERT_BLOCK,),

@@ -73,6 +73,9 @@ def test_finished_update_and_errors(seed):
         moe_front.front(squared, residual, norm_weight, router_weight, eps=1e-5, interpret=True)
     with pytest.raises(ValueError, match="not supported"):
         moe_front.front(None, residual, norm_weight, router_weight[:12], eps=1e-5, interpret=True)
+    three = projection.Partials(jnp.zeros((3, 1, 128)), None, 128, 1e-6, "bfloat16")
+    with pytest.raises(ValueError, match="3 partial sums"):
+        moe_front.front(three, residual, norm_weight, router_weight, eps=1e-5, interpret=True)
     two = jnp.concatenate([residual, residual])
     with pytest.raises(ValueError, match="2 rows"):
         moe_front.front(None, two, norm_weight, router_weight, eps=1e-5, interpret=True)
