@@ -113,6 +113,8 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
         fgb_at, refs = _projected_loader(refs, b, act=act, layout=fgb_layout)
     (qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, conv_ref, pool_ref, o_ref, *split_refs,
      conv_out_ref, pool_out_ref) = refs
+    # split: the blocks' sums of o^2 [B, H * P] and the shifted q, k conv inputs [B, 2, H * K, W - 1]
+    squares_ref, qk_rows_ref = split_refs if split_refs else (None, None)
     dim = heads * head_dim
     vb = head_dim // value_split
     rnd = lambda x: x.astype(act).astype(jnp.float32)  # where the model materialises a 16-bit tensor
@@ -131,21 +133,16 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
         for j in range(width - 1):
             store(j, jnp.where(live, taps[j + 1], taps[j]))
 
-    def in_place(stream, cols):
+    def store_into(ref, *index):  # store(j, value): ref[*index, j] = value
         def store(j, value):
-            conv_out_ref[layer, slot, stream, cols, j] = value.astype(conv_out_ref.dtype)
-        return store
-
-    def to_rows(stream):  # the split's separate output of shifted q and k inputs [B, 2, H * K, W - 1]
-        def store(j, value):
-            split_refs[1][b, stream, values, j] = value.astype(split_refs[1].dtype)
+            ref[(*index, j)] = value.astype(ref.dtype)
         return store
 
     def conv(stream, w_ref, cols, size, store=True):
         taps = taps_of(stream, cols, size)
         acc = sum(tap * w_ref[cols, j].astype(jnp.float32) for j, tap in enumerate(taps))
-        if store:
-            shift(taps, in_place(stream, cols))
+        if store:  # in place
+            shift(taps, store_into(conv_out_ref, layer, slot, stream, cols))
         return rnd(acc * jax.nn.sigmoid(acc))
 
     def low_rank_up(offset, w_ref, cols):  # [R] @ [R, C] columns, rounded as the projection's output
@@ -158,9 +155,9 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     # writes the shifted inputs of its share of the channels (the block's value columns) to a separate output
     q, k = (conv(i, w, chans, head_dim, store=value_split == 1) for i, w in ((0, qw_ref), (1, kw_ref)))
     v = conv(2, vw_ref, values, vb)
-    if value_split > 1:
+    if value_split > 1:  # (reloaded for the block's channels: a traced slice of the taps cannot be taken)
         for stream in (0, 1):
-            shift(taps_of(stream, values, vb), to_rows(stream))
+            shift(taps_of(stream, values, vb), store_into(qk_rows_ref, b, stream, values))
     g = kda_reference.log_decay(low_rank_up(0, fb_ref, chans) + dtb_ref[chans], alog_ref[h], lower_bound)
     beta = jax.nn.sigmoid(fgb_at(2 * low_rank + h))
     token = (_l2normalize(q), _l2normalize(k), v, jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0), live)
@@ -175,7 +172,7 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
         o_ref[b, chans] = (weight * normed * gate).astype(o_ref.dtype)
     else:  # the head's norm needs all its blocks: o_proj's loads scale by it (`projection.HeadScaled`)
         o_ref[b, values] = weight * o * gate
-        split_refs[0][b, h * value_split + part] = jnp.sum(o * o)
+        squares_ref[b, h * value_split + part] = jnp.sum(o * o)
 
 
 def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple | None]:
