@@ -133,8 +133,12 @@ def kda_cases() -> dict:
                                                         value_split=8)
     layer_b1 = (S((1, 3 * dim + 2 * D + 16), jnp.bfloat16),) + tuple(
         S((1,) + a.shape[1:], a.dtype) if i in (10, 11) else a for i, a in enumerate(layer) if i > 1)
+    counted_step = lambda turns, q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
+                                                                 value_split=8, turns=turns)
     return {"decode layer B16 H16": (decode_layer_step, layer),
             "decode layer B1 H16 value split 8": (split_step, layer_b1),
+            "decode layer B1 H16 value split 8, last block shifts": (counted_step,
+                                                                      (S((12, 2, 16), jnp.int32),) + layer_b1),
             "chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
             "chunk_kda B1 T8192 one level per pass": (chunk(levels_apart), (q, q, q, g, beta, state)),
             "chunk_kda B1 T8192 IEEE inverse": (chunk(pallas.KdaTuning(wy_inverse="ieee", wy_warps=4)),

@@ -5,6 +5,9 @@
   indexer, whose per-token power-of-two scales sit in "index_scales": [mla_layers, num_blocks, block_size, 1] float32)
 - "conv": [kda_layers, num_slots, 3, kda_dim, conv_size - 1] (q/k/v short-conv states)
 - "state": [kda_layers, num_slots, H, K, V] float32 (KDA recurrent states)
+- "kda_turns": [kda_layers, TURN_ROWS, H] int32, all zero between steps: the counters with which the one-kernel KDA
+  decode step finds each head's last block (`kernels.kda.decode_layer.decode_step(turns=)`), for steps of at most
+  TURN_ROWS rows (larger steps do without)
 Block 0 and slot 0 are scratch: padding writes there and nothing reads them.
 """
 
@@ -16,6 +19,7 @@ import numpy as np
 from .config import LAYER_KDA, LAYER_MLA, ModelConfig
 
 BLOCK_SIZE = 64
+TURN_ROWS = 2  # kernels.kda.decode_layer.VALUE_SPLIT_MAX_ROWS: the largest decode step split over value blocks
 
 
 def cache_shapes(config: ModelConfig, num_blocks: int, num_slots: int, dtype,
@@ -35,6 +39,7 @@ def cache_shapes(config: ModelConfig, num_blocks: int, num_slots: int, dtype,
         shapes["conv"] = ((n_kda, num_slots, 3, config.kda_dim, config.kda_conv_size - 1), dtype)
         shapes["state"] = ((n_kda, num_slots, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim),
                            jnp.float32)
+        shapes["kda_turns"] = ((n_kda, TURN_ROWS, config.kda_num_heads), jnp.int32)
     return shapes
 
 

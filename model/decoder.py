@@ -96,9 +96,10 @@ class DecoderLayer(nn.Module):
         # the MoE block's front (residual add, norm, router logits) in one kernel after a KDA layer's decode step
         front = self._front_kind(x) if fused and self.is_kda else "reference"
         if fused and self.is_kda:
-            x, conv, state = self.self_attn.decode_in_place(x, norm_weight, valid, cache["conv"], cache["state"],
-                                                            slots, index, unfinished=front != "reference")
-            cache = dict(cache, conv=conv, state=state)
+            x, conv, state, *turns = self.self_attn.decode_in_place(
+                x, norm_weight, valid, cache["conv"], cache["state"], slots, index, unfinished=front != "reference",
+                turns=cache.get("kda_turns"))
+            cache = dict(cache, conv=conv, state=state, **({"kda_turns": turns[0]} if turns else {}))
             if front != "reference":
                 x, workspace = self._mlp_front(*x, workspace, front)
                 return x, cache, workspace

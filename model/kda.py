@@ -27,15 +27,19 @@ from .mla import dense
 from .norms import GatedRMSNorm
 
 # Whether `decode_in_place` hands the projection kernel's split-K partial sums to the decode-step kernel, which adds
-# up the columns it reads, instead of XLA's three kernels that finish them first. Off: on the H200 (medium hybrid,
-# benchmarks/decode_profile.py, 2026-12-02, thirteenth session) batch-1 decode took 1.230 ms of kernels per token
-# with it against 1.227 without (244 kernels against 280): the step kernel grew by ~3.4 us per layer, what the three
-# kernels took (tests/gpu/test_kda_gpu.py -k partials passes).
-PROJECTION_PARTIALS = False
+# up the columns it reads, instead of XLA's kernels that finish them first (tests/gpu/test_kda_gpu.py -k partials
+# passes). On the H200 (medium hybrid, benchmarks/decode_profile.py): no gain while the step ran one program per head
+# (thirteenth session, batch 1 1.230 against 1.227 ms of kernels per token: the step kernel grew by ~3.4 us per
+# layer); with the step split over value blocks each program adds up only its share, and batch 1 took 1.113 against
+# 1.133 ms (pipelined 1.075 against 1.086; batch 2 and 16 unchanged: 1.425 / 2.948 against 1.425 / 2.957;
+# eighteenth session).
+PROJECTION_PARTIALS = True
 # Whether `decode_in_place` takes the six input projections as one projection output (q|k|v|f_a|g_a|b side by side:
-# one XLA fusion finishes them where K is split, instead of two, ~1.1 us per KDA layer at batch 1 on the H200) rather
-# than as two groups. CPU-tested (the step's results exactly as with two inputs); off until its GPU test
-# (tests/gpu/test_kda_gpu.py -k side_by_side) and a decode_profile.py A/B have run.
+# one XLA fusion finishes them where K is split, instead of two) rather than as two groups. On the H200 (eighteenth
+# session; tests/gpu/test_kda_gpu.py -k side_by_side passes): with XLA finishing the partial sums, batch 1 took 1.123
+# against 1.133 ms of kernels per token; with `PROJECTION_PARTIALS` (nothing left for XLA to finish) no gain: 1.059
+# against 1.055 at batch 1, 2.923 against 2.923 at batch 16 (where XLA's projections then concatenate the weights
+# every step). Off.
 PROJECTIONS_AS_ONE = False
 
 
@@ -136,7 +140,7 @@ class KimiDeltaAttention(nn.Module):
         return decode_layer.choose()
 
     def decode_in_place(self, x, norm_weight, valid, conv_cache, state_pool, slots, layer: int,
-                        unfinished: bool = False):
+                        unfinished: bool = False, turns=None):
         """One decode token per row through `kernels.kda.decode_layer` (needs `decode_layer_kind(x)` != "reference"):
         x [B, 1, D] the layer's input before its input RMSNorm (weight `norm_weight` [D]), valid [B, 1], conv_cache
         [L, S, 3, dim, W - 1] and state_pool [L, S, H, K, V] (every KDA layer's; row b uses slot slots[b] of layer
@@ -149,7 +153,9 @@ class KimiDeltaAttention(nn.Module):
         (with the step split over value blocks, o_proj's loads finish the gated norm: `projection.HeadScaled`).
 
         `unfinished`: the first result is (o_proj's output as `project(finish=False)` gives it, x [B, D]) instead of
-        their sum [B, 1, D], for a consumer that adds them up itself (`kernels.moe_front`)."""
+        their sum [B, 1, D], for a consumer that adds them up itself (`kernels.moe_front`). `turns`: the cache's
+        "kda_turns" counters (or None), with which a step split over value blocks shifts q's and k's conv inputs in
+        its kernel; then the results end with the counters (kept zero), as a fourth."""
         cfg = self.config
         rows = x[:, 0]
         weight = lambda module, name="kernel": module.variables["params"][name]
@@ -162,18 +168,20 @@ class KimiDeltaAttention(nn.Module):
         projected = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps,
                             finish=not PROJECTION_PARTIALS)
         qkv, fgb = projected if len(projected) == 2 else (projected[0], None)
-        o, conv_cache, state_pool = decode_layer.decode_step(
+        split = decode_layer.value_split(rows.shape[0], cfg.kda_head_dim)
+        counted = turns is not None and split > 1 and turns.shape[1] >= rows.shape[0]
+        o, conv_cache, state_pool, *counters = decode_layer.decode_step(
             qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
             weight(self.f_b_proj), self.A_log, self.dt_bias, weight(self.g_b_proj), weight(self.o_norm, "weight"),
             conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=cfg.rms_norm_eps,
-            lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
-            value_split=decode_layer.value_split(rows.shape[0], cfg.kda_head_dim),
-            interpret=self.decode_layer_kind(x) == "interpret")
+            lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS, value_split=split,
+            turns=turns if counted else None, interpret=self.decode_layer_kind(x) == "interpret")
+        turns = (counters[0] if counted else turns,) if turns is not None else ()
         if unfinished:
             (update,) = project(o, ((weight(self.o_proj),),), finish=False)
-            return (update, rows), conv_cache, state_pool
+            return ((update, rows), conv_cache, state_pool, *turns)
         (out,) = project(o, ((weight(self.o_proj),),), residual=rows)
-        return out[:, None], conv_cache, state_pool
+        return (out[:, None], conv_cache, state_pool, *turns)
 
     def step(self, x, valid, conv_state, state_pool, slots, layer: int, decode: bool):
         """Continues from slot states: x [B, T, D], valid [B, T] (padding at the end of rows), conv_state

@@ -270,6 +270,15 @@ def test_decode_layer_value_split(seed, head_dim, split):
     assert np.all(np.asarray(finished[0], np.float32) == 0)  # the padding row outputs zeros
     with pytest.raises(ValueError, match="value_split"):
         decode_layer.decode_step(*args, **options, value_split=head_dim // 8)
+    # each head's last block shifting q's and k's conv inputs in place (turn counters): the same results, the
+    # counters left at zero; counters too few for the rows are refused by name
+    turns = jnp.zeros((2, 3, 2), jnp.int32)
+    counted = decode_layer.decode_step(*args, **options, value_split=split, turns=turns)
+    assert len(counted) == 4 and not np.any(np.asarray(counted[3]))
+    for c, g in zip(jax.tree.leaves(counted[:3]), jax.tree.leaves(got)):
+        assert np.array_equal(np.asarray(c, np.float32), np.asarray(g, np.float32))
+    with pytest.raises(ValueError, match="turns"):
+        decode_layer.decode_step(*args, **options, value_split=split, turns=turns[:, :2])
 
 
 @pytest.mark.parametrize("partials", [False, True])
@@ -371,6 +380,10 @@ def test_decode_layer_lowers_to_triton():
     joined_parts = lambda sums, squares, *a: joined(projection.Partials(sums, squares, 2048, 1e-6, "bfloat16"), *a)
     assert count_triton_kernels(joined_parts, spec((8, 1, six), jnp.float32), spec((8, 1), jnp.float32),
                                 *args[2:]) == 1
+    # the head's last block shifting q's and k's conv inputs (turn counters, no scatter after the kernel)
+    counted = lambda turns, *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None, value_split=8,
+                                                         turns=turns)
+    assert count_triton_kernels(counted, spec((2, 2, 16), jnp.int32), *args) == 1
 
 
 def test_model_decode_layer_path_equals_step(seed, monkeypatch):
@@ -477,6 +490,13 @@ def test_model_decode_with_value_split(seed, monkeypatch):
         assert _rel_err(got[0] - x, want[0] - x) < 1e-2, projections
         assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))
         np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6, atol=1e-6)
+        # with the cache's turn counters: q's and k's conv inputs shifted by each head's last block, no scatter
+        turns = jnp.zeros((2, 2, 16), jnp.int32)
+        counted = attn.apply(params, x, norm_weight, valid, conv, pool, slots, layer, turns=turns,
+                             method="decode_in_place")
+        assert len(counted) == 4 and not np.any(np.asarray(counted[3]))  # the counters left at zero
+        for c, g in zip(counted[:3], got):
+            assert np.array_equal(np.asarray(c, np.float32), np.asarray(g, np.float32))
 
 
 @pytest.mark.parametrize("projections", ["reference", "interpret"])

@@ -18,8 +18,9 @@ GPU time per layer on the H200, benchmarks/NOTES_serving.md). A program here, fo
 With `value_split` P, a program takes K / P of the head's value columns: the delta rule treats each column of the
 state apart, so only the conv of q and k and the gate over all K channels are repeated per block. The gated norm
 then needs the other blocks' outputs (o_proj's kernel finishes it: `projection.HeadScaled`), and no block may shift
-q's and k's conv inputs in place, since the head's other blocks read them: they go out separately and XLA writes
-them into the cache after the kernel.
+q's and k's conv inputs in place while the head's other blocks may still read them: the head's last block to finish
+does, found by an atomic counter per (row, head) kept in the cache (`turns`), or, without counters, they go out
+separately and XLA writes them into the cache after the kernel.
 
 Arithmetic is float32 throughout, rounded to the activations' dtype where the model's XLA path materialises a
 16-bit tensor (the conv outputs, the f_b and g_b outputs, the recurrent output); XLA may keep more precision inside
@@ -35,6 +36,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from .. import dispatch, projection, short_conv
 from . import reference as kda_reference
@@ -53,8 +55,11 @@ NUM_WARPS = 4
 # 6.9 us per layer at batch 1 (8 blocks), the KDA layer 31.2 -> 29.2 us (kda_decode_layer.py: 1 row, 8 blocks;
 # 2 rows 31.2 -> 29.2 with 4 blocks, 29.9 with 8; 4 rows 31.6 -> 31.4 with 4, 33.3 with 8), and the model's batch-1
 # decode 1.158 -> 1.138 ms of kernels per token (pipelined 1.115 -> 1.090; decode_profile.py --set
-# kernels.kda.decode_layer.VALUE_SPLIT=1 for the A/B). The XLA scatter of the q and k conv inputs (1.2 us per layer)
-# takes part of what the kernel saves. 1: off.
+# kernels.kda.decode_layer.VALUE_SPLIT=1 for the A/B). The XLA scatter of the q and k conv inputs after the kernel
+# (1.2 us per layer) took part of what the split saves; with the cache's turn counters (`decode_step(turns=)`: each
+# head's last block shifts them in place) batch 1 took 1.059 against 1.093 ms of kernels per token (221 kernels
+# against 245; batch 2 1.396 against 1.431; decode_profile.py --set model.cache.TURN_ROWS=0 for the A/B, eighteenth
+# session; tests/gpu/test_kda_gpu.py -k value_split passes, three calls in a row each). 1: off.
 VALUE_SPLIT = 8
 VALUE_SPLIT_MAX_ROWS = 2
 
@@ -101,7 +106,7 @@ def _projected_loader(refs, b, *, act, layout):
 
 
 def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, scale, eps, lower_bound, act,
-            qkv_layout, fgb_layout, value_split):
+            qkv_layout, fgb_layout, value_split, last_block_shifts):
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2)  # which of the head's `value_split` blocks of value columns (state columns) this is
     qkv_at, refs = _projected_loader(refs, b, act=act, layout=qkv_layout)
@@ -111,10 +116,16 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
                                       else index + offset)
     else:
         fgb_at, refs = _projected_loader(refs, b, act=act, layout=fgb_layout)
+    if last_block_shifts:  # the turn counters' input (aliased with their output below: unused)
+        refs = refs[:8] + refs[9:]
     (qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, conv_ref, pool_ref, o_ref, *split_refs,
      conv_out_ref, pool_out_ref) = refs
-    # split: the blocks' sums of o^2 [B, H * P] and the shifted q, k conv inputs [B, 2, H * K, W - 1]
-    squares_ref, qk_rows_ref = split_refs if split_refs else (None, None)
+    # split: the blocks' sums of o^2 [B, H * P], then the shifted q, k conv inputs [B, 2, H * K, W - 1] or, with
+    # `last_block_shifts`, the turn counters [L, R, H]
+    squares_ref, qk_rows_ref, turns_ref = None, None, None
+    if split_refs:
+        squares_ref, other = split_refs
+        turns_ref, qk_rows_ref = (other, None) if last_block_shifts else (None, other)
     dim = heads * head_dim
     vb = head_dim // value_split
     rnd = lambda x: x.astype(act).astype(jnp.float32)  # where the model materialises a 16-bit tensor
@@ -138,12 +149,12 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
             ref[(*index, j)] = value.astype(ref.dtype)
         return store
 
-    def conv(stream, w_ref, cols, size, store=True):
+    def conv(stream, w_ref, cols, size, store=True):  # -> (SiLU(conv) rounded, the taps)
         taps = taps_of(stream, cols, size)
         acc = sum(tap * w_ref[cols, j].astype(jnp.float32) for j, tap in enumerate(taps))
         if store:  # in place
             shift(taps, store_into(conv_out_ref, layer, slot, stream, cols))
-        return rnd(acc * jax.nn.sigmoid(acc))
+        return rnd(acc * jax.nn.sigmoid(acc)), taps
 
     def low_rank_up(offset, w_ref, cols):  # [R] @ [R, C] columns, rounded as the projection's output
         a = fgb_at(pl.ds(offset, low_rank))
@@ -151,11 +162,13 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
         return rnd(jnp.sum(a[:, None] * w, axis=0))
 
     # q and k over all of the head's key channels, v over the block's. Split, every block of a head reads all of
-    # its q and k conv inputs, so none may shift them in place (another block could read them after): each block
-    # writes the shifted inputs of its share of the channels (the block's value columns) to a separate output
-    q, k = (conv(i, w, chans, head_dim, store=value_split == 1) for i, w in ((0, qw_ref), (1, kw_ref)))
-    v = conv(2, vw_ref, values, vb)
-    if value_split > 1:  # (reloaded for the block's channels: a traced slice of the taps cannot be taken)
+    # its q and k conv inputs, so none may shift them in place while another block could still read them: the
+    # head's last block to finish does (`last_block_shifts`), or each block writes the shifted inputs of its share
+    # of the channels (the block's value columns) to a separate output
+    (q, q_taps), (k, k_taps) = (conv(i, w, chans, head_dim, store=value_split == 1)
+                                for i, w in ((0, qw_ref), (1, kw_ref)))
+    v, _ = conv(2, vw_ref, values, vb)
+    if value_split > 1 and not last_block_shifts:  # (reloaded for the block's channels: no traced tap slices)
         for stream in (0, 1):
             shift(taps_of(stream, values, vb), store_into(qk_rows_ref, b, stream, values))
     g = kda_reference.log_decay(low_rank_up(0, fb_ref, chans) + dtb_ref[chans], alog_ref[h], lower_bound)
@@ -173,6 +186,17 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     else:  # the head's norm needs all its blocks: o_proj's loads scale by it (`projection.HeadScaled`)
         o_ref[b, values] = weight * o * gate
         squares_ref[b, h * value_split + part] = jnp.sum(o * o)
+    if last_block_shifts:
+        # Count this block's turn once its q and k taps are used (the l2 norms and the delta step above reduce over
+        # the whole program, so every warp has loaded them; the atomic is acquire-release): the head's last block
+        # holds all of its q and k taps and shifts them in place, then resets the counter for the next call.
+        turn = pltriton.atomic_add(turns_ref, (jnp.int32(layer), b, h), jnp.int32(1))
+
+        @pl.when(turn == value_split - 1)
+        def _shift_head():
+            for stream, taps in ((0, q_taps), (1, k_taps)):
+                shift(taps, store_into(conv_out_ref, layer, slot, stream, chans))
+            turns_ref[layer, b, h] = jnp.int32(0)
 
 
 def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple | None]:
@@ -187,7 +211,7 @@ def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple |
                                              "interpret"))
 def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, conv_cache, state_pool, slots,
                 lengths, *, layer: int, eps: float, lower_bound: float | None, num_warps: int = NUM_WARPS,
-                value_split: int = 1, interpret: bool = False):
+                value_split: int = 1, turns: jax.Array | None = None, interpret: bool = False):
     """One decode token per row through the KDA layer's conv, gates, recurrence and gated norm.
 
     qkv [B, 3 * H * K] (the q, k, v projections, concatenated), fgb [B, 2R + H] (the f_a and g_a projections and
@@ -203,7 +227,11 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     small to fill the GPU); the gated norm then cannot finish in a program, and o comes back as
     `projection.HeadScaled` (float32 weight * o * gate, and each block's sum of o^2), which o_proj's kernel (or
     `projection.finished`) scales by the head's 1 / rms. Every block reads all of its head's q and k conv inputs, so
-    their shifted copies go into the cache by an XLA scatter after the kernel (v's, each block's own, in place).
+    none may shift them in place while the others could still read them. With `turns` (int32 [L, R, H], R >= B,
+    all zero: counters that the kernel leaves zero again; `model.cache`'s "kda_turns"), each block counts itself
+    done with an atomic add at (layer, b, h) and the head's last block shifts its q and k inputs in place; the
+    results are then (o, conv_cache, state_pool, turns). Without, the shifted q and k inputs go into the cache by
+    an XLA scatter after the kernel (one kernel more per call). v's, each block's own, are shifted in place.
     """
     act = jnp.dtype(qkv.dtype)  # (a Partials' dtype is the one its sums round to)
     batch = qkv.sums.shape[1] if isinstance(qkv, projection.Partials) else qkv.shape[0]
@@ -220,37 +248,50 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     if value_split < 1 or head_dim % value_split or head_dim // value_split < 16:
         raise ValueError(f"kda decode layer: value_split {value_split} does not cut {head_dim} value columns into "
                          "blocks of at least 16")
+    last_block_shifts = turns is not None and value_split > 1
+    if turns is not None and (turns.dtype != jnp.int32 or turns.ndim != 3 or turns.shape[0] <= layer
+                              or turns.shape[1] < batch or turns.shape[2] != heads):
+        raise ValueError(f"kda decode layer: turns {turns.dtype}{list(turns.shape)} for layer {layer}, {batch} rows, "
+                         f"{heads} heads (needs int32 [L > layer, R >= rows, heads])")
     (qkv_ops, qkv_layout), (fgb_ops, fgb_layout) = _operands(qkv), (([], "after_qkv") if fgb is None
                                                                      else _operands(fgb))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     inputs = [slots.astype(jnp.int32), lengths.astype(jnp.int32), *qkv_ops, *fgb_ops, *conv_weights, f_b,
-              a_log.astype(jnp.float32), dt_bias.astype(jnp.float32), g_b, norm_weight, conv_cache, state_pool]
+              a_log.astype(jnp.float32), dt_bias.astype(jnp.float32), g_b, norm_weight,
+              *([turns] if last_block_shifts else []), conv_cache, state_pool]
     split = value_split > 1
     dim = heads * head_dim
     outputs = [jax.ShapeDtypeStruct((batch, dim), jnp.float32 if split else act),
                *([jax.ShapeDtypeStruct((batch, heads * value_split), jnp.float32),  # the blocks' sums of o^2
-                  jax.ShapeDtypeStruct((batch, 2, dim, width - 1), conv_cache.dtype)]  # shifted q, k conv inputs
+                  jax.ShapeDtypeStruct(turns.shape, turns.dtype) if last_block_shifts  # the turn counters
+                  else jax.ShapeDtypeStruct((batch, 2, dim, width - 1), conv_cache.dtype)]  # shifted q, k inputs
                  if split else []),
                jax.ShapeDtypeStruct(conv_cache.shape, conv_cache.dtype),
                jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)]
+    aliases = {len(inputs) - 2: len(outputs) - 2, len(inputs) - 1: len(outputs) - 1}
+    if last_block_shifts:
+        aliases[len(inputs) - 3] = 2
     o, *split_outs, conv_cache, state_pool = pl.pallas_call(
         functools.partial(_kernel, layer=layer, heads=heads, head_dim=head_dim, low_rank=low_rank, width=width,
                           scale=head_dim ** -0.5, eps=eps, lower_bound=lower_bound, act=act, qkv_layout=qkv_layout,
-                          fgb_layout=fgb_layout, value_split=value_split),
+                          fgb_layout=fgb_layout, value_split=value_split, last_block_shifts=last_block_shifts),
         grid=(batch, heads, value_split),
         in_specs=[any_spec] * len(inputs),
         out_specs=[any_spec] * len(outputs),
         out_shape=outputs,
-        input_output_aliases={len(inputs) - 2: len(outputs) - 2, len(inputs) - 1: len(outputs) - 1},
+        input_output_aliases=aliases,
         compiler_params=_params(num_warps),
         interpret=interpret,
         name="kda_decode_layer",
     )(*inputs)
     if split:
-        squares, qk_rows = split_outs
+        squares, other = split_outs
         o = projection.HeadScaled(o, squares, head_dim, float(eps), act.name)
-        conv_cache = conv_cache.at[layer, slots, :2].set(qk_rows)  # after the kernel: no block reads them any more
-    return o, conv_cache, state_pool
+        if last_block_shifts:
+            turns = other
+        else:
+            conv_cache = conv_cache.at[layer, slots, :2].set(other)  # after the kernel: no block reads them any more
+    return (o, conv_cache, state_pool) if turns is None else (o, conv_cache, state_pool, turns)
 
 
 def reference(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, conv_cache, state_pool, slots, lengths,

@@ -194,6 +194,15 @@ def test_decode_layer_value_split_on_gpu(split, batch):
     got = jax.jit(lambda *a: decode_layer.decode_step(*a, **options, value_split=split))(*args)
     assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(one[1], np.float32))
     assert _rel(got[2], one[2]) < 1e-5
+    # each head's last block shifting q's and k's conv inputs in place (turn counters, as the model's cache holds
+    # them): the same caches and output, call after call (the counters back at zero each time)
+    counted = jax.jit(lambda t, *a: decode_layer.decode_step(*a, **options, value_split=split, turns=t))
+    turns = jnp.zeros((2, batch, 16), jnp.int32)
+    for _ in range(3):
+        *again, turns = counted(turns, *args)
+        assert not np.any(np.asarray(turns))
+        for c, g in zip(jax.tree.leaves(again), jax.tree.leaves(got)):
+            assert np.array_equal(np.asarray(c, np.float32), np.asarray(g, np.float32))
     assert _rel(projection.finished(got[0]), one[0]) < 1e-2
     w = (jax.random.normal(jax.random.key(seed), (2048, 2048)) * 0.02).astype(jnp.bfloat16)
     residual = (jax.random.normal(jax.random.key(seed + 1), (batch, 2048)) * 0.01).astype(jnp.bfloat16)
