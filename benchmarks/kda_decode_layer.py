@@ -43,6 +43,8 @@ def chained(attn, variant: str):
     """jit(params, x, valid, slots, conv, pool) -> (x, conv, pool) through LAYERS layers of `variant`."""
     def run(params, x, valid, slots, conv, pool):
         norm_weight = jnp.ones((x.shape[-1],), jnp.float32)
+        # the cache's turn counters, as the model's step passes them (one zero fill per call, not per layer)
+        turns = jnp.zeros((len(params), x.shape[0], attn.config.kda_num_heads), jnp.int32)
         for layer, p in enumerate(params):  # each layer: x + attention(rms_norm(x)), unit norm weight
             if variant == "xla":
                 h = RMSNorm(attn.config.rms_norm_eps).apply({"params": {"weight": norm_weight}}, x)
@@ -51,8 +53,8 @@ def chained(attn, variant: str):
                 conv = conv.at[layer, slots].set(rows.astype(conv.dtype))
                 x = x + out
             else:
-                x, conv, pool = attn.apply(p, x, norm_weight, valid, conv, pool, slots, layer,
-                                           method="decode_in_place")
+                x, conv, pool, turns = attn.apply(p, x, norm_weight, valid, conv, pool, slots, layer, turns=turns,
+                                                  method="decode_in_place")
         return x, conv, pool
 
     return jax.jit(run, donate_argnums=(4, 5), compiler_options=dispatch.compiler_options() or None)

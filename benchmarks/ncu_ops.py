@@ -74,6 +74,7 @@ def run_kda_decode(rows: int, calls: int) -> None:
     import jax
     import jax.numpy as jnp
 
+    from dayzero.kernels import projection
     from dayzero.kernels.kda import decode_layer
 
     heads, dim, rank, width, layers = 16, 128, 128, 4, 2
@@ -86,12 +87,16 @@ def run_kda_decode(rows: int, calls: int) -> None:
             jnp.ones((dim,), jnp.float32), normal((layers, 2 * rows, 3, hd, width - 1)),
             normal((layers, 2 * rows, heads, dim, dim), jnp.float32, 0.1))
     slots, lengths = jnp.arange(rows, dtype=jnp.int32), jnp.ones((rows,), jnp.int32)
-    fn = jax.jit(lambda *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None),
-                 donate_argnums=(8, 9))
+    # as the model runs it: split over value blocks at few rows, each head's last block shifting the q/k conv inputs
+    split = decode_layer.value_split(rows, dim)
+    turns = jnp.zeros((layers, rows, heads), jnp.int32)
+    fn = jax.jit(lambda t, *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None, value_split=split,
+                                                        turns=t), donate_argnums=(0, 9, 10))
     conv, pool = args[8], args[9]
     for _ in range(calls):
-        o, conv, pool = jax.block_until_ready(fn(*args[:8], conv, pool, slots, lengths))
-    print(f"kda_decode B{rows}: |o| {float(jnp.linalg.norm(o.astype(jnp.float32))):.4g}")
+        o, conv, pool, turns = jax.block_until_ready(fn(turns, *args[:8], conv, pool, slots, lengths))
+    o = projection.finished(o)
+    print(f"kda_decode B{rows} (value split {split}): |o| {float(jnp.linalg.norm(o.astype(jnp.float32))):.4g}")
 
 
 def run_projection(rows: int, calls: int) -> None:
