@@ -169,6 +169,14 @@ def moe_dense_cases() -> dict:
             name = f"moe_dense T{n_tokens}" + {False: "", True: " fused_prologues", "epilogue": " epilogue",
                                                "pairs": " pair_partials"}[fused]
             cases[name] = (lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)
+        if n_tokens == 1:  # the down kernel adding up the gate/up K slices and applying the SwiGLU as it loads them
+            def swiglu_in_down(*a):
+                saved, moe_dense.SWIGLU_IN_DOWN = moe_dense.SWIGLU_IN_DOWN, True  # read when the call traces
+                try:
+                    return moe_dense.grouped_swiglu(*a)
+                finally:
+                    moe_dense.SWIGLU_IN_DOWN = saved
+            cases["moe_dense T1 swiglu_in_down"] = (swiglu_in_down, shapes)
         tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), atomic_combine=True)
         cases[f"moe_dense T{n_tokens} atomic_combine"] = (
             lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)

@@ -21,6 +21,11 @@ from .mla import MLAttention
 from .moe import MLP, MoE, new_workspace
 from .norms import RMSNorm
 
+# Whether an MLA layer's decode step (with the decode projections) also hands o_proj's output unfinished to
+# `kernels.moe_front`, as KDA layers do, instead of finishing the residual add in o_proj's kernel and leaving the
+# post-attention norm and the router's logits to XLA (~7 us per MLA layer at batch 1 on the H200).
+FRONT_AFTER_MLA = True
+
 
 def layer_slots(config: ModelConfig) -> list[int]:
     """Per layer, its index among the layers of its kind (KDA layers and MLA layers are counted separately)."""
@@ -93,8 +98,8 @@ class DecoderLayer(nn.Module):
         fused = decode and (self.self_attn.decode_layer_kind(x) if self.is_kda
                             else self.self_attn.decode_projection_kind(x)) != "reference"
         norm_weight = self.input_layernorm.variables["params"]["weight"] if fused else None
-        # the MoE block's front (residual add, norm, router logits) in one kernel after a KDA layer's decode step
-        front = self._front_kind(x) if fused and self.is_kda else "reference"
+        # the MoE block's front (residual add, norm, router logits) in one kernel after the attention's decode step
+        front = self._front_kind(x) if fused and (self.is_kda or FRONT_AFTER_MLA) else "reference"
         if fused and self.is_kda:
             x, conv, state, *turns = self.self_attn.decode_in_place(
                 x, norm_weight, valid, cache["conv"], cache["state"], slots, index, unfinished=front != "reference",
@@ -104,7 +109,11 @@ class DecoderLayer(nn.Module):
                 x, workspace = self._mlp_front(*x, workspace, front)
                 return x, cache, workspace
         elif fused:
-            x, cache = self.self_attn.step(x, positions, valid, cache, index, block_tables, norm_weight=norm_weight)
+            x, cache = self.self_attn.step(x, positions, valid, cache, index, block_tables, norm_weight=norm_weight,
+                                           unfinished=front != "reference")
+            if front != "reference":
+                x, workspace = self._mlp_front(*x, workspace, front)
+                return x, cache, workspace
         elif self.is_kda:
             h, conv, state = self.self_attn.step(self.input_layernorm(x), valid, cache["conv"][index, slots],
                                                  cache["state"], slots, index, decode)

@@ -203,7 +203,8 @@ class MLAttention(nn.Module):
         first = cfg.num_heads * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
         return projection.choose(x.shape[0], x.shape[2], (first, cfg.kv_lora_rank + cfg.qk_rope_head_dim))
 
-    def step(self, x, positions, valid, cache: dict, layer: int, block_tables, norm_weight=None):
+    def step(self, x, positions, valid, cache: dict, layer: int, block_tables, norm_weight=None,
+             unfinished: bool = False):
         """New tokens against the paged cache. x [B, T, D], positions/valid [B, T], cache {"latent": [L, N, 64,
         R + E], "index_keys": [L, N, 64, Di] (DSA), "index_scales": [L, N, 64, 1] (FP8 indexer)}, `layer` this
         layer's index among MLA layers, block_tables [B, max_blocks] -> (out [B, T, D], cache with the new tokens
@@ -211,7 +212,9 @@ class MLAttention(nn.Module):
 
         With `norm_weight` [D] (only where `decode_projection_kind(x)` != "reference"), x is the layer's input
         before its input RMSNorm and out is x + attention(norm(x)): the norm with the query and latent projections
-        is one `kernels.projection` call, o_proj with the residual add another."""
+        is one `kernels.projection` call, o_proj with the residual add another; with `unfinished` too, out is
+        (o_proj's output as `project(finish=False)` gives it, x [B, D]) for a consumer that adds them up itself
+        (`kernels.moe_front`)."""
         cfg = self.config
         cos, sin = self._rope(positions)
         projected, out_project = (None, None), None
@@ -227,7 +230,12 @@ class MLAttention(nn.Module):
                                    (self.kv_a_proj_with_mqa.variables["params"]["kernel"],)),
                             norm_weight=norm_weight, eps=cfg.rms_norm_eps)
             projected = q[:, None], kv[:, None]
-            out_project = lambda o, w: project(o[:, 0], ((w,),), residual=rows)[0][:, None]
+            if unfinished:
+                out_project = lambda o, w: (project(o[:, 0], ((w,),), finish=False)[0], rows)
+            else:
+                out_project = lambda o, w: project(o[:, 0], ((w,),), residual=rows)[0][:, None]
+        elif unfinished:
+            raise ValueError("MLAttention.step: `unfinished` needs the decode projections (a norm weight)")
         q_nope, q_rope, q_latent = self._queries(x, cos, sin, projected[0])
         latent, k_rope = self._latents(x, cos, sin, projected[1])
         query_positions = jnp.where(valid, positions, -1)

@@ -105,14 +105,16 @@ def test_model_decode_with_the_front(seed, monkeypatch, projections):
     """The decoder's cached decode step of one row with the KDA decode kernel (interpret mode), o_proj by XLA or by
     the projection kernel (K split: its partial sums go to the front unfinished), and the MoE front in one kernel
     (interpret mode) against the same step without the front: the same next-token logits to bf16 rounding, and the
-    front kernel called once per MoE layer after a KDA layer."""
+    front kernel called once per MoE layer after a KDA layer, and after an MLA layer where its decode projections
+    run in the projection kernel (`decoder.FRONT_AFTER_MLA`; MLA without DSA here)."""
     from dayzero.kernels.kda import decode_layer
     from dayzero.model import Model
     from dayzero.model.cache import init_cache
     from dayzero.model.presets import tiny
 
     cfg = tiny().replace(hidden_size=64, kda_num_heads=16, kda_head_dim=16, num_experts=16,
-                         num_experts_per_token=2)
+                         num_experts_per_token=2, index_topk=0, q_lora_rank=32,
+                         kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4, v_head_dim=16)
     model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
     rng = np.random.default_rng(seed)
     cache = init_cache(cfg, num_blocks=4, num_slots=2, dtype=jnp.bfloat16)
@@ -131,9 +133,12 @@ def test_model_decode_with_the_front(seed, monkeypatch, projections):
     monkeypatch.setattr(moe_front, "choose", lambda *a, impl=None: "interpret")
     monkeypatch.setattr(moe_front, "front", lambda *a, **k: calls.append(type(a[0]).__name__) or front(*a, **k))
     fused, _ = step(token, at, jnp.ones((1, 1), bool), cache, tables, rows, decode=True)
-    kda_moe = sum(t == "kda" and m == "moe" for t, m in zip(cfg.layer_types, cfg.mlp_types))
-    assert kda_moe >= 1 and len(calls) == kda_moe
-    if projections == "interpret":  # o_proj's K split: its partial sums reach the front unfinished
-        assert set(calls) == {"Partials"}
+    moe_after = {kind: sum(t == kind and m == "moe" for t, m in zip(cfg.layer_types, cfg.mlp_types))
+                 for kind in ("kda", "mla")}
+    assert moe_after["kda"] >= 1 and moe_after["mla"] >= 1
+    # MLA layers take the fused decode step only with the projection kernel
+    assert len(calls) == moe_after["kda"] + (moe_after["mla"] if projections == "interpret" else 0)
+    if projections == "interpret":  # the KDA o_proj's K split: its partial sums reach the front unfinished (the
+        assert "Partials" in calls     # MLA o_proj's 64 columns of K are not split: a finished array)
     a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2

@@ -155,3 +155,27 @@ def test_one_token_block_matches_gather(monkeypatch, shared, atomic_combine):
         np.testing.assert_allclose(block, gathered, rtol=0, atol=1e-2 * float(np.max(np.abs(gathered))))
     else:
         assert np.array_equal(block, gathered)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 9])
+def test_swiglu_in_down_matches_xla_swiglu(monkeypatch, n_tokens):
+    """`moe_dense.SWIGLU_IN_DOWN` compiled on the GPU at the medium hybrid's layer with its shared MLP (K-split gate/up
+    calls): the down kernel adding up the gate/up K slices and applying the SwiGLU as it loads them gives the XLA
+    SwiGLU path's result to bf16 rounding (the same float32 sums rounded the same way; XLA may keep more precision)."""
+    key = jax.random.key(11)
+    wg, wu, wd = _layer(key, 64, 2048, 768, jnp.bfloat16)
+    extra = tuple(jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) * 0.02
+                  for i, s in ((1, (2048, 1536)), (2, (2048, 1536)), (3, (1536, 2048))))
+    x = jax.random.normal(jax.random.fold_in(key, 4), (n_tokens, 2048), jnp.bfloat16)
+    ids = jax.random.randint(jax.random.fold_in(key, 6), (n_tokens, 6), 0, 64)
+    w = jax.random.uniform(jax.random.fold_in(key, 5), (n_tokens, 6), jnp.float32)
+    tiles = moe_dense.choose_tiles(8 * n_tokens, 66)
+    assert not tiles.swiglu_epilogue and tiles.k_slices > 1
+    run = lambda: np.asarray(jax.jit(lambda *a: moe_dense.grouped_swiglu(
+        *a[:6], tiles=tiles, shared=a[6:]))(x, ids, w, wg, wu, wd, *extra), np.float32)
+    monkeypatch.setattr(moe_dense, "SWIGLU_IN_DOWN", False)
+    plain = run()
+    monkeypatch.setattr(moe_dense, "SWIGLU_IN_DOWN", True)
+    fused = run()
+    assert np.all(np.isfinite(fused))
+    assert np.linalg.norm(fused - plain) / np.linalg.norm(plain) < 1e-2

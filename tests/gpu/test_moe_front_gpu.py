@@ -41,7 +41,9 @@ def test_front_matches_xla_on_gpu(slices):
 
 def test_model_decode_with_the_front_on_gpu(monkeypatch):
     """The medium hybrid's decode step (batch 1, random weights) with the front kernel after every KDA layer's decode
-    kernel against the same step without it: next-token logits to bf16 rounding."""
+    kernel and the MLA layer's decode projections (`decoder.FRONT_AFTER_MLA`) against the same step without it:
+    next-token logits to bf16 rounding."""
+    from dayzero.model import decoder
     from dayzero.model import Model
     from dayzero.model.cache import init_cache
     from dayzero.model.presets import medium_hybrid
@@ -56,12 +58,14 @@ def test_model_decode_with_the_front_on_gpu(monkeypatch):
         model.params, *a)  # traced anew each time: the dispatch choice is read when the step traces
     _, cache = run(ids, jnp.arange(9)[None], jnp.ones((1, 9), bool), cache, tables, rows)
     args = (ids[:, :1], jnp.full((1, 1), 9), jnp.ones((1, 1), bool), cache, tables, rows)
+    monkeypatch.setattr(moe_front, "choose", lambda *a, impl=None: "reference")
     plain, _ = run(*args, decode=True)
     calls = []
     front = moe_front.front
     monkeypatch.setattr(moe_front, "choose", lambda *a, impl=None: "pallas")
     monkeypatch.setattr(moe_front, "front", lambda *a, **k: calls.append(1) or front(*a, **k))
     fused, _ = run(*args, decode=True)
-    assert len(calls) == 2  # layers 1 and 2: KDA with MoE (layer 0's MLP is dense, layer 3 is MLA)
+    # layers 1 and 2: KDA with MoE (layer 0's MLP is dense), and layer 3 (MLA with MoE)
+    assert len(calls) == 2 + decoder.FRONT_AFTER_MLA
     a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
     assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
