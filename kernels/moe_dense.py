@@ -115,8 +115,10 @@ FUSED_MLP_TILES = dict(block_i=64, step_k=256, block_n=512)
 # Where the gate/up kernel splits K (decode calls below `EPILOGUE_MIN_PAIRS` pairs), whether the down kernel takes its
 # float32 K-slice sums and adds them up, rounds and applies the SwiGLU as it loads them (prologue "swiglu_sums"),
 # instead of XLA's fusion between the kernels (at batch 1 of the medium hybrid a [4, 112, 2, 768] float32 read and
-# a [112, 768] write, ~1.9 us per MoE layer on the H200). CPU-tested; off until measured on a GPU
-# (decode_profile.py --set kernels.moe_dense.SWIGLU_IN_DOWN=true).
+# a [112, 768] write, ~1.9 us per MoE layer on the H200). Correct on the H200 (tests/gpu/test_moe_dense_gpu.py -k
+# swiglu_in_down 3/3) but slower (eighteenth session, decode_profile.py --set kernels.moe_dense.SWIGLU_IN_DOWN=true):
+# batch 1 1.100 against 1.047 ms of kernels per token, the down kernels 0.198 against 0.125 ms (the sm_90 build: 168
+# registers against 55, 104 KB of shared memory against 36: the pipelined float32 slices of the prologue). Off.
 SWIGLU_IN_DOWN = False
 
 
