@@ -360,8 +360,15 @@ def moe_front_cases() -> dict:
         update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
         return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5)
 
-    return {f"front B{rows}": (fn, (S((8, rows, 2048), jnp.float32), S((rows, 2048), jnp.bfloat16),
-                                    S((2048,), jnp.float32), S((64, 2048), jnp.bfloat16))) for rows in (1,)}
+    def choosing(sums, residual, norm_weight, router_weight, bias, turns):  # + the router's choice (top-6 + 2 shared)
+        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
+        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5,
+                               select=moe_front.Select(6, True, True, 2.446, 2), bias=bias, turns=turns, layer=1)
+
+    shapes = (S((8, 1, 2048), jnp.float32), S((1, 2048), jnp.bfloat16), S((2048,), jnp.float32),
+              S((64, 2048), jnp.bfloat16))
+    return {"front B1": (fn, shapes),
+            "front B1 with the router's choice": (choosing, shapes + (S((64,), jnp.float32), S((16,), jnp.int32)))}
 
 
 CASES = {"indexer": indexer_cases, "kda": kda_cases, "moe_dense": moe_dense_cases, "moe_front": moe_front_cases,

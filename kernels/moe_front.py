@@ -17,17 +17,25 @@ for the tensor cores: correct on the H200 (tests/gpu/test_moe_front_gpu.py 7/7) 
 steps each waiting on its loads (batch 1 1.540 ms of kernels per token against 1.138 without). Takes one row, H a
 power of two up to `MAX_HIDDEN`, E a multiple of `EXPERT_BLOCK`, 16-bit activations (`supported`). `reference` is
 the same in XLA; `choose` picks (dispatch name "moe_front").
+
+With `select`, the router's choice after the logits (`kernels.router.select_and_schedule` at one token) is made in
+the same launch: every program adds 1 to an int32 counter with an acquire-release atomic once its logits are
+stored, and the program that sees the others all done reads every logit back, chooses the experts
+(`router.choose_experts`) and sets the counter back to zero (the counters live in the serving cache, "front_turns").
 """
 
 from __future__ import annotations
 
 import functools
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-from . import dispatch, projection, tiles as tiling
+from . import dispatch, projection, router, tiles as tiling
 
 # On by default on CUDA: tests/gpu/test_moe_front_gpu.py passes on the H200 (jax 0.11.2, eighteenth session), and
 # the medium hybrid's batch-1 decode took 1.108 ms of kernels per token with it against 1.133 without (pipelined
@@ -39,6 +47,18 @@ MAX_HIDDEN = 8192
 # 4 / 8 / 16 warps: 6.55 / 6.72 / 5.94 us per call in benchmarks/moe_front.py (H200, chained with the benchmark's
 # own copy of ~3 us; the kernel alone 3.6 / 3.8 / 3.0 us)
 NUM_WARPS = 8
+
+
+class Select(NamedTuple):
+    """The router's choice after the logits (`kernels.router.select_and_schedule` at one token), for `front` to make
+    in its last program: top-k of sigmoid or softmax scores plus the correction bias, the weights renormalised when
+    asked and scaled, `parts` shared experts appended (ids E .., weight 1)."""
+
+    top_k: int
+    sigmoid: bool
+    renormalize: bool
+    scale: float
+    parts: int
 
 
 def supported(rows: int, hidden: int, n_experts: int, dtype) -> bool:
@@ -83,9 +103,14 @@ def reference(update: projection.Projected | None, residual: jax.Array, norm_wei
     return x, normed, logits
 
 
-def _kernel(*refs, hidden, slices, eps):
+def _kernel(*refs, hidden, slices, eps, select, layer):
     sums_ref = refs[0] if slices else None
-    res_ref, norm_ref, w_ref, x_out, normed_out, logits_out = refs[bool(slices):]
+    refs = refs[bool(slices):]
+    if select is not None:  # the bias and the turn counters' input (aliased with their output: unused) come in too
+        (res_ref, norm_ref, w_ref, bias_ref, _, x_out, normed_out, logits_out, ids_out, weights_out,
+         turns_ref) = refs
+    else:
+        res_ref, norm_ref, w_ref, x_out, normed_out, logits_out = refs
     dtype = res_ref.dtype
     e0 = pl.multiple_of(pl.program_id(0) * EXPERT_BLOCK, EXPERT_BLOCK)
     row, cols = pl.ds(0, 1), pl.ds(0, hidden)
@@ -105,14 +130,39 @@ def _kernel(*refs, hidden, slices, eps):
         x_out[row, cols] = x.astype(dtype)
         normed_out[row, cols] = normed
 
+    if select is None:
+        return
+    # The choice needs every program's logits: each program counts itself done (an acquire-release atomic after its
+    # logits' store), and the last one reads all of them back and chooses, then resets the counter for the next call
+    # (the `kernels.kda.decode_layer` turns pattern).
+    turn = pltriton.atomic_add(turns_ref, (jnp.int32(layer),), jnp.int32(1))
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
+    @pl.when(turn == pl.num_programs(0) - 1)
+    def _choose_experts():
+        n_experts = logits_out.shape[1]
+        block = ids_out.shape[0]  # every row of the router's [BLOCK_M, k_pad] output holds the token's choice
+        logits_all = logits_out[jnp.zeros((block,), jnp.int32), pl.ds(0, n_experts)]
+        ids, weights = router.choose_experts(logits_all, bias_ref[pl.ds(0, n_experts)], ids_out.shape[1],
+                                      top_k=select.top_k, sigmoid=select.sigmoid, renormalize=select.renormalize,
+                                      scale=select.scale)
+        ids_out[...], weights_out[...] = router.append_shared(ids, weights, select.top_k, select.parts, n_experts)
+        turns_ref[layer] = jnp.int32(0)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "select", "layer", "interpret"))
 def front(update: projection.Projected | None, residual: jax.Array, norm_weight: jax.Array,
-          router_weight: jax.Array, *, eps: float, num_warps: int = NUM_WARPS,
-          interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+          router_weight: jax.Array, *, eps: float, num_warps: int = NUM_WARPS, select: Select | None = None,
+          bias: jax.Array | None = None, turns: jax.Array | None = None, layer: int = 0,
+          interpret: bool = False) -> tuple[jax.Array, ...]:
     """`reference`'s results in one kernel (see the module docstring): update (o_proj's `projection.Partials`
     [S, 1, H] float32 without squares, a finished [1, H], or None), residual [1, H] 16-bit, norm_weight [H], router
-    weight [E, H] -> (x [1, H], normed [1, H], logits [1, E] float32). Needs `supported`."""
+    weight [E, H] -> (x [1, H], normed [1, H], logits [1, E] float32). Needs `supported`.
+
+    With `select` (and the correction `bias` [E] or None, and `turns`: int32 [L] counters, all zero, of which the
+    call uses turns[layer] and leaves it zero; `model.cache`'s "front_turns"), the last program to finish also
+    makes the router's choice from all the logits: the results then go on with (ids [16, k_pad] int32, weights
+    [16, k_pad] float32, turns), as `kernels.router.select_and_schedule`'s one-token kernel writes them (every row
+    the token's choice, k_pad the next power of two of top_k + parts). Needs `select_supported` too."""
     _check(update, residual, norm_weight, router_weight)
     rows, hidden = residual.shape
     n_experts = router_weight.shape[0]
@@ -130,14 +180,36 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         operands, slices = [], 0
     row = jax.ShapeDtypeStruct((rows, hidden), residual.dtype)
     outputs = [row, row, jax.ShapeDtypeStruct((rows, n_experts), jnp.float32)]
+    inputs = [*operands, residual, norm_weight, router_weight]
+    aliases = {}
+    if select is not None:
+        if not select_supported(n_experts, select):
+            raise ValueError(f"moe front kernel: the router's choice of top-{select.top_k} + {select.parts} shared "
+                             f"of {n_experts} experts not supported (`kernels.router.schedule_supported`)")
+        if turns is None or turns.dtype != jnp.int32 or turns.ndim != 1 or not 0 <= layer < turns.shape[0]:
+            raise ValueError(f"moe front kernel: the choice needs turn counters int32 [L > {layer}], not "
+                             f"{None if turns is None else (turns.dtype, turns.shape)}")
+        bias = jnp.zeros((n_experts,), jnp.float32) if bias is None else bias.astype(jnp.float32)
+        k_pad = tiling.pow2_at_least(select.top_k + select.parts)
+        outputs += [jax.ShapeDtypeStruct((router.BLOCK_M, k_pad), jnp.int32),
+                    jax.ShapeDtypeStruct((router.BLOCK_M, k_pad), jnp.float32),
+                    jax.ShapeDtypeStruct(turns.shape, turns.dtype)]
+        inputs += [bias, turns]
+        aliases = {len(inputs) - 1: len(outputs) - 1}
     return tuple(pl.pallas_call(
-        functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps)),
+        functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), select=select, layer=layer),
         grid=(n_experts // EXPERT_BLOCK,),
         out_shape=outputs,
+        input_output_aliases=aliases,
         compiler_params=tiling.compiler_params(num_warps, 1),
         interpret=interpret,
         name="moe_front",
-    )(*operands, residual, norm_weight, router_weight))
+    )(*inputs))
+
+
+def select_supported(n_experts: int, select: Select) -> bool:
+    """Whether `front(select=)` takes this choice: as `kernels.router.select_and_schedule` at one token."""
+    return router.schedule_supported(n_experts, select.top_k, select.parts)
 
 
 def by_kind(kind: str):

@@ -78,12 +78,13 @@ def _router_kernel(x_ref, w_ref, bias_ref, ids_ref, weights_ref, *, n_tokens, to
         return acc + tiling.mm_nt(x_ref[rows, cols], w_ref[:, cols].astype(x_ref.dtype))
 
     logits = jax.lax.fori_loop(0, hidden // block_k, step, jnp.zeros((BLOCK_M, n_experts), jnp.float32))
-    ids_ref[...], weights_ref[...] = _choose(logits, bias_ref[...], ids_ref.shape[1], top_k=top_k, sigmoid=sigmoid,
+    ids_ref[...], weights_ref[...] = choose_experts(logits, bias_ref[...], ids_ref.shape[1], top_k=top_k, sigmoid=sigmoid,
                                              renormalize=renormalize, scale=scale)
 
 
-def _choose(logits, bias, k_pad: int, *, top_k, sigmoid, renormalize, scale):
-    """float32 logits [M, E], bias [E] -> (ids [M, k_pad] int32, weights [M, k_pad] float32; slots past top_k 0)."""
+def choose_experts(logits, bias, k_pad: int, *, top_k, sigmoid, renormalize, scale):
+    """Inside a kernel: float32 logits [M, E], bias [E] -> (ids [M, k_pad] int32, weights [M, k_pad] float32; slots
+    past top_k 0)."""
     n_rows, n_experts = logits.shape
     if sigmoid:
         scores = jax.nn.sigmoid(logits)
@@ -112,13 +113,14 @@ def _select_kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, n_tokens, top_
                    parts=0):
     token = pl.program_id(0) * BLOCK_M + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
     rows = jnp.where(token < n_tokens, token, 0)  # rows past the last token read token 0; their outputs are dropped
-    ids, weights = _choose(logits_ref[rows, :], bias_ref[...], ids_ref.shape[1], top_k=top_k, sigmoid=sigmoid,
+    ids, weights = choose_experts(logits_ref[rows, :], bias_ref[...], ids_ref.shape[1], top_k=top_k, sigmoid=sigmoid,
                            renormalize=renormalize, scale=scale)
-    ids_ref[...], weights_ref[...] = _append_shared(ids, weights, top_k, parts, logits_ref.shape[1])
+    ids_ref[...], weights_ref[...] = append_shared(ids, weights, top_k, parts, logits_ref.shape[1])
 
 
-def _append_shared(ids, weights, top_k: int, parts: int, n_experts: int):
-    """ids / weights [M, k_pad] with the `parts` shared experts in slots top_k ..: ids E + p, weight 1."""
+def append_shared(ids, weights, top_k: int, parts: int, n_experts: int):
+    """Inside a kernel: ids / weights [M, k_pad] with the `parts` shared experts in slots top_k ..: ids E + p,
+    weight 1."""
     slot = jax.lax.broadcasted_iota(jnp.int32, ids.shape, 1)
     for p in range(parts):
         ids = jnp.where(slot == top_k + p, n_experts + p, ids)
@@ -194,9 +196,9 @@ def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_
     k_pad, t_pad = ids_ref.shape[1], tile_ref.shape[0]
     token = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
     real = token < n_tokens
-    ids, weights = _choose(logits_ref[jnp.where(real, token, 0), :], bias_ref[...], k_pad, top_k=top_k,
+    ids, weights = choose_experts(logits_ref[jnp.where(real, token, 0), :], bias_ref[...], k_pad, top_k=top_k,
                            sigmoid=sigmoid, renormalize=renormalize, scale=scale)
-    ids, weights = _append_shared(ids, weights, top_k, parts, n_experts)
+    ids, weights = append_shared(ids, weights, top_k, parts, n_experts)
     ids_ref[...], weights_ref[...] = ids, weights
     slot = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, k_pad), 1)
     n_pairs = top_k + parts
@@ -267,8 +269,7 @@ def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int
         kernel = functools.partial(_select_kernel, **options, parts=shared_parts)
         ids, weights = _launch(kernel, (logits.astype(jnp.float32), bias), 1, n_pairs, "moe_router_select",
                                interpret)
-        sched = moe_tiles.schedule(ids[:1, :n_pairs], total, TILE_ROWS)._replace(tile_expert=ids.reshape(-1))
-        return ids[:1, :n_pairs], weights[:1, :n_pairs], sched
+        return one_token_routing(ids, weights, n_pairs, total)
     k_pad = tiling.pow2_at_least(n_pairs)
     n_tiles = moe_tiles.max_tiles(n_tokens * n_pairs, total, TILE_ROWS)
     t_pad = tiling.pow2_at_least(n_tiles, 16)
@@ -288,6 +289,17 @@ def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int
     )(logits.astype(jnp.float32), bias)
     return ids[:n_tokens, :n_pairs], weights[:n_tokens, :n_pairs], moe_tiles.Schedule(
         rows[:n_tokens, :n_pairs], tokens.reshape(-1)[:n_tiles * TILE_ROWS], tiles, sizes[:total])
+
+
+def one_token_routing(ids: jax.Array, weights: jax.Array, n_pairs: int, n_experts: int
+                      ) -> tuple[jax.Array, jax.Array, moe_tiles.Schedule]:
+    """One token's choice as the select kernel writes it (ids / weights [BLOCK_M, k_pad], every row the token's
+    `n_pairs` choices and padding) -> `select_and_schedule`'s results over `n_experts` experts (shared parts
+    included): ids / weights [1, n_pairs] and the static one-token schedule, its tiles' experts the ids in top-k
+    order (the padded ids as they are: a free view, where ids[0] would be a copy kernel before the grouped
+    kernels)."""
+    sched = moe_tiles.schedule(ids[:1, :n_pairs], n_experts, TILE_ROWS)._replace(tile_expert=ids.reshape(-1))
+    return ids[:1, :n_pairs], weights[:1, :n_pairs], sched
 
 
 def schedule_supported(n_experts: int, top_k: int, shared_parts: int) -> bool:

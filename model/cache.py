@@ -8,6 +8,8 @@
 - "kda_turns": [kda_layers, TURN_ROWS, H] int32, all zero between steps: the counters with which the one-kernel KDA
   decode step finds each head's last block (`kernels.kda.decode_layer.decode_step(turns=)`), for steps of at most
   TURN_ROWS rows (larger steps do without)
+- "front_turns": [num_layers] int32, all zero between steps: the counters with which the MoE front kernel finds its
+  last program when it also makes the router's choice (`kernels.moe_front.front(select=)`)
 Block 0 and slot 0 are scratch: padding writes there and nothing reads them.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from .config import LAYER_KDA, LAYER_MLA, ModelConfig
+from .config import LAYER_KDA, LAYER_MLA, MLP_MOE, ModelConfig
 
 BLOCK_SIZE = 64
 TURN_ROWS = 2  # kernels.kda.decode_layer.VALUE_SPLIT_MAX_ROWS: the largest decode step split over value blocks
@@ -40,6 +42,8 @@ def cache_shapes(config: ModelConfig, num_blocks: int, num_slots: int, dtype,
         shapes["state"] = ((n_kda, num_slots, config.kda_num_heads, config.kda_head_dim, config.kda_head_dim),
                            jnp.float32)
         shapes["kda_turns"] = ((n_kda, TURN_ROWS, config.kda_num_heads), jnp.int32)
+    if MLP_MOE in config.mlp_types:
+        shapes["front_turns"] = ((config.num_layers,), jnp.int32)
     return shapes
 
 

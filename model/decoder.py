@@ -27,6 +27,11 @@ from .norms import RMSNorm
 # 1.047 against 1.054 ms of kernels per token (213 kernels against 221; decode_profile.py --set
 # model.decoder.FRONT_AFTER_MLA=false for the A/B); tests/gpu/test_moe_front_gpu.py -k model_decode passes.
 FRONT_AFTER_MLA = True
+# Whether the front kernel also makes the router's choice in its last program (`moe_front.front(select=)`, with the
+# cache's "front_turns" counters), where the router would run its one-token select kernel next: one kernel fewer per
+# MoE layer at batch 1. CPU-tested (interpret mode: the same choice as the select kernel's); off until it has run on
+# a GPU (tests/gpu/test_moe_front_gpu.py -k select; decode_profile.py --set model.decoder.FRONT_SELECT=true).
+FRONT_SELECT = False
 
 
 def layer_slots(config: ModelConfig) -> list[int]:
@@ -67,17 +72,25 @@ class DecoderLayer(nn.Module):
             return "reference"
         return moe_front.choose(x.shape[0], cfg.hidden_size, cfg.num_experts, x.dtype)
 
-    def _mlp_front(self, update, residual, workspace, kind: str):
+    def _mlp_front(self, update, residual, workspace, kind: str, cache: dict):
         """The MoE half of a decode step from the attention's unfinished output: o_proj's `update` and the layer
-        input `residual` [B, D] -> (x [B, 1, D], workspace), the residual add, the norm and the router's logits in
-        `kernels.moe_front`'s one kernel."""
+        input `residual` [B, D] -> (x [B, 1, D], workspace, cache), the residual add, the norm and the router's
+        logits in `kernels.moe_front`'s one kernel (with `FRONT_SELECT` and the cache's "front_turns", the router's
+        choice too, where the router would make it in its one-token select kernel)."""
         cfg = self.config
         router_weight = self.mlp.variables["params"]["gate"]["weight"]
         norm_weight = self.post_attention_layernorm.variables["params"]["weight"]
-        x, normed, logits = moe_front.by_kind(kind)(update, residual, norm_weight, router_weight,
-                                                    eps=cfg.rms_norm_eps)
-        y, workspace = self.mlp(normed[:, None], workspace, logits=logits)
-        return x[:, None] + y, workspace
+        front = moe_front.by_kind(kind)
+        select = self.mlp.front_select() if FRONT_SELECT and "front_turns" in cache else None
+        if select is None:
+            x, normed, logits = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps)
+            y, workspace = self.mlp(normed[:, None], workspace, logits=logits)
+            return x[:, None] + y, workspace, cache
+        x, normed, logits, ids, weights, turns = front(update, residual, norm_weight, router_weight,
+                                                        eps=cfg.rms_norm_eps, select=select[0], bias=select[1],
+                                                        turns=cache["front_turns"], layer=self.layer)
+        y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=(ids, weights))
+        return x[:, None] + y, workspace, dict(cache, front_turns=turns)
 
     def _mlp(self, x, workspace):
         h = self.post_attention_layernorm(x)
@@ -108,13 +121,13 @@ class DecoderLayer(nn.Module):
                 turns=cache.get("kda_turns"))
             cache = dict(cache, conv=conv, state=state, **({"kda_turns": turns[0]} if turns else {}))
             if front != "reference":
-                x, workspace = self._mlp_front(*x, workspace, front)
+                x, workspace, cache = self._mlp_front(*x, workspace, front, cache)
                 return x, cache, workspace
         elif fused:
             x, cache = self.self_attn.step(x, positions, valid, cache, index, block_tables, norm_weight=norm_weight,
                                            unfinished=front != "reference")
             if front != "reference":
-                x, workspace = self._mlp_front(*x, workspace, front)
+                x, workspace, cache = self._mlp_front(*x, workspace, front, cache)
                 return x, cache, workspace
         elif self.is_kda:
             h, conv, state = self.self_attn.step(self.input_layernorm(x), valid, cache["conv"][index, slots],

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from dayzero.kernels import moe as moe_kernels
-from dayzero.kernels import moe_workspace, mxfp4
+from dayzero.kernels import moe_front, moe_workspace, mxfp4
 from dayzero.kernels import router as router_kernel
 from dayzero.kernels.moe_workspace import Workspace
 
@@ -111,6 +111,17 @@ def router_logits(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def select_route(cfg: ModelConfig, n_tokens: int, shared_parts: int, one_kernel: bool = True) -> str:
+    """What `Router` runs after given logits for `n_tokens` tokens with the shared MLP as `shared_parts` extra
+    experts: "schedule" (`kernels.router.select_and_schedule`), "select" (`select_experts`) or "reference"."""
+    kind = (router_kernel.choose_select(cfg.num_experts, cfg.num_experts_per_token, restricting_groups(cfg))
+            if one_kernel else "reference")
+    if (kind != "reference" and shared_parts and ROUTER_SCHEDULE and n_tokens <= router_kernel.SCHEDULE_MAX_TOKENS
+            and router_kernel.schedule_supported(cfg.num_experts, cfg.num_experts_per_token, shared_parts)):
+        return "schedule"
+    return "select" if kind != "reference" else "reference"
+
+
 class Router(nn.Module):
     """Params: `weight` [E, D] (checkpoint layout, model dtype) and `e_score_correction_bias` [E] float32.
     `one_kernel`: route with `kernels.router` where dispatch picks it (off on a mesh: the kernels are not sharded):
@@ -121,18 +132,26 @@ class Router(nn.Module):
     one_kernel: bool = True
 
     @nn.compact
-    def __call__(self, x, shared_parts: int = 0, logits: jax.Array | None = None):
+    def __call__(self, x, shared_parts: int = 0, logits: jax.Array | None = None, chosen=None):
         """x [N, D] -> (topk_ids [N, k] int32, topk_weights [N, k] float32). With `shared_parts` P > 0: (ids,
         weights, schedule), where the select-and-schedule kernel ran (`kernels.router.select_and_schedule`, up to
         `SCHEDULE_MAX_TOKENS` tokens): the shared MLP's P parts appended to every token as experts E .. E + P - 1 of
         weight 1 (ids / weights [N, k + P], `kernels.moe.routed_and_shared`'s layout) and their
         `moe_tiles.Schedule` in 16-row tiles from the same launch; elsewhere the routed [N, k] and None. `logits`
-        [N, E] float32: x's logits, computed already (`kernels.moe_front`), not again here."""
+        [N, E] float32: x's logits, computed already (`kernels.moe_front`), not again here. `chosen`: one token's
+        choice made already as the select kernel writes it (ids / weights [16, k_pad], `kernels.moe_front.front`
+        with `select=MoE.front_select(...)`): only the schedule is made here."""
         cfg = self.config
         weight = self.param("weight", nn.initializers.normal(0.02), (cfg.num_experts, cfg.hidden_size), self.dtype)
         bias = None
         if cfg.router_bias:
             bias = self.param("e_score_correction_bias", nn.initializers.zeros, (cfg.num_experts,), jnp.float32)
+        if chosen is not None:
+            if not shared_parts or x.shape[0] != 1:
+                raise ValueError(f"Router: a choice made already is for one token with shared parts, not "
+                                 f"{x.shape[0]} tokens and {shared_parts} parts")
+            return router_kernel.one_token_routing(*chosen, cfg.num_experts_per_token + shared_parts,
+                                                   cfg.num_experts + shared_parts)
         ids, weights, sched = self._route(x, weight, bias, shared_parts, logits)
         return (ids, weights, sched) if shared_parts else (ids, weights)
 
@@ -149,15 +168,14 @@ class Router(nn.Module):
             return *router_kernel.route_tokens(x, weight, bias, **options, interpret=kind == "interpret"), None
         if logits is None:
             logits = router_logits(x, weight)
-        kind = (router_kernel.choose_select(cfg.num_experts, cfg.num_experts_per_token, restricting_groups(cfg))
-                if self.one_kernel else "reference")
-        if (kind != "reference" and shared_parts and ROUTER_SCHEDULE
-                and x.shape[0] <= router_kernel.SCHEDULE_MAX_TOKENS
-                and router_kernel.schedule_supported(cfg.num_experts, cfg.num_experts_per_token, shared_parts)):
+        kind = select_route(cfg, x.shape[0], shared_parts, self.one_kernel)
+        interpret = router_kernel.choose_select(cfg.num_experts, cfg.num_experts_per_token,
+                                                restricting_groups(cfg)) == "interpret"
+        if kind == "schedule":
             return router_kernel.select_and_schedule(logits, bias, **options, shared_parts=shared_parts,
-                                                     interpret=kind == "interpret")
-        if kind != "reference":
-            return *router_kernel.select_experts(logits, bias, **options, interpret=kind == "interpret"), None
+                                                     interpret=interpret)
+        if kind == "select":
+            return *router_kernel.select_experts(logits, bias, **options, interpret=interpret), None
         return *route(logits, bias, cfg), None
 
 
@@ -310,24 +328,50 @@ class MoE(nn.Module):
     layer: int = 0
     mesh: Any = None
 
+    def _shared_parts(self, n_tokens: int) -> int:
+        """How many extra experts of the grouped kernels the shared MLP runs as in a call of `n_tokens` tokens
+        (`SHARED_IN_ROUTED_KERNELS`), or 0 where it runs apart."""
+        cfg = self.config
+        params = {} if self.is_initializing() else self.variables["params"]
+        if (SHARED_IN_ROUTED_KERNELS and cfg.num_shared_experts and cfg.quant_method != "mxfp4" and self.mesh is None
+                and params and n_tokens <= SHARED_IN_ROUTED_MAX_TOKENS
+                and moe_kernels.shared_kernel_kind(params["experts"]["w_gate"]) != "reference"):
+            return params["shared_experts"]["gate_proj"]["kernel"].shape[1] // params["experts"]["w_gate"].shape[2]
+        return 0
+
+    def front_select(self) -> tuple[Any, jax.Array | None] | None:
+        """For a one-token call whose router would run `kernels.router.select_and_schedule`: (the choice as
+        `kernels.moe_front.Select`, the correction bias [E] float32 or None) for the front kernel to make, then
+        handed back as `chosen`; else None."""
+        cfg = self.config
+        parts = self._shared_parts(1)
+        if self.mesh is not None or not parts or select_route(cfg, 1, parts) != "schedule":
+            return None
+        select = moe_front.Select(cfg.num_experts_per_token, cfg.router_activation == "sigmoid", cfg.renormalize,
+                                  float(cfg.routed_scaling_factor), parts)
+        if not moe_front.select_supported(cfg.num_experts, select):
+            return None
+        return select, self.variables["params"]["gate"].get("e_score_correction_bias")
+
     @nn.compact
-    def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None):
+    def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None, chosen=None):
         """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`).
-        `logits` [B * T, E] float32: the router's logits of x, computed already (`kernels.moe_front`)."""
+        `logits` [B * T, E] float32: the router's logits of x, computed already (`kernels.moe_front`); `chosen`:
+        one token's choice made already (`front_select`)."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         router = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")
-        params = {} if self.is_initializing() else self.variables["params"]
-        if (SHARED_IN_ROUTED_KERNELS and cfg.num_shared_experts and cfg.quant_method != "mxfp4" and self.mesh is None
-                and params and flat.shape[0] <= SHARED_IN_ROUTED_MAX_TOKENS
-                and moe_kernels.shared_kernel_kind(params["experts"]["w_gate"]) != "reference"):
+        parts = self._shared_parts(flat.shape[0])
+        if parts:
+            params = self.variables["params"]
             experts, mlp = params["experts"], params["shared_experts"]
             shared = tuple(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
-            ids, weights, sched = router(flat, shared_parts=shared[0].shape[1] // experts["w_gate"].shape[2],
-                                         logits=logits)
+            ids, weights, sched = router(flat, shared_parts=parts, logits=logits, chosen=chosen)
             y = moe_kernels.routed_and_shared(flat, ids, weights, experts["w_gate"], experts["w_up"],
                                               experts["w_down"], shared, sched=sched)
             return y.reshape(x.shape), workspace
+        if chosen is not None:
+            raise ValueError("MoE: a choice made already needs the shared MLP in the routed kernels")
         ids, weights = router(flat, logits=logits)
         y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(flat, ids, weights, workspace)
         y = y.reshape(x.shape)

@@ -142,3 +142,86 @@ def test_model_decode_with_the_front(seed, monkeypatch, projections):
         assert "Partials" in calls     # MLA o_proj's 64 columns of K are not split: a finished array)
     a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+
+
+def test_model_decode_with_the_front_choosing(seed, monkeypatch):
+    """`decoder.FRONT_SELECT` (every kernel in interpret mode): the front kernel also makes the router's choice in
+    its last program (turn counters in the cache), and the decode step gives exactly the logits and caches of the
+    step whose router makes the choice in its own select kernel; the counters are left at zero."""
+    from dayzero.model import Model, decoder
+    from dayzero.model.cache import init_cache
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(hidden_size=64, kda_num_heads=4, kda_head_dim=16, num_experts=16, num_experts_per_token=2,
+                         index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
+                         v_head_dim=16, moe_intermediate_size=16)
+    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
+    rng = np.random.default_rng(seed)
+    cache = init_cache(cfg, num_blocks=4, num_slots=2, dtype=jnp.bfloat16)
+    assert cache["front_turns"].shape == (cfg.num_layers,)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, 5)), jnp.int32)
+    tables, rows = jnp.asarray([[1]], jnp.int32), jnp.asarray([1], jnp.int32)
+    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
+    _, cache = step(ids, jnp.arange(5)[None], jnp.ones((1, 5), bool), cache, tables, rows)
+    args = (ids[:, :1], jnp.full((1, 1), 5), jnp.ones((1, 1), bool), cache, tables, rows)
+    monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
+    selects = []
+    front = moe_front.front
+    monkeypatch.setattr(moe_front, "front", lambda *a, **k: selects.append(k.get("select")) or front(*a, **k))
+    plain, plain_cache = step(*args, decode=True)
+    assert selects and not any(selects)
+    selects.clear()
+    monkeypatch.setattr(decoder, "FRONT_SELECT", True)
+    chosen, chosen_cache = step(*args, decode=True)
+    moe_layers = sum(m == "moe" for m in cfg.mlp_types)
+    assert len(selects) == moe_layers and all(s is not None and s.parts >= 1 for s in selects)
+    assert np.array_equal(np.asarray(chosen), np.asarray(plain))
+    for name in plain_cache:
+        assert np.array_equal(np.asarray(chosen_cache[name], np.float32), np.asarray(plain_cache[name], np.float32))
+    assert not np.any(np.asarray(chosen_cache["front_turns"]))
+
+
+@pytest.mark.parametrize("sigmoid,parts", [(True, 2), (False, 1)])
+def test_front_makes_the_routers_choice(seed, sigmoid, parts):
+    """`front(select=)` (interpret mode): the same x, normed and logits as without, and the last program's choice
+    exactly `kernels.router.select_and_schedule`'s on those logits (ids, weights, the one-token schedule), the
+    counters left at zero; the choice without counters, or of a layer past them, is refused by name; it lowers to
+    one Triton kernel at the medium hybrid's shapes."""
+    from dayzero.kernels import router
+
+    rng = np.random.default_rng(seed)
+    hidden, n_experts = 128, 64
+    residual = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
+    update = projection.Partials(jnp.asarray(rng.standard_normal((4, 1, hidden)), jnp.float32), None, hidden, 1e-6,
+                                 "bfloat16")
+    norm_weight = jnp.asarray(rng.uniform(0.5, 1.5, hidden), jnp.float32)
+    router_weight = jnp.asarray(rng.standard_normal((n_experts, hidden)) * 0.1, jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(n_experts) * 0.1, jnp.float32)
+    select = moe_front.Select(6, sigmoid, True, 2.5, parts)
+    turns = jnp.zeros((3,), jnp.int32)
+    args = (update, residual, norm_weight, router_weight)
+    *front3, ids, weights, turns_after = moe_front.front(*args, eps=1e-5, select=select, bias=bias, turns=turns,
+                                                         layer=2, interpret=True)
+    plain = moe_front.front(*args, eps=1e-5, interpret=True)
+    for a, b in zip(front3, plain):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    want = router.select_and_schedule(plain[2], bias, top_k=6, sigmoid=sigmoid, renormalize=True, scale=2.5,
+                                      shared_parts=parts, interpret=True)
+    got = router.one_token_routing(ids, weights, 6 + parts, n_experts + parts)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert not np.any(np.asarray(turns_after))
+    with pytest.raises(ValueError, match="turn counters"):
+        moe_front.front(*args, eps=1e-5, select=select, bias=bias, interpret=True)
+    with pytest.raises(ValueError, match="turn counters"):
+        moe_front.front(*args, eps=1e-5, select=select, bias=bias, turns=turns, layer=3, interpret=True)
+    spec = jax.ShapeDtypeStruct
+
+    def model_shapes(sums, residual, norm_weight, router_weight, bias, turns):
+        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
+        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5, select=select, bias=bias,
+                               turns=turns, layer=1)
+
+    assert count_triton_kernels(model_shapes, spec((8, 1, 2048), jnp.float32), spec((1, 2048), jnp.bfloat16),
+                                spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16),
+                                spec((64,), jnp.float32), spec((16,), jnp.int32)) == 1

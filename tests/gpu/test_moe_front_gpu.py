@@ -69,3 +69,43 @@ def test_model_decode_with_the_front_on_gpu(monkeypatch):
     assert len(calls) == 2 + decoder.FRONT_AFTER_MLA
     a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
     assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    # the front making the router's choice too (`decoder.FRONT_SELECT`, counters in the cache): the same logits to
+    # bf16 rounding, the counters left at zero
+    monkeypatch.setattr(decoder, "FRONT_SELECT", True)
+    choosing, after = run(*args, decode=True)
+    c = np.asarray(choosing, np.float64)
+    assert np.all(np.isfinite(c)) and np.linalg.norm(c - b) / np.linalg.norm(b) < 2e-2
+    assert not np.any(np.asarray(after["front_turns"]))
+
+
+@pytest.mark.parametrize("sigmoid", [True, False])
+def test_front_makes_the_routers_choice_on_gpu(sigmoid):
+    """`front(select=)` compiled on the GPU at the medium hybrid's MoE layer (64 experts, top-6, 2 shared parts):
+    x, normed and logits as without the choice, and the last program's choice exactly the router's select kernel's
+    on those logits, call after call (the counters back at zero each time: the last program found every time)."""
+    from dayzero.kernels import router
+
+    k = jax.random.split(jax.random.key(int(sigmoid)), 5)
+    residual = jax.random.normal(k[0], (1, 2048), jnp.bfloat16)
+    update = projection.Partials(jax.random.normal(k[1], (8, 1, 2048), jnp.float32), None, 2048, 1e-6, "bfloat16")
+    norm_weight = jax.random.uniform(k[2], (2048,), jnp.float32, 0.5, 1.5)
+    router_weight = (jax.random.normal(k[3], (64, 2048)) * 0.02).astype(jnp.bfloat16)
+    bias = jax.random.normal(k[4], (64,), jnp.float32) * 0.01
+    select = moe_front.Select(6, sigmoid, True, 2.446, 2)
+    choosing = jax.jit(lambda u, r, n, w, b, t: moe_front.front(u, r, n, w, eps=1e-5, select=select, bias=b, turns=t,
+                                                                 layer=3))
+    plain = jax.jit(lambda *a: moe_front.front(*a, eps=1e-5))(update, residual, norm_weight, router_weight)
+    select_kernel = jax.jit(lambda lg, b: router.select_and_schedule(lg, b, top_k=6, sigmoid=sigmoid,
+                                                                     renormalize=True, scale=2.446, shared_parts=2))
+    turns = jnp.zeros((16,), jnp.int32)
+    for _ in range(3):
+        *front3, ids, weights, turns = choosing(update, residual, norm_weight, router_weight, bias, turns)
+        assert not np.any(np.asarray(turns))
+        for a, b in zip(front3[:2], plain[:2]):  # (another build of the same sums: within ~2 bf16 steps)
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -6 + 1e-30)
+        np.testing.assert_allclose(np.asarray(front3[2]), np.asarray(plain[2]), rtol=1e-4, atol=1e-5)
+        want = select_kernel(front3[2], bias)  # on the kernel's own logits
+        got = router.one_token_routing(ids, weights, 8, 66)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
