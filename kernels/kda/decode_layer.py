@@ -116,10 +116,10 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
                                       else index + offset)
     else:
         fgb_at, refs = _projected_loader(refs, b, act=act, layout=fgb_layout)
-    if last_block_shifts:  # the turn counters' input (aliased with their output below: unused)
-        refs = refs[:8] + refs[9:]
-    (qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, conv_ref, pool_ref, o_ref, *split_refs,
-     conv_out_ref, pool_out_ref) = refs
+    qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, *refs = refs
+    if last_block_shifts:
+        refs = refs[1:]  # the turn counters' input: aliased with their output (in split_refs), not read
+    conv_ref, pool_ref, o_ref, *split_refs, conv_out_ref, pool_out_ref = refs
     # split: the blocks' sums of o^2 [B, H * P], then the shifted q, k conv inputs [B, 2, H * K, W - 1] or, with
     # `last_block_shifts`, the turn counters [L, R, H]
     squares_ref, qk_rows_ref, turns_ref = None, None, None
