@@ -177,6 +177,15 @@ def moe_dense_cases() -> dict:
                 finally:
                     moe_dense.SWIGLU_IN_DOWN = saved
             cases["moe_dense T1 swiglu_in_down"] = (swiglu_in_down, shapes)
+
+            def swiglu_last(counters, *a):  # the gate/up kernel's last K slice applying the SwiGLU
+                saved, moe_dense.SWIGLU_LAST = moe_dense.SWIGLU_LAST, True
+                try:
+                    return moe_dense.grouped_swiglu(*a, turns=counters, turn_row=1)
+                finally:
+                    moe_dense.SWIGLU_LAST = saved
+            cases["moe_dense T1 swiglu_last"] = (swiglu_last, (S((16, 1 + moe_dense.TURN_SLOTS), jnp.int32),)
+                                                 + shapes)
         tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), atomic_combine=True)
         cases[f"moe_dense T{n_tokens} atomic_combine"] = (
             lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)
@@ -368,7 +377,7 @@ def moe_front_cases() -> dict:
     shapes = (S((8, 1, 2048), jnp.float32), S((1, 2048), jnp.bfloat16), S((2048,), jnp.float32),
               S((64, 2048), jnp.bfloat16))
     return {"front B1": (fn, shapes),
-            "front B1 with the router's choice": (choosing, shapes + (S((64,), jnp.float32), S((16,), jnp.int32)))}
+            "front B1 with the router's choice": (choosing, shapes + (S((64,), jnp.float32), S((16, 4), jnp.int32)))}
 
 
 CASES = {"indexer": indexer_cases, "kda": kda_cases, "moe_dense": moe_dense_cases, "moe_front": moe_front_cases,

@@ -1,4 +1,5 @@
-"""A float atomic add with relaxed memory ordering for Pallas (Triton) kernels.
+"""Atomics for Pallas (Triton) kernels: a float add with relaxed memory ordering, and the turn counter of the
+last-program pattern (`take_turn`).
 
 `pallas.triton.atomic_add` lowers with acquire-release ordering: on sm_90 Triton fences every call (MEMBAR.ALL.GPU
 before the atomic, an L1 invalidate after), so a loop that streams weights and adds its results atomically waits for
@@ -9,12 +10,18 @@ It reuses the Pallas atomic primitive's shape rules and its interpret-mode disch
 `atomic_add`, no mask, and either all slice / scalar indices or all array indices), and lowers with Triton's
 RELAXED semantic. This leans on Pallas' internal lowering module (present in jax 0.10 and 0.11); where it is
 missing, `add_relaxed` falls back to `pallas.triton.atomic_add`.
+
+`take_turn` is how a kernel's programs find the last of them to finish a shared piece of work (the KDA decode
+step's conv shift, the MoE front's router choice, the gate/up kernel's SwiGLU over its K slices): each adds 1 to an
+int32 counter after its own loads and stores, and the one that sees N - 1 does the work and sets the counter back
+to zero, so the counters (kept in the serving cache) are zero between calls.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
 try:  # Pallas internals: the atomic primitive's pieces and the Triton lowering registry
@@ -73,3 +80,14 @@ def add_relaxed(ref, idx, val, *, mask: Any | None = None):
     x_ref, transforms = _state_primitives.get_ref_and_transforms(ref, idx, "atomic_add_relaxed")
     args_flat, args_tree = _tree_util.tree_flatten((x_ref, transforms, val, mask))
     return _ADD_RELAXED.bind(*args_flat, args_tree=args_tree, atomic_type=_primitives.AtomicOpType.ADD)
+
+
+def take_turn(counters_ref, idx, *, interpret: bool):
+    """One program's turn on a counter shared by the programs of a last-program pattern: a CTA barrier (every warp's
+    earlier loads and stores issued: the atomic below is one thread's), then counters_ref[idx] += 1 with
+    acquire-release ordering at GPU scope. Returns the count before this turn: the program that sees N - 1 of N
+    knows the others' stores are visible to it and their loads are done. (Interpret mode runs programs one after
+    another: no barrier there.)"""
+    if not interpret:
+        pltriton.debug_barrier()
+    return pltriton.atomic_add(counters_ref, idx, jnp.int32(1))

@@ -21,7 +21,7 @@ the same in XLA; `choose` picks (dispatch name "moe_front").
 With `select`, the router's choice after the logits (`kernels.router.select_and_schedule` at one token) is made in
 the same launch: every program adds 1 to an int32 counter with an acquire-release atomic once its logits are
 stored, and the program that sees the others all done reads every logit back, chooses the experts
-(`router.choose_experts`) and sets the counter back to zero (the counters live in the serving cache, "front_turns").
+(`router.choose_experts`) and sets the counter back to zero (the counters live in the serving cache, "moe_turns").
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from . import dispatch, projection, router, tiles as tiling
+from . import atomics, dispatch, projection, router, tiles as tiling
 
 # On by default on CUDA: tests/gpu/test_moe_front_gpu.py passes on the H200 (jax 0.11.2, eighteenth session), and
 # the medium hybrid's batch-1 decode took 1.108 ms of kernels per token with it against 1.133 without (pipelined
@@ -103,7 +102,7 @@ def reference(update: projection.Projected | None, residual: jax.Array, norm_wei
     return x, normed, logits
 
 
-def _kernel(*refs, hidden, slices, eps, select, layer):
+def _kernel(*refs, hidden, slices, eps, select, layer, interpret):
     sums_ref = refs[0] if slices else None
     refs = refs[bool(slices):]
     if select is not None:  # the bias and the turn counters' input (aliased with their output: unused) come in too
@@ -135,7 +134,7 @@ def _kernel(*refs, hidden, slices, eps, select, layer):
     # The choice needs every program's logits: each program counts itself done (an acquire-release atomic after its
     # logits' store), and the last one reads all of them back and chooses, then resets the counter for the next call
     # (the `kernels.kda.decode_layer` turns pattern).
-    turn = pltriton.atomic_add(turns_ref, (jnp.int32(layer),), jnp.int32(1))
+    turn = atomics.take_turn(turns_ref, (jnp.int32(layer), jnp.int32(0)), interpret=interpret)
 
     @pl.when(turn == pl.num_programs(0) - 1)
     def _choose_experts():
@@ -146,7 +145,7 @@ def _kernel(*refs, hidden, slices, eps, select, layer):
                                       top_k=select.top_k, sigmoid=select.sigmoid, renormalize=select.renormalize,
                                       scale=select.scale)
         ids_out[...], weights_out[...] = router.append_shared(ids, weights, select.top_k, select.parts, n_experts)
-        turns_ref[layer] = jnp.int32(0)
+        turns_ref[layer, 0] = jnp.int32(0)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "select", "layer", "interpret"))
@@ -158,8 +157,8 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     [S, 1, H] float32 without squares, a finished [1, H], or None), residual [1, H] 16-bit, norm_weight [H], router
     weight [E, H] -> (x [1, H], normed [1, H], logits [1, E] float32). Needs `supported`.
 
-    With `select` (and the correction `bias` [E] or None, and `turns`: int32 [L] counters, all zero, of which the
-    call uses turns[layer] and leaves it zero; `model.cache`'s "front_turns"), the last program to finish also
+    With `select` (and the correction `bias` [E] or None, and `turns`: int32 [L, C] counters, all zero, of which
+    the call uses turns[layer, 0] and leaves it zero; `model.cache`'s "moe_turns"), the last program to finish also
     makes the router's choice from all the logits: the results then go on with (ids [16, k_pad] int32, weights
     [16, k_pad] float32, turns), as `kernels.router.select_and_schedule`'s one-token kernel writes them (every row
     the token's choice, k_pad the next power of two of top_k + parts). Needs `select_supported` too."""
@@ -186,8 +185,8 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         if not select_supported(n_experts, select):
             raise ValueError(f"moe front kernel: the router's choice of top-{select.top_k} + {select.parts} shared "
                              f"of {n_experts} experts not supported (`kernels.router.schedule_supported`)")
-        if turns is None or turns.dtype != jnp.int32 or turns.ndim != 1 or not 0 <= layer < turns.shape[0]:
-            raise ValueError(f"moe front kernel: the choice needs turn counters int32 [L > {layer}], not "
+        if turns is None or turns.dtype != jnp.int32 or turns.ndim != 2 or not 0 <= layer < turns.shape[0]:
+            raise ValueError(f"moe front kernel: the choice needs turn counters int32 [L > {layer}, C], not "
                              f"{None if turns is None else (turns.dtype, turns.shape)}")
         bias = jnp.zeros((n_experts,), jnp.float32) if bias is None else bias.astype(jnp.float32)
         k_pad = tiling.pow2_at_least(select.top_k + select.parts)
@@ -197,7 +196,8 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         inputs += [bias, turns]
         aliases = {len(inputs) - 1: len(outputs) - 1}
     return tuple(pl.pallas_call(
-        functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), select=select, layer=layer),
+        functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), select=select, layer=layer,
+                          interpret=interpret),
         grid=(n_experts // EXPERT_BLOCK,),
         out_shape=outputs,
         input_output_aliases=aliases,

@@ -28,7 +28,7 @@ from .norms import RMSNorm
 # model.decoder.FRONT_AFTER_MLA=false for the A/B); tests/gpu/test_moe_front_gpu.py -k model_decode passes.
 FRONT_AFTER_MLA = True
 # Whether the front kernel also makes the router's choice in its last program (`moe_front.front(select=)`, with the
-# cache's "front_turns" counters), where the router would run its one-token select kernel next: one kernel fewer per
+# cache's "moe_turns" counters), where the router would run its one-token select kernel next: one kernel fewer per
 # MoE layer at batch 1. CPU-tested (interpret mode: the same choice as the select kernel's); off until it has run on
 # a GPU (tests/gpu/test_moe_front_gpu.py -k select; decode_profile.py --set model.decoder.FRONT_SELECT=true).
 FRONT_SELECT = False
@@ -75,36 +75,46 @@ class DecoderLayer(nn.Module):
     def _mlp_front(self, update, residual, workspace, kind: str, cache: dict):
         """The MoE half of a decode step from the attention's unfinished output: o_proj's `update` and the layer
         input `residual` [B, D] -> (x [B, 1, D], workspace, cache), the residual add, the norm and the router's
-        logits in `kernels.moe_front`'s one kernel (with `FRONT_SELECT` and the cache's "front_turns", the router's
+        logits in `kernels.moe_front`'s one kernel (with `FRONT_SELECT` and the cache's "moe_turns", the router's
         choice too, where the router would make it in its one-token select kernel)."""
         cfg = self.config
         router_weight = self.mlp.variables["params"]["gate"]["weight"]
         norm_weight = self.post_attention_layernorm.variables["params"]["weight"]
         front = moe_front.by_kind(kind)
-        select = self.mlp.front_select() if FRONT_SELECT and "front_turns" in cache else None
+        select = self.mlp.front_select() if FRONT_SELECT and "moe_turns" in cache else None
+        chosen = None
         if select is None:
             x, normed, logits = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps)
-            y, workspace = self.mlp(normed[:, None], workspace, logits=logits)
-            return x[:, None] + y, workspace, cache
-        x, normed, logits, ids, weights, turns = front(update, residual, norm_weight, router_weight,
+        else:
+            x, normed, logits, ids, weights, turns = front(update, residual, norm_weight, router_weight,
                                                         eps=cfg.rms_norm_eps, select=select[0], bias=select[1],
-                                                        turns=cache["front_turns"], layer=self.layer)
-        y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=(ids, weights))
-        return x[:, None] + y, workspace, dict(cache, front_turns=turns)
+                                                        turns=cache["moe_turns"], layer=self.layer)
+            chosen, cache = (ids, weights), dict(cache, moe_turns=turns)
+        y, workspace, cache = self._moe(normed[:, None], workspace, cache, logits=logits, chosen=chosen)
+        return x[:, None] + y, workspace, cache
 
-    def _mlp(self, x, workspace):
+    def _moe(self, h, workspace, cache: dict | None, **routing):
+        """The MoE block on normed rows h -> (y, workspace, cache), handing it the cache's "moe_turns" counters
+        (and taking them back) where the cache has them."""
+        if cache is None or "moe_turns" not in cache:
+            return (*self.mlp(h, workspace, **routing), cache)
+        y, workspace, turns = self.mlp(h, workspace, turns=cache["moe_turns"], **routing)
+        return y, workspace, dict(cache, moe_turns=turns)
+
+    def _mlp(self, x, workspace, cache: dict | None = None):
+        """x + mlp(norm(x)) -> (x, workspace, cache) (`_moe` for a MoE block)."""
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            y, workspace = self.mlp(h, workspace)
+            y, workspace, cache = self._moe(h, workspace, cache)
         else:
             y = self.mlp(h)
-        return x + y, workspace
+        return x + y, workspace, cache
 
     def __call__(self, x, positions, workspace=None):
         """Returns (x, workspace): the MXFP4 expert workspace (or None) passes from layer to layer."""
         h = self.input_layernorm(x)
         h = self.self_attn(h) if self.is_kda else self.self_attn(h, positions)
-        return self._mlp(x + h, workspace)
+        return self._mlp(x + h, workspace)[:2]
 
     def step(self, x, positions, valid, cache: dict, block_tables, slots, decode: bool, workspace=None):
         """Cached step of this layer; returns (x, cache, workspace)."""
@@ -138,7 +148,7 @@ class DecoderLayer(nn.Module):
         else:
             h, cache = self.self_attn.step(self.input_layernorm(x), positions, valid, cache, index, block_tables)
             x = x + h
-        x, workspace = self._mlp(x, workspace)
+        x, workspace, cache = self._mlp(x, workspace, cache)
         return x, cache, workspace
 
 

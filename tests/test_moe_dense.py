@@ -313,3 +313,51 @@ def test_swiglu_in_down(seed, monkeypatch, n_tokens, hidden, k_slices):
                   spec((64, 2048, 768), jnp.bfloat16), spec((64, 2048, 768), jnp.bfloat16),
                   spec((64, 768, 2048), jnp.bfloat16))
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a), *shapes) == 2
+
+
+@pytest.mark.parametrize("n_tokens,hidden,k_slices", [(1, 64, 2), (9, 64, 4), (9, 48, 3), (9, 64, 1)])
+def test_swiglu_last(seed, monkeypatch, n_tokens, hidden, k_slices):
+    """`SWIGLU_LAST` (turn counters given): the gate/up kernel's last K slice of each tile adds up the tile's sums
+    and writes the hidden rows (epilogue "swiglu_last"): the XLA SwiGLU path's result (float32: to rounding; bf16:
+    to bf16 rounding) and the float64 oracle, the counters left at zero; three slices (not a power of two) and an
+    unsplit K take their fallbacks; the two kernels lower to Triton at the medium hybrid's one-token shape."""
+    rng = np.random.default_rng(seed)
+    x, ids, weights, wg, wu, wd = _case(rng, n_tokens, 6, hidden, 32, 3)
+    tiles = moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=k_slices, min_programs=4096)
+    epilogues = []
+    matmul = moe_dense.grouped_matmul
+    monkeypatch.setattr(moe_dense, "grouped_matmul", lambda *a, **k: epilogues.append(k.get("epilogue"))
+                        or matmul(*a, **k))
+    turns = jnp.zeros((3, 1 + moe_dense.TURN_SLOTS), jnp.int32)
+
+    def run(dtype, counters):
+        acts = [jnp.asarray(a, dtype) for a in (x, wg, wu, wd)]
+        fn = jax.jit(lambda x, ids, w, t, *experts: moe_dense.grouped_swiglu(
+            x, ids, w, *experts, tiles=tiles, interpret=True, turns=t, turn_row=2))
+        return fn(acts[0], jnp.asarray(ids), jnp.asarray(weights), counters, *acts[1:])
+
+    monkeypatch.setattr(moe_dense, "SWIGLU_LAST", False)
+    plain = {dt: np.asarray(run(dt, turns)[0], np.float32) for dt in (jnp.float32, jnp.bfloat16)}
+    assert "swiglu_last" not in epilogues
+    epilogues.clear()
+    monkeypatch.setattr(moe_dense, "SWIGLU_LAST", True)
+    for dt in (jnp.float32, jnp.bfloat16):
+        y, after = run(dt, turns)
+        assert not np.any(np.asarray(after))
+        y = np.asarray(y, np.float32)
+        if dt == jnp.float32:
+            np.testing.assert_allclose(y, plain[dt], rtol=1e-5, atol=1e-5)
+            assert rel_err(y, dense_oracle(x, ids, weights, wg, wu, wd)) < 1e-5
+        else:
+            assert rel_err(y, plain[dt]) < 1e-2
+    # per dtype: the gate/up call, then (as a fallback, K unsplit or in 3 slices) its inner call, and the down call
+    inner = {1: ["swiglu"], 3: [None]}.get(k_slices, [])
+    assert epilogues == (["swiglu_last", *inner, None]) * 2, epilogues
+    if n_tokens == 1:
+        spec = jax.ShapeDtypeStruct
+        shapes = (spec((1, 2048), jnp.bfloat16), spec((1, 6), jnp.int32), spec((1, 6), jnp.float32),
+                  spec((64, 2048, 768), jnp.bfloat16), spec((64, 2048, 768), jnp.bfloat16),
+                  spec((64, 768, 2048), jnp.bfloat16))
+        counters = spec((16, 1 + moe_dense.TURN_SLOTS), jnp.int32)
+        assert count_triton_kernels(lambda t, *a: moe_dense.grouped_swiglu(*a, turns=t, turn_row=3),
+                                    counters, *shapes) == 2

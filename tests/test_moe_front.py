@@ -158,7 +158,7 @@ def test_model_decode_with_the_front_choosing(seed, monkeypatch):
     model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
     rng = np.random.default_rng(seed)
     cache = init_cache(cfg, num_blocks=4, num_slots=2, dtype=jnp.bfloat16)
-    assert cache["front_turns"].shape == (cfg.num_layers,)
+    assert cache["moe_turns"].shape[0] == cfg.num_layers
     ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, 5)), jnp.int32)
     tables, rows = jnp.asarray([[1]], jnp.int32), jnp.asarray([1], jnp.int32)
     step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
@@ -178,7 +178,21 @@ def test_model_decode_with_the_front_choosing(seed, monkeypatch):
     assert np.array_equal(np.asarray(chosen), np.asarray(plain))
     for name in plain_cache:
         assert np.array_equal(np.asarray(chosen_cache[name], np.float32), np.asarray(plain_cache[name], np.float32))
-    assert not np.any(np.asarray(chosen_cache["front_turns"]))
+    assert not np.any(np.asarray(chosen_cache["moe_turns"]))
+    # and the gate/up kernel's last K slice applying the SwiGLU (`moe_dense.SWIGLU_LAST`, the same counters): the
+    # same logits to bf16 rounding (the SwiGLU in float32 in the kernel), the counters left at zero
+    from dayzero.kernels import moe_dense
+
+    epilogues = []
+    matmul = moe_dense.grouped_matmul
+    monkeypatch.setattr(moe_dense, "grouped_matmul", lambda *a, **k: epilogues.append(k.get("epilogue"))
+                        or matmul(*a, **k))
+    monkeypatch.setattr(moe_dense, "SWIGLU_LAST", True)
+    last, last_cache = step(*args, decode=True)
+    assert epilogues.count("swiglu_last") == moe_layers
+    a, b = np.asarray(last, np.float64), np.asarray(plain, np.float64)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    assert not np.any(np.asarray(last_cache["moe_turns"]))
 
 
 @pytest.mark.parametrize("sigmoid,parts", [(True, 2), (False, 1)])
@@ -198,7 +212,7 @@ def test_front_makes_the_routers_choice(seed, sigmoid, parts):
     router_weight = jnp.asarray(rng.standard_normal((n_experts, hidden)) * 0.1, jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal(n_experts) * 0.1, jnp.float32)
     select = moe_front.Select(6, sigmoid, True, 2.5, parts)
-    turns = jnp.zeros((3,), jnp.int32)
+    turns = jnp.zeros((3, 4), jnp.int32)
     args = (update, residual, norm_weight, router_weight)
     *front3, ids, weights, turns_after = moe_front.front(*args, eps=1e-5, select=select, bias=bias, turns=turns,
                                                          layer=2, interpret=True)
@@ -224,4 +238,4 @@ def test_front_makes_the_routers_choice(seed, sigmoid, parts):
 
     assert count_triton_kernels(model_shapes, spec((8, 1, 2048), jnp.float32), spec((1, 2048), jnp.bfloat16),
                                 spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16),
-                                spec((64,), jnp.float32), spec((16,), jnp.int32)) == 1
+                                spec((64,), jnp.float32), spec((16, 4), jnp.int32)) == 1

@@ -36,9 +36,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-from .. import dispatch, projection, short_conv
+from .. import atomics, dispatch, projection, short_conv
 from . import reference as kda_reference
 from .pallas import _delta_step, _l2normalize, _params
 
@@ -106,7 +105,7 @@ def _projected_loader(refs, b, *, act, layout):
 
 
 def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, scale, eps, lower_bound, act,
-            qkv_layout, fgb_layout, value_split, last_block_shifts):
+            qkv_layout, fgb_layout, value_split, last_block_shifts, interpret):
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2)  # which of the head's `value_split` blocks of value columns (state columns) this is
     qkv_at, refs = _projected_loader(refs, b, act=act, layout=qkv_layout)
@@ -190,7 +189,7 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
         # Count this block's turn once its q and k taps are used (the l2 norms and the delta step above reduce over
         # the whole program, so every warp has loaded them; the atomic is acquire-release): the head's last block
         # holds all of its q and k taps and shifts them in place, then resets the counter for the next call.
-        turn = pltriton.atomic_add(turns_ref, (jnp.int32(layer), b, h), jnp.int32(1))
+        turn = atomics.take_turn(turns_ref, (jnp.int32(layer), b, h), interpret=interpret)
 
         @pl.when(turn == value_split - 1)
         def _shift_head():
@@ -274,7 +273,8 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     o, *split_outs, conv_cache, state_pool = pl.pallas_call(
         functools.partial(_kernel, layer=layer, heads=heads, head_dim=head_dim, low_rank=low_rank, width=width,
                           scale=head_dim ** -0.5, eps=eps, lower_bound=lower_bound, act=act, qkv_layout=qkv_layout,
-                          fgb_layout=fgb_layout, value_split=value_split, last_block_shifts=last_block_shifts),
+                          fgb_layout=fgb_layout, value_split=value_split, last_block_shifts=last_block_shifts,
+                          interpret=interpret),
         grid=(batch, heads, value_split),
         in_specs=[any_spec] * len(inputs),
         out_specs=[any_spec] * len(outputs),

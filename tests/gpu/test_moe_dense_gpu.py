@@ -179,3 +179,29 @@ def test_swiglu_in_down_matches_xla_swiglu(monkeypatch, n_tokens):
     fused = run()
     assert np.all(np.isfinite(fused))
     assert np.linalg.norm(fused - plain) / np.linalg.norm(plain) < 1e-2
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 9])
+def test_swiglu_last_matches_xla_swiglu(monkeypatch, n_tokens):
+    """`moe_dense.SWIGLU_LAST` compiled on the GPU at the medium hybrid's layer with its shared MLP (K-split gate/up
+    calls): the gate/up kernel's last K slice of each tile applying the SwiGLU gives the XLA SwiGLU path's result to
+    bf16 rounding, call after call (the counters back at zero each time)."""
+    key = jax.random.key(13)
+    wg, wu, wd = _layer(key, 64, 2048, 768, jnp.bfloat16)
+    extra = tuple(jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) * 0.02
+                  for i, s in ((1, (2048, 1536)), (2, (2048, 1536)), (3, (1536, 2048))))
+    x = jax.random.normal(jax.random.fold_in(key, 4), (n_tokens, 2048), jnp.bfloat16)
+    ids = jax.random.randint(jax.random.fold_in(key, 6), (n_tokens, 6), 0, 64)
+    w = jax.random.uniform(jax.random.fold_in(key, 5), (n_tokens, 6), jnp.float32)
+    tiles = moe_dense.choose_tiles(8 * n_tokens, 66)
+    assert not tiles.swiglu_epilogue and tiles.k_slices > 1
+    plain = np.asarray(jax.jit(lambda *a: moe_dense.grouped_swiglu(*a[:6], tiles=tiles, shared=a[6:]))(
+        x, ids, w, wg, wu, wd, *extra), np.float32)
+    monkeypatch.setattr(moe_dense, "SWIGLU_LAST", True)
+    run = jax.jit(lambda t, *a: moe_dense.grouped_swiglu(*a[:6], tiles=tiles, shared=a[6:], turns=t, turn_row=5))
+    turns = jnp.zeros((8, 1 + moe_dense.TURN_SLOTS), jnp.int32)
+    for _ in range(3):
+        last, turns = run(turns, x, ids, w, wg, wu, wd, *extra)
+        last = np.asarray(last, np.float32)
+        assert not np.any(np.asarray(turns)) and np.all(np.isfinite(last))
+        assert np.linalg.norm(last - plain) / np.linalg.norm(plain) < 1e-2

@@ -75,7 +75,7 @@ def test_model_decode_with_the_front_on_gpu(monkeypatch):
     choosing, after = run(*args, decode=True)
     c = np.asarray(choosing, np.float64)
     assert np.all(np.isfinite(c)) and np.linalg.norm(c - b) / np.linalg.norm(b) < 2e-2
-    assert not np.any(np.asarray(after["front_turns"]))
+    assert not np.any(np.asarray(after["moe_turns"]))
 
 
 @pytest.mark.parametrize("sigmoid", [True, False])
@@ -97,7 +97,7 @@ def test_front_makes_the_routers_choice_on_gpu(sigmoid):
     plain = jax.jit(lambda *a: moe_front.front(*a, eps=1e-5))(update, residual, norm_weight, router_weight)
     select_kernel = jax.jit(lambda lg, b: router.select_and_schedule(lg, b, top_k=6, sigmoid=sigmoid,
                                                                      renormalize=True, scale=2.446, shared_parts=2))
-    turns = jnp.zeros((16,), jnp.int32)
+    turns = jnp.zeros((16, 4), jnp.int32)
     for _ in range(3):
         *front3, ids, weights, turns = choosing(update, residual, norm_weight, router_weight, bias, turns)
         assert not np.any(np.asarray(turns))
