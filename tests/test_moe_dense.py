@@ -275,19 +275,22 @@ def test_one_token_block_rows(seed, monkeypatch, variant):
         assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a), *shapes) == 2
 
 
+def _spy_on_grouped_matmul(monkeypatch, argument: str):
+    """Records `argument` of every `moe_dense.grouped_matmul` call: -> (the real function, the list)."""
+    seen, matmul = [], moe_dense.grouped_matmul
+    monkeypatch.setattr(moe_dense, "grouped_matmul", lambda *a, **k: seen.append(k.get(argument)) or matmul(*a, **k))
+    return matmul, seen
+
+
 @pytest.mark.parametrize("n_tokens,hidden,k_slices", [(1, 64, 2), (9, 64, 4), (9, 48, 3)])
 def test_swiglu_in_down(seed, monkeypatch, n_tokens, hidden, k_slices):
     """`SWIGLU_IN_DOWN`: the down kernel adds up the gate/up kernel's K-slice sums and applies the SwiGLU as it loads
     them (prologue "swiglu_sums"): the XLA path's result (float32: to rounding; bf16: to bf16 rounding) and the
     float64 oracle; three slices (not a power of two) keep the XLA path; sums of the wrong shape are refused by
     name; the two kernels lower to Triton at the medium hybrid's one-token shape."""
-    rng = np.random.default_rng(seed)
-    x, ids, weights, wg, wu, wd = _case(rng, n_tokens, 6, hidden, 32, 3)
+    x, ids, weights, wg, wu, wd = _case(np.random.default_rng(seed), n_tokens, 6, hidden, 32, 3)
     tiles = moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=k_slices, min_programs=4096)
-    prologues = []
-    matmul = moe_dense.grouped_matmul
-    monkeypatch.setattr(moe_dense, "grouped_matmul", lambda *a, **k: prologues.append(k.get("prologue"))
-                        or matmul(*a, **k))
+    matmul, prologues = _spy_on_grouped_matmul(monkeypatch, "prologue")
 
     def run(dtype):  # activations and expert weights in `dtype`, routing weights float32
         acts = [jnp.asarray(a, dtype) for a in (x, wg, wu, wd)]
@@ -321,13 +324,9 @@ def test_swiglu_last(seed, monkeypatch, n_tokens, hidden, k_slices):
     and writes the hidden rows (epilogue "swiglu_last"): the XLA SwiGLU path's result (float32: to rounding; bf16:
     to bf16 rounding) and the float64 oracle, the counters left at zero; three slices (not a power of two) and an
     unsplit K take their fallbacks; the two kernels lower to Triton at the medium hybrid's one-token shape."""
-    rng = np.random.default_rng(seed)
-    x, ids, weights, wg, wu, wd = _case(rng, n_tokens, 6, hidden, 32, 3)
+    x, ids, weights, wg, wu, wd = _case(np.random.default_rng(seed), n_tokens, 6, hidden, 32, 3)
     tiles = moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=k_slices, min_programs=4096)
-    epilogues = []
-    matmul = moe_dense.grouped_matmul
-    monkeypatch.setattr(moe_dense, "grouped_matmul", lambda *a, **k: epilogues.append(k.get("epilogue"))
-                        or matmul(*a, **k))
+    _, epilogues = _spy_on_grouped_matmul(monkeypatch, "epilogue")
     turns = jnp.zeros((3, 1 + moe_dense.TURN_SLOTS), jnp.int32)
 
     def run(dtype, counters):

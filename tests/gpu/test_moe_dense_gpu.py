@@ -157,20 +157,27 @@ def test_one_token_block_matches_gather(monkeypatch, shared, atomic_combine):
         assert np.array_equal(block, gathered)
 
 
-@pytest.mark.parametrize("n_tokens", [1, 2, 9])
-def test_swiglu_in_down_matches_xla_swiglu(monkeypatch, n_tokens):
-    """`moe_dense.SWIGLU_IN_DOWN` compiled on the GPU at the medium hybrid's layer with its shared MLP (K-split gate/up
-    calls): the down kernel adding up the gate/up K slices and applying the SwiGLU as it loads them gives the XLA
-    SwiGLU path's result to bf16 rounding (the same float32 sums rounded the same way; XLA may keep more precision)."""
-    key = jax.random.key(11)
-    wg, wu, wd = _layer(key, 64, 2048, 768, jnp.bfloat16)
-    extra = tuple(jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) * 0.02
-                  for i, s in ((1, (2048, 1536)), (2, (2048, 1536)), (3, (1536, 2048))))
+def _split_k_call(seed: int, n_tokens: int):
+    """A decode-sized call of the medium hybrid's layer with its shared MLP (2 parts): ((x, ids, weights, w_gate,
+    w_up, w_down, shared gate, up, down), the tiles `choose_tiles` gives it, K split and no SwiGLU epilogue)."""
+    key = jax.random.key(seed)
+    experts = _layer(key, 64, 2048, 768, jnp.bfloat16)
+    shared = tuple(jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) * 0.02
+                   for i, s in ((1, (2048, 1536)), (2, (2048, 1536)), (3, (1536, 2048))))
     x = jax.random.normal(jax.random.fold_in(key, 4), (n_tokens, 2048), jnp.bfloat16)
     ids = jax.random.randint(jax.random.fold_in(key, 6), (n_tokens, 6), 0, 64)
     w = jax.random.uniform(jax.random.fold_in(key, 5), (n_tokens, 6), jnp.float32)
     tiles = moe_dense.choose_tiles(8 * n_tokens, 66)
     assert not tiles.swiglu_epilogue and tiles.k_slices > 1
+    return (x, ids, w, *experts, *shared), tiles
+
+
+@pytest.mark.parametrize("n_tokens", [1, 2, 9])
+def test_swiglu_in_down_matches_xla_swiglu(monkeypatch, n_tokens):
+    """`moe_dense.SWIGLU_IN_DOWN` compiled on the GPU at the medium hybrid's layer with its shared MLP (K-split gate/up
+    calls): the down kernel adding up the gate/up K slices and applying the SwiGLU as it loads them gives the XLA
+    SwiGLU path's result to bf16 rounding (the same float32 sums rounded the same way; XLA may keep more precision)."""
+    (x, ids, w, wg, wu, wd, *extra), tiles = _split_k_call(11, n_tokens)
     run = lambda: np.asarray(jax.jit(lambda *a: moe_dense.grouped_swiglu(
         *a[:6], tiles=tiles, shared=a[6:]))(x, ids, w, wg, wu, wd, *extra), np.float32)
     monkeypatch.setattr(moe_dense, "SWIGLU_IN_DOWN", False)
@@ -186,15 +193,7 @@ def test_swiglu_last_matches_xla_swiglu(monkeypatch, n_tokens):
     """`moe_dense.SWIGLU_LAST` compiled on the GPU at the medium hybrid's layer with its shared MLP (K-split gate/up
     calls): the gate/up kernel's last K slice of each tile applying the SwiGLU gives the XLA SwiGLU path's result to
     bf16 rounding, call after call (the counters back at zero each time)."""
-    key = jax.random.key(13)
-    wg, wu, wd = _layer(key, 64, 2048, 768, jnp.bfloat16)
-    extra = tuple(jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16) * 0.02
-                  for i, s in ((1, (2048, 1536)), (2, (2048, 1536)), (3, (1536, 2048))))
-    x = jax.random.normal(jax.random.fold_in(key, 4), (n_tokens, 2048), jnp.bfloat16)
-    ids = jax.random.randint(jax.random.fold_in(key, 6), (n_tokens, 6), 0, 64)
-    w = jax.random.uniform(jax.random.fold_in(key, 5), (n_tokens, 6), jnp.float32)
-    tiles = moe_dense.choose_tiles(8 * n_tokens, 66)
-    assert not tiles.swiglu_epilogue and tiles.k_slices > 1
+    (x, ids, w, wg, wu, wd, *extra), tiles = _split_k_call(13, n_tokens)
     plain = np.asarray(jax.jit(lambda *a: moe_dense.grouped_swiglu(*a[:6], tiles=tiles, shared=a[6:]))(
         x, ids, w, wg, wu, wd, *extra), np.float32)
     monkeypatch.setattr(moe_dense, "SWIGLU_LAST", True)
