@@ -186,6 +186,16 @@ def moe_dense_cases() -> dict:
                     moe_dense.SWIGLU_LAST = saved
             cases["moe_dense T1 swiglu_last"] = (swiglu_last, (S((16, 1 + moe_dense.TURN_SLOTS), jnp.int32),)
                                                  + shapes)
+
+            def combine_last(counters, residual, *a):  # + the down kernel's last program combining, residual added
+                saved = moe_dense.SWIGLU_LAST, moe_dense.COMBINE_LAST
+                moe_dense.SWIGLU_LAST = moe_dense.COMBINE_LAST = True
+                try:
+                    return moe_dense.grouped_swiglu(*a, turns=counters, turn_row=1, residual=residual)
+                finally:
+                    moe_dense.SWIGLU_LAST, moe_dense.COMBINE_LAST = saved
+            cases["moe_dense T1 swiglu_last combine_last"] = (
+                combine_last, (S((16, 1 + moe_dense.TURN_SLOTS), jnp.int32), S((1, hidden), jnp.bfloat16)) + shapes)
         tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), atomic_combine=True)
         cases[f"moe_dense T{n_tokens} atomic_combine"] = (
             lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)

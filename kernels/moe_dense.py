@@ -127,8 +127,14 @@ SWIGLU_IN_DOWN = False
 # between the kernels (~1.9 us per MoE layer at batch 1 on the H200); the down kernel is unchanged. CPU-tested; off
 # until measured on a GPU (decode_profile.py --set kernels.moe_dense.SWIGLU_LAST=true).
 SWIGLU_LAST = False
-# Counters per layer for "swiglu_last": one per (tile, column block) of a gate/up call; calls with more take the XLA
-# SwiGLU. (At one token of the medium hybrid: 7 tiles x 6 column blocks.)
+# One-token calls given turn counters and the residual (`grouped_swiglu(turns=, residual=)`): whether the down
+# kernel's last program of each column block adds up the pairs' K slices, weights and sums them and adds the residual
+# (epilogue "combine_last"), instead of XLA's combine-and-add fusion after it (~2 us per MoE layer at batch 1 on the
+# H200). CPU-tested; off until measured on a GPU (decode_profile.py --set kernels.moe_dense.COMBINE_LAST=true).
+COMBINE_LAST = False
+# Counters per layer for "swiglu_last" (one per (tile, column block) of a gate/up call; calls with more take the XLA
+# SwiGLU; at one token of the medium hybrid 7 tiles x 6 column blocks) and "combine_last" (one per column block).
+# The two kernels run one after the other and each leaves its counters at zero, so they share them.
 TURN_SLOTS = 1024
 
 
@@ -185,14 +191,17 @@ def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue, dtype):
 
 def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, epilogue, n_routed, has_shared,
                     masked, masked_atomics, combine_tokens, turn_row=0, interpret=False):
-    # epilogue "combine": each row's token and routing weight come first
+    # epilogue "combine": each row's token and routing weight come first; "combine_last": the pairs' rows and
+    # routing weights, and the token's residual row
     (row_token_ref, row_weight_ref), refs = (refs[:2], refs[2:]) if epilogue == "combine" else ((None, None), refs)
+    (pair_row_ref, pair_weight_ref, residual_ref), refs = ((refs[:3], refs[3:]) if epilogue == "combine_last"
+                                                           else ((None, None, None), refs))
     valid_ref, refs = (refs[0], refs[1:]) if masked else (None, refs)  # rows to store (the rest stay unwritten)
     token_ref = refs[0] if prologue == "gather" else None  # the rows' tokens come first where they are gathered
     x_ref, *refs = refs[1:] if prologue == "gather" else refs
     w_refs, shared_refs, o_ref = refs[:n_w], refs[n_w:n_w * (1 + has_shared)], refs[-1]
-    if epilogue == "swiglu_last":  # the partial sums, the hidden rows and the turn counters (aliased, after their
-        o_ref, hidden_ref, turns_ref = refs[-3:]  # input: not read)
+    if epilogue in ("swiglu_last", "combine_last"):  # the partial sums, the hidden rows (or the token's new row)
+        o_ref, hidden_ref, turns_ref = refs[-3:]  # and the turn counters (aliased, after their input: not read)
     t, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = tile_expert_ref[t]
     r0 = pl.multiple_of(t * bm, bm)
@@ -233,6 +242,9 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, ep
                 hidden_ref[rows, cols] = (jax.nn.silu(gate) * up).astype(hidden_ref.dtype)
                 turns_ref[turn_row, slot] = jnp.int32(0)
             return
+        if epilogue == "combine_last":  # the slice's sums (the last program of the column block combines them)
+            o_ref[s, pl.ds(r0, bm), 0, pl.ds(n0, bn)] = accs[0]
+            return
         for i, acc in enumerate(accs):
             if masked:
                 # (the plane as a traced int32: a bare Python int trips masked-store discharge in interpret mode)
@@ -246,18 +258,37 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, ep
 
     if not has_shared:
         pl.when(expert >= 0)(lambda: run(routed))
+    else:
+        part = expert - n_routed  # which N-column part of the shared MLP this tile runs
+
+        def shared(i, k0):
+            w = shared_refs[i]
+            if len(w.shape) == 2:  # [K, parts * N]: the part's columns
+                n_dim = w_refs[i].shape[2]
+                return w[pl.ds(k0, sk), pl.ds(pl.multiple_of(part * n_dim + n0, bn), bn)]
+            return w[part, pl.ds(k0, sk), pl.ds(n0, bn)]  # [parts, K, N]
+
+        pl.when((expert >= 0) & (expert < n_routed))(lambda: run(routed))
+        pl.when(expert >= n_routed)(lambda: run(shared))
+    if epilogue != "combine_last":
         return
-    part = expert - n_routed  # which N-column part of the shared MLP this tile runs
+    # Every program of the column block (unused tiles too: the count is static) takes its turn; the last adds up each
+    # pair's row over the K slices, rounds it as the unfused path rounds the down kernel's output, weights and sums
+    # the pairs in float32, rounds, and adds the token's residual row.
+    turn = atomics.take_turn(turns_ref, (jnp.int32(turn_row), 1 + j), interpret=interpret)
 
-    def shared(i, k0):
-        w = shared_refs[i]
-        if len(w.shape) == 2:  # [K, parts * N]: the part's columns
-            n_dim = w_refs[i].shape[2]
-            return w[pl.ds(k0, sk), pl.ds(pl.multiple_of(part * n_dim + n0, bn), bn)]
-        return w[part, pl.ds(k0, sk), pl.ds(n0, bn)]  # [parts, K, N]
-
-    pl.when((expert >= 0) & (expert < n_routed))(lambda: run(routed))
-    pl.when(expert >= n_routed)(lambda: run(shared))
+    @pl.when(turn == pl.num_programs(0) * pl.num_programs(2) - 1)
+    def _combine():
+        cols, dtype = pl.ds(n0, bn), hidden_ref.dtype
+        y = jnp.zeros((bn,), jnp.float32)
+        for p in range(pair_row_ref.shape[0]):
+            row = pair_row_ref[p]
+            h = o_ref[0, row, 0, cols]
+            for k in range(1, o_ref.shape[0]):
+                h = h + o_ref[k, row, 0, cols]
+            y = y + h.astype(dtype).astype(jnp.float32) * pair_weight_ref[p]
+        hidden_ref[0, cols] = (residual_ref[0, cols] + y.astype(dtype)).astype(dtype)
+        turns_ref[turn_row, 1 + j] = jnp.int32(0)
 
 
 def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax.Array, ...], tiles: DenseTiles,
@@ -265,7 +296,9 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
                    prologue: str | None = None, shared: tuple[jax.Array, ...] | None = None,
                    epilogue: str | None = None, out_dtype=jnp.float32, row_valid: jax.Array | None = None,
                    sum_slices: bool = True, combine: tuple[jax.Array, jax.Array, int] | None = None,
-                   turns: tuple[jax.Array, int] | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                   turns: tuple[jax.Array, int] | None = None,
+                   last_combine: tuple[jax.Array, jax.Array, jax.Array] | None = None
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """x_rows [R, K] (R a multiple of block_m; tile t = rows [t*block_m, (t+1)*block_m) uses expert tile_expert[t],
     -1: unused), weights: each [E, K, N] -> [R, len(weights), N] (rows of unused tiles undefined), float32 sums
     rounded to `out_dtype` (once, after the K slices are added up). `epilogue` "swiglu" (two weights, gate and up):
@@ -286,7 +319,12 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     each program stores its float32 sums and takes a turn on its tile and column block's counter (column 1 +
     t * blocks + j); the last of the K slices adds them up, rounds gate and up to out_dtype and writes silu(gate) *
     up, and sets the counter back to zero; K unsplit: as "swiglu"; more tiles and blocks than C, or a slice count
-    that is not a power of two: XLA adds them up. `shared` (one per weight): an MLP's
+    that is not a power of two: XLA adds them up. `epilogue` "combine_last" (one weight; one token: `last_combine`
+    = (the pairs' rows [P] int32, their routing weights [P] float32, the token's residual [1, N]); `turns` as
+    above, column 1 + j for column block j) -> (residual + y [1, N] of the residual's dtype, counters): each
+    program stores its float32 sums and takes a turn; the column block's last program adds up each pair's row
+    over the K slices, rounds it to the residual's dtype, sums the pairs weighted in float32, rounds, adds the
+    residual. `shared` (one per weight): an MLP's
     weight split in P parts of the experts' shape, as extra experts E .. E + P - 1; each either [K, P * N] (part p
     its columns p*N ..) or [P, K, N]."""
     weights_k = weights[0].shape[1]
@@ -307,9 +345,10 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
         raise ValueError(f"unknown prologue {prologue!r} (None, 'gather', 'block', 'swiglu' or 'swiglu_sums')")
     if k_dim != weights_k:
         raise ValueError(f"rows of {k_dim} features for weights of {weights_k} inputs")
-    if epilogue not in (None, "swiglu", "swiglu_last", "combine") or (
+    if epilogue not in (None, "swiglu", "swiglu_last", "combine", "combine_last") or (
             epilogue in ("swiglu", "swiglu_last") and (len(weights) != 2 or row_valid is not None)) or (
-            epilogue == "swiglu_last" and turns is None) or (
+            epilogue in ("swiglu_last", "combine_last") and turns is None) or (
+            epilogue == "combine_last" and (len(weights) != 1 or row_valid is not None or last_combine is None)) or (
             epilogue == "combine" and (len(weights) != 1 or row_valid is not None or combine is None)):
         raise ValueError(f"epilogue {epilogue!r} for {len(weights)} weights (None; 'swiglu' for gate and up, all rows "
                          f"written; or 'combine' for one weight, with the rows' tokens and weights)")
@@ -332,6 +371,12 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
             gate_up = grouped_matmul(x_rows, tile_expert, weights, tiles, interpret, token_of_row, prologue, shared,
                                      out_dtype=out_dtype)  # (rows of unused tiles: garbage no one reads)
             return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(out_dtype), counters
+    if epilogue == "combine_last" and grid[1] > turns[0].shape[1] - 1:  # more column blocks than counters
+        out = grouped_matmul(x_rows, tile_expert, weights, tiles, interpret, token_of_row, prologue, shared,
+                             out_dtype=last_combine[2].dtype)
+        pair_rows, pair_weights, residual = last_combine
+        y = moe_tiles.weighted_sum(out[pair_rows, 0][None], pair_weights[None]).astype(residual.dtype)
+        return residual + y, turns[0]
     combine_tokens = combine[2] if epilogue == "combine" else None
     kernel = functools.partial(_grouped_kernel, n_w=len(weights), bm=bm, bn=bn, sk=sk, steps=k_steps // slices,
                                prologue=prologue, epilogue=epilogue, n_routed=weights[0].shape[0],
@@ -341,6 +386,8 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     operands = [tile_expert.astype(jnp.int32)]
     if epilogue == "combine":
         operands += [combine[0].astype(jnp.int32), combine[1].astype(jnp.float32)]
+    if epilogue == "combine_last":
+        operands += [last_combine[0].astype(jnp.int32), last_combine[1].astype(jnp.float32), last_combine[2]]
     operands += [*([] if row_valid is None else [row_valid.astype(jnp.int32)]),
                  *([token_of_row.astype(jnp.int32)] if prologue == "gather" else []), x_rows, *weights,
                  *(shared or ())]
@@ -356,6 +403,15 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
             input_output_aliases={len(operands): 2}, **common,
         )(*operands, counters)
         return hidden, counters
+    if epilogue == "combine_last":
+        counters = turns[0]
+        _, new_row, counters = pl.pallas_call(
+            kernel, out_shape=[jax.ShapeDtypeStruct((slices, n_rows, 1, n_dim), jnp.float32),
+                               jax.ShapeDtypeStruct((1, n_dim), last_combine[2].dtype),
+                               jax.ShapeDtypeStruct(counters.shape, counters.dtype)],
+            input_output_aliases={len(operands): 2}, **common,
+        )(*operands, counters)
+        return new_row, counters
     out_shape = (n_rows, n_dim) if epilogue else (slices, n_rows, len(weights), n_dim)
     partial = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype if slices == 1 else jnp.float32), **common,
@@ -369,7 +425,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
                    w_down: jax.Array, tiles: DenseTiles | None = None, interpret: bool = False,
                    shared: tuple[jax.Array, jax.Array, jax.Array] | None = None,
                    sched: moe_tiles.Schedule | None = None, turns: jax.Array | None = None,
-                   turn_row: int = 0) -> jax.Array | tuple[jax.Array, jax.Array]:
+                   turn_row: int = 0, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """x [N, H], topk_ids [N, k] int, topk_weights [N, k] f32, w_gate/w_up [E, H, I], w_down [E, I, H] -> [N, H] of
     x.dtype (see the module docstring; `tiles` default: `choose_tiles`).
 
@@ -382,9 +438,12 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     topk_weights then hold the shared parts' columns too (ids E .., weight 1) where `shared` is given.
 
     `turns` (int32 [L, 1 + C], zero; the serving cache's "moe_turns") and `turn_row` (this layer's row): the
-    counters for the gate/up kernel's "swiglu_last" epilogue where `SWIGLU_LAST` is on; the result is then (y,
-    turns), the counters left at zero."""
-    finish = lambda y: y if turns is None else (y, turns)
+    counters for the gate/up kernel's "swiglu_last" epilogue where `SWIGLU_LAST` is on (and the down kernel's
+    "combine_last" where `COMBINE_LAST` is, at one token); the result is then (y, turns), the counters left at zero.
+    `residual` [N, H] of x's dtype: the result is residual + y (rounded to x's dtype, as a 16-bit add rounds)."""
+    def finish(y):
+        y = y if residual is None else (residual + y).astype(x.dtype)
+        return y if turns is None else (y, turns)
     n_tokens = x.shape[0]
     n_experts = w_gate.shape[0]
     shared_up = shared_down = None
@@ -448,6 +507,11 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
             real = sched.real_rows()[:, None]  # rows of unused tiles hold whatever the buffer held
             hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
     # rows of unused tiles stay undefined, but no program of the down kernel and no pair of `combine` reads them
+    if COMBINE_LAST and turns is not None and residual is not None and n_tokens == 1 and not tiles.atomic_combine:
+        new_row, turns = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
+                                        prologue=down_prologue, epilogue="combine_last", turns=(turns, turn_row),
+                                        last_combine=(sched.row_of_pair[0], topk_weights[0], residual))
+        return new_row, turns  # (the residual added in the kernel)
     if tiles.atomic_combine:
         combine = (sched.token_of_row, moe_tiles.row_weights(sched, topk_weights), n_tokens)
         return finish(grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,

@@ -90,8 +90,10 @@ class DecoderLayer(nn.Module):
                                                         eps=cfg.rms_norm_eps, select=select[0], bias=select[1],
                                                         turns=cache["moe_turns"], layer=self.layer)
             chosen, cache = (ids, weights), dict(cache, moe_turns=turns)
-        y, workspace, cache = self._moe(normed[:, None], workspace, cache, logits=logits, chosen=chosen)
-        return x[:, None] + y, workspace, cache
+        # the residual add in the MoE block (the down kernel's, with `moe_dense.COMBINE_LAST`)
+        x, workspace, cache = self._moe(normed[:, None], workspace, cache, logits=logits, chosen=chosen,
+                                        residual=x[:, None])
+        return x, workspace, cache
 
     def _moe(self, h, workspace, cache: dict | None, **routing):
         """The MoE block on normed rows h -> (y, workspace, cache), handing it the cache's "moe_turns" counters

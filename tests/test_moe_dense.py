@@ -360,3 +360,51 @@ def test_swiglu_last(seed, monkeypatch, n_tokens, hidden, k_slices):
         counters = spec((16, 1 + moe_dense.TURN_SLOTS), jnp.int32)
         assert count_triton_kernels(lambda t, *a: moe_dense.grouped_swiglu(*a, turns=t, turn_row=3),
                                     counters, *shapes) == 2
+
+
+@pytest.mark.parametrize("k_slices,shared,swiglu_last", [(2, False, False), (4, True, True), (1, True, False)])
+def test_combine_last(seed, monkeypatch, k_slices, shared, swiglu_last):
+    """`COMBINE_LAST` (one token, turn counters and the residual given): the down kernel's last program of each
+    column block adds up the pairs' K slices, combines them and adds the residual (epilogue "combine_last"): the
+    residual plus the XLA path's result (float32: to rounding; bf16: to bf16 rounding), the counters left at zero,
+    also after the gate/up kernel's "swiglu_last" on the same counters; the two kernels lower to Triton at the
+    medium hybrid's one-token shape."""
+    rng = np.random.default_rng(seed)
+    x, ids, weights, wg, wu, wd = _case(rng, 1, 6, 64, 32, 3)
+    extra = ()
+    if shared:
+        extra = tuple(rng.standard_normal(s).astype(np.float32) * 0.3 for s in ((64, 64), (64, 64), (64, 64)))
+    residual = rng.standard_normal((1, 64)).astype(np.float32)
+    tiles = moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=k_slices, min_programs=4096)
+    _, epilogues = _spy_on_grouped_matmul(monkeypatch, "epilogue")
+    turns = jnp.zeros((3, 1 + moe_dense.TURN_SLOTS), jnp.int32)
+
+    def run(dtype):
+        acts = [jnp.asarray(a, dtype) for a in (x, wg, wu, wd, residual, *extra)]
+        fn = jax.jit(lambda x, ids, w, t, g, u, d, r, *sh: moe_dense.grouped_swiglu(
+            x, ids, w, g, u, d, tiles=tiles, interpret=True, turns=t, turn_row=1, residual=r, shared=sh or None))
+        return fn(acts[0], jnp.asarray(ids), jnp.asarray(weights), turns, *acts[1:])
+
+    monkeypatch.setattr(moe_dense, "SWIGLU_LAST", swiglu_last)
+    plain = {dt: np.asarray(run(dt)[0], np.float32) for dt in (jnp.float32, jnp.bfloat16)}
+    assert "combine_last" not in epilogues
+    monkeypatch.setattr(moe_dense, "COMBINE_LAST", True)
+    for dt in (jnp.float32, jnp.bfloat16):
+        y, after = run(dt)
+        assert y.shape == (1, 64) and y.dtype == dt and not np.any(np.asarray(after))
+        y = np.asarray(y, np.float32)
+        if dt == jnp.float32:
+            np.testing.assert_allclose(y, plain[dt], rtol=1e-5, atol=1e-5)
+            if not shared:
+                want = residual + dense_oracle(x, ids, weights, wg, wu, wd)
+                assert rel_err(y, want) < 1e-5
+        else:
+            assert rel_err(y, plain[dt]) < 1e-2
+    assert "combine_last" in epilogues
+    spec = jax.ShapeDtypeStruct
+    shapes = (spec((1, 2048), jnp.bfloat16), spec((1, 6), jnp.int32), spec((1, 6), jnp.float32),
+              spec((64, 2048, 768), jnp.bfloat16), spec((64, 2048, 768), jnp.bfloat16),
+              spec((64, 768, 2048), jnp.bfloat16))
+    counters = spec((16, 1 + moe_dense.TURN_SLOTS), jnp.int32)
+    assert count_triton_kernels(lambda t, r, *a: moe_dense.grouped_swiglu(*a, turns=t, turn_row=3, residual=r),
+                                counters, spec((1, 2048), jnp.bfloat16), *shapes) == 2

@@ -147,7 +147,8 @@ def test_model_decode_with_the_front(seed, monkeypatch, projections):
 def test_model_decode_with_the_front_choosing(seed, monkeypatch):
     """`decoder.FRONT_SELECT` (every kernel in interpret mode): the front kernel also makes the router's choice in
     its last program (turn counters in the cache), and the decode step gives exactly the logits and caches of the
-    step whose router makes the choice in its own select kernel; the counters are left at zero."""
+    step whose router makes the choice in its own select kernel; with `moe_dense.SWIGLU_LAST` and `COMBINE_LAST` too,
+    the same logits to bf16 rounding; the counters are left at zero."""
     from dayzero.model import Model, decoder
     from dayzero.model.cache import init_cache
     from dayzero.model.presets import tiny
@@ -193,6 +194,14 @@ def test_model_decode_with_the_front_choosing(seed, monkeypatch):
     a, b = np.asarray(last, np.float64), np.asarray(plain, np.float64)
     assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
     assert not np.any(np.asarray(last_cache["moe_turns"]))
+    # and the down kernel's last program combining the pairs and adding the residual (`moe_dense.COMBINE_LAST`)
+    epilogues.clear()
+    monkeypatch.setattr(moe_dense, "COMBINE_LAST", True)
+    combined, combined_cache = step(*args, decode=True)
+    assert epilogues.count("combine_last") == moe_layers
+    a = np.asarray(combined, np.float64)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    assert not np.any(np.asarray(combined_cache["moe_turns"]))
 
 
 @pytest.mark.parametrize("sigmoid,parts", [(True, 2), (False, 1)])

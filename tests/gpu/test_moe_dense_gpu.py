@@ -204,3 +204,26 @@ def test_swiglu_last_matches_xla_swiglu(monkeypatch, n_tokens):
         last = np.asarray(last, np.float32)
         assert not np.any(np.asarray(turns)) and np.all(np.isfinite(last))
         assert np.linalg.norm(last - plain) / np.linalg.norm(plain) < 1e-2
+
+
+@pytest.mark.parametrize("swiglu_last", [False, True])
+def test_combine_last_matches_xla_combine(monkeypatch, swiglu_last):
+    """`moe_dense.COMBINE_LAST` compiled on the GPU at one token of the medium hybrid's layer with its shared MLP
+    (alone, or after `SWIGLU_LAST` on the same counters): the down kernel's last program of each column block
+    combining the pairs and adding the residual gives residual + the XLA path's result to bf16 rounding, call after
+    call (the counters back at zero each time)."""
+    (x, ids, w, *weights), tiles = _split_k_call(17, 1)
+    # (a residual smaller than the block's output, so the check below sees the combine's own error)
+    residual = (jax.random.normal(jax.random.key(18), (1, 2048)) * 1e-3).astype(jnp.bfloat16)
+    plain = jax.jit(lambda *a: moe_dense.grouped_swiglu(*a[:6], tiles=tiles, shared=a[6:]))(x, ids, w, *weights)
+    plain = np.asarray(residual + plain, np.float32)
+    monkeypatch.setattr(moe_dense, "SWIGLU_LAST", swiglu_last)
+    monkeypatch.setattr(moe_dense, "COMBINE_LAST", True)
+    run = jax.jit(lambda t, r, *a: moe_dense.grouped_swiglu(*a[:6], tiles=tiles, shared=a[6:], turns=t, turn_row=2,
+                                                            residual=r))
+    turns = jnp.zeros((4, 1 + moe_dense.TURN_SLOTS), jnp.int32)
+    for _ in range(3):
+        new_row, turns = run(turns, residual, x, ids, w, *weights)
+        new_row = np.asarray(new_row, np.float32)
+        assert not np.any(np.asarray(turns)) and np.all(np.isfinite(new_row))
+        assert np.linalg.norm(new_row - plain) / np.linalg.norm(plain) < 1e-2
