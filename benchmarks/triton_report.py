@@ -128,7 +128,8 @@ def kda_cases() -> dict:
              S((D,), jnp.bfloat16), S((12, 64, 3, dim, 3), jnp.bfloat16), S((12, 64, 16, D, D), jnp.float32),
              S((16,), jnp.int32), S((16,), jnp.int32))
     decode_layer_step = lambda *a: decode_layer.decode_step(*a, layer=0, eps=1e-5, lower_bound=None)
-    # at batch 1 as the model runs it: the six projections side by side, each head in 8 blocks of value columns
+    # at batch 1: the six projections side by side (`model.kda.PROJECTIONS_AS_ONE`), each head in 8 blocks of value
+    # columns (the model passes two groups of partial sums: `PROJECTION_PARTIALS`)
     split_step = lambda q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
                                                         value_split=8)
     layer_b1 = (S((1, 3 * dim + 2 * D + 16), jnp.bfloat16),) + tuple(
@@ -169,15 +170,7 @@ def moe_dense_cases() -> dict:
             name = f"moe_dense T{n_tokens}" + {False: "", True: " fused_prologues", "epilogue": " epilogue",
                                                "pairs": " pair_partials"}[fused]
             cases[name] = (lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)
-        if n_tokens == 1:  # the down kernel adding up the gate/up K slices and applying the SwiGLU as it loads them
-            def swiglu_in_down(*a):
-                saved, moe_dense.SWIGLU_IN_DOWN = moe_dense.SWIGLU_IN_DOWN, True  # read when the call traces
-                try:
-                    return moe_dense.grouped_swiglu(*a)
-                finally:
-                    moe_dense.SWIGLU_IN_DOWN = saved
-            cases["moe_dense T1 swiglu_in_down"] = (swiglu_in_down, shapes)
-
+        if n_tokens == 1:
             def swiglu_last(counters, *a):  # the gate/up kernel's last K slice applying the SwiGLU
                 saved, moe_dense.SWIGLU_LAST = moe_dense.SWIGLU_LAST, True
                 try:

@@ -113,14 +113,6 @@ FUSED_MLP_MAX_PAIRS = 0
 # against 1.174 without (pipelined 1.105 against 1.129); tests/gpu/test_moe_dense_gpu.py -k one_token 4/4.
 ONE_TOKEN_BLOCK = True
 FUSED_MLP_TILES = dict(block_i=64, step_k=256, block_n=512)
-# Where the gate/up kernel splits K (decode calls below `EPILOGUE_MIN_PAIRS` pairs), whether the down kernel takes its
-# float32 K-slice sums and adds them up, rounds and applies the SwiGLU as it loads them (prologue "swiglu_sums"),
-# instead of XLA's fusion between the kernels (at batch 1 of the medium hybrid a [4, 112, 2, 768] float32 read and
-# a [112, 768] write, ~1.9 us per MoE layer on the H200). Correct on the H200 (tests/gpu/test_moe_dense_gpu.py -k
-# swiglu_in_down 3/3) but slower (eighteenth session, decode_profile.py --set kernels.moe_dense.SWIGLU_IN_DOWN=true):
-# batch 1 1.100 against 1.047 ms of kernels per token, the down kernels 0.198 against 0.125 ms (the sm_90 build: 168
-# registers against 55, 104 KB of shared memory against 36: the pipelined float32 slices of the prologue). Off.
-SWIGLU_IN_DOWN = False
 # Where the gate/up kernel splits K and the caller hands it turn counters (`grouped_swiglu(turns=)`, the serving
 # cache's "moe_turns"), whether the last of each tile's K slices to finish adds up the tile's float32 sums and writes
 # its hidden rows silu(gate) * up (epilogue "swiglu_last", `kernels.atomics.take_turn`), instead of XLA's fusion
@@ -160,12 +152,10 @@ def supported(hidden: int, inter: int, tiles: DenseTiles = DenseTiles()) -> bool
     return min(blocks + [tiles.block_m]) >= 16
 
 
-def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue, dtype):
+def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue):
     """The x block [bm, sk] of rows r0.. at columns k0.. that tile's matmul reads. prologue None: x_ref holds the
     rows; "gather": x_ref holds the tokens [T, K] and token_ref each row's token (T or more: a padding row, zeros);
     "swiglu": x_ref holds gate and up side by side [R, 2K], the block is silu(gate) * up rounded to their dtype;
-    "swiglu_sums": x_ref holds the gate/up kernel's float32 K-slice sums [S, R, 2, K], added up and each rounded to
-    `dtype` (the activations'), then silu(gate) * up rounded to `dtype`, as the unfused path does;
     "block": x_ref holds one token [1, K] that every tile reads as its first row, above bm - 1 zero rows."""
     if prologue == "block":
         first = jax.lax.broadcasted_iota(jnp.int32, (bm,), 0) == 0
@@ -182,10 +172,6 @@ def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue, dtype):
         gate = x_ref[pl.ds(r0, bm), pl.ds(k0, sk)]
         up = x_ref[pl.ds(r0, bm), pl.ds(half + k0, sk)]
         return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
-    if prologue == "swiglu_sums":
-        slices, rows, cols = pl.ds(0, x_ref.shape[0]), pl.ds(r0, bm), pl.ds(k0, sk)
-        gate, up = (jnp.sum(x_ref[slices, rows, i, cols], axis=0).astype(dtype).astype(jnp.float32) for i in (0, 1))
-        return (jax.nn.silu(gate) * up).astype(dtype)
     return x_ref[pl.ds(r0, bm), pl.ds(k0, sk)]
 
 
@@ -210,7 +196,7 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, ep
     def run(block):  # block(i, k0): weight i's [sk, bn] block at rows k0.. of this tile's expert
         def step(i, accs):
             k0 = pl.multiple_of((s * steps + i) * sk, sk)
-            xb = _load_rows(x_ref, token_ref, r0, k0, bm=bm, sk=sk, prologue=prologue, dtype=w_refs[0].dtype)
+            xb = _load_rows(x_ref, token_ref, r0, k0, bm=bm, sk=sk, prologue=prologue)
             return tuple(acc + tiling.mm(xb, block(w, k0).astype(xb.dtype)) for w, acc in enumerate(accs))
 
         accs = jax.lax.fori_loop(0, steps, step, tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(n_w)))
@@ -309,9 +295,7 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
 
     `prologue` (see `_load_rows`): "gather" takes the tokens [T, K] as x_rows and the rows' tokens `token_of_row`
     [R] (R from it); "block" takes one token [1, K] that every tile reads as its first row above zero rows (and
-    `token_of_row` [R] for R); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up; "swiglu_sums"
-    the same from the gate/up call's float32 K-slice sums [S, R, 2, K] (`sum_slices=False`; S a power of two),
-    added up and rounded as `sum_slices` would first. `epilogue`
+    `token_of_row` [R] for R); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `epilogue`
     "combine" (one weight; `combine` = (the rows' tokens [R], T for padding rows; their routing weights [R] float32;
     T)): [T, N] float32, each row's sums times its weight added into its token's row by float32 atomics (K slices
     included; no rounding per row; the order of the adds varies run to run). `epilogue` "swiglu_last" (gate and up;
@@ -334,15 +318,10 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
             raise ValueError(f"prologue 'block' takes one token row, not {x_rows.shape[0]}")
     elif prologue == "swiglu":
         n_rows, k_dim = x_rows.shape[0], x_rows.shape[1] // 2
-    elif prologue == "swiglu_sums":
-        if x_rows.ndim != 4 or x_rows.shape[2] != 2 or x_rows.shape[0] & (x_rows.shape[0] - 1):
-            raise ValueError(f"prologue 'swiglu_sums' takes K-slice sums [S, R, 2, K] (S a power of two), not "
-                             f"{x_rows.shape}")
-        n_rows, k_dim = x_rows.shape[1], x_rows.shape[3]
     elif prologue is None:
         n_rows, k_dim = x_rows.shape
     else:
-        raise ValueError(f"unknown prologue {prologue!r} (None, 'gather', 'block', 'swiglu' or 'swiglu_sums')")
+        raise ValueError(f"unknown prologue {prologue!r} (None, 'gather', 'block' or 'swiglu')")
     if k_dim != weights_k:
         raise ValueError(f"rows of {k_dim} features for weights of {weights_k} inputs")
     if epilogue not in (None, "swiglu", "swiglu_last", "combine", "combine_last") or (
@@ -496,16 +475,10 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
         hidden, turns = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
                                        epilogue="swiglu_last", out_dtype=x.dtype, turns=(turns, turn_row), **gather)
     else:
-        parts = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
-                               out_dtype=x.dtype, sum_slices=not SWIGLU_IN_DOWN, **gather)
-        slices = parts.shape[0] if SWIGLU_IN_DOWN else 1
-        if slices > 1 and slices & (slices - 1) == 0:  # the down kernel adds up the K slices and applies the SwiGLU
-            hidden, down_prologue = parts, "swiglu_sums"  # (padding rows of used tiles: zero sums, zero hidden rows)
-        else:
-            gate_up = (parts[0] if slices == 1 else jnp.sum(parts, axis=0).astype(x.dtype)) if SWIGLU_IN_DOWN \
-                else parts
-            real = sched.real_rows()[:, None]  # rows of unused tiles hold whatever the buffer held
-            hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
+        gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
+                                 out_dtype=x.dtype, **gather)
+        real = sched.real_rows()[:, None]  # rows of unused tiles hold whatever the buffer held
+        hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
     # rows of unused tiles stay undefined, but no program of the down kernel and no pair of `combine` reads them
     if COMBINE_LAST and turns is not None and residual is not None and n_tokens == 1 and not tiles.atomic_combine:
         new_row, turns = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,

@@ -27,7 +27,6 @@ stored, and the program that sees the others all done reads every logit back, ch
 from __future__ import annotations
 
 import functools
-
 from typing import NamedTuple
 
 import jax
@@ -142,8 +141,8 @@ def _kernel(*refs, hidden, slices, eps, select, layer, interpret):
         block = ids_out.shape[0]  # every row of the router's [BLOCK_M, k_pad] output holds the token's choice
         logits_all = logits_out[jnp.zeros((block,), jnp.int32), pl.ds(0, n_experts)]
         ids, weights = router.choose_experts(logits_all, bias_ref[pl.ds(0, n_experts)], ids_out.shape[1],
-                                      top_k=select.top_k, sigmoid=select.sigmoid, renormalize=select.renormalize,
-                                      scale=select.scale)
+                                             top_k=select.top_k, sigmoid=select.sigmoid,
+                                             renormalize=select.renormalize, scale=select.scale)
         ids_out[...], weights_out[...] = router.append_shared(ids, weights, select.top_k, select.parts, n_experts)
         turns_ref[layer, 0] = jnp.int32(0)
 

@@ -78,8 +78,8 @@ def _router_kernel(x_ref, w_ref, bias_ref, ids_ref, weights_ref, *, n_tokens, to
         return acc + tiling.mm_nt(x_ref[rows, cols], w_ref[:, cols].astype(x_ref.dtype))
 
     logits = jax.lax.fori_loop(0, hidden // block_k, step, jnp.zeros((BLOCK_M, n_experts), jnp.float32))
-    ids_ref[...], weights_ref[...] = choose_experts(logits, bias_ref[...], ids_ref.shape[1], top_k=top_k, sigmoid=sigmoid,
-                                             renormalize=renormalize, scale=scale)
+    ids_ref[...], weights_ref[...] = choose_experts(logits, bias_ref[...], ids_ref.shape[1], top_k=top_k,
+                                                    sigmoid=sigmoid, renormalize=renormalize, scale=scale)
 
 
 def choose_experts(logits, bias, k_pad: int, *, top_k, sigmoid, renormalize, scale):
@@ -113,8 +113,8 @@ def _select_kernel(logits_ref, bias_ref, ids_ref, weights_ref, *, n_tokens, top_
                    parts=0):
     token = pl.program_id(0) * BLOCK_M + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
     rows = jnp.where(token < n_tokens, token, 0)  # rows past the last token read token 0; their outputs are dropped
-    ids, weights = choose_experts(logits_ref[rows, :], bias_ref[...], ids_ref.shape[1], top_k=top_k, sigmoid=sigmoid,
-                           renormalize=renormalize, scale=scale)
+    ids, weights = choose_experts(logits_ref[rows, :], bias_ref[...], ids_ref.shape[1], top_k=top_k,
+                                  sigmoid=sigmoid, renormalize=renormalize, scale=scale)
     ids_ref[...], weights_ref[...] = append_shared(ids, weights, top_k, parts, logits_ref.shape[1])
 
 
@@ -197,7 +197,7 @@ def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_
     token = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
     real = token < n_tokens
     ids, weights = choose_experts(logits_ref[jnp.where(real, token, 0), :], bias_ref[...], k_pad, top_k=top_k,
-                           sigmoid=sigmoid, renormalize=renormalize, scale=scale)
+                                  sigmoid=sigmoid, renormalize=renormalize, scale=scale)
     ids, weights = append_shared(ids, weights, top_k, parts, n_experts)
     ids_ref[...], weights_ref[...] = ids, weights
     slot = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, k_pad), 1)

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.kernels import moe_dense
+from dayzero.kernels.kda import decode_layer
 
 from .config import LAYER_KDA, LAYER_MLA, MLP_MOE, ModelConfig
 
 BLOCK_SIZE = 64
-TURN_ROWS = 2  # kernels.kda.decode_layer.VALUE_SPLIT_MAX_ROWS: the largest decode step split over value blocks
+TURN_ROWS = decode_layer.VALUE_SPLIT_MAX_ROWS  # the largest decode step split over value blocks
 
 
 def cache_shapes(config: ModelConfig, num_blocks: int, num_slots: int, dtype,

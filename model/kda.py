@@ -168,15 +168,15 @@ class KimiDeltaAttention(nn.Module):
         projected = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps,
                             finish=not PROJECTION_PARTIALS)
         qkv, fgb = projected if len(projected) == 2 else (projected[0], None)
-        split = decode_layer.value_split(rows.shape[0], cfg.kda_head_dim)
-        counted = turns is not None and split > 1 and turns.shape[1] >= rows.shape[0]
+        fits = turns is not None and turns.shape[1] >= rows.shape[0]  # else: the XLA scatter, the counters untouched
         o, conv_cache, state_pool, *counters = decode_layer.decode_step(
             qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
             weight(self.f_b_proj), self.A_log, self.dt_bias, weight(self.g_b_proj), weight(self.o_norm, "weight"),
             conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=cfg.rms_norm_eps,
-            lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS, value_split=split,
-            turns=turns if counted else None, interpret=self.decode_layer_kind(x) == "interpret")
-        turns = (counters[0] if counted else turns,) if turns is not None else ()
+            lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
+            value_split=decode_layer.value_split(rows.shape[0], cfg.kda_head_dim), turns=turns if fits else None,
+            interpret=self.decode_layer_kind(x) == "interpret")
+        turns = tuple(counters) if fits else (() if turns is None else (turns,))
         if unfinished:
             (update,) = project(o, ((weight(self.o_proj),),), finish=False)
             return ((update, rows), conv_cache, state_pool, *turns)

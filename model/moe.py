@@ -111,15 +111,18 @@ def router_logits(x: jax.Array, weight: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def select_route(cfg: ModelConfig, n_tokens: int, shared_parts: int, one_kernel: bool = True) -> str:
+def select_route(cfg: ModelConfig, n_tokens: int, shared_parts: int,
+                 one_kernel: bool = True) -> tuple[str, bool]:
     """What `Router` runs after given logits for `n_tokens` tokens with the shared MLP as `shared_parts` extra
-    experts: "schedule" (`kernels.router.select_and_schedule`), "select" (`select_experts`) or "reference"."""
+    experts: ("schedule" (`kernels.router.select_and_schedule`), "select" (`select_experts`) or "reference",
+    whether in interpret mode)."""
     kind = (router_kernel.choose_select(cfg.num_experts, cfg.num_experts_per_token, restricting_groups(cfg))
             if one_kernel else "reference")
+    interpret = kind == "interpret"
     if (kind != "reference" and shared_parts and ROUTER_SCHEDULE and n_tokens <= router_kernel.SCHEDULE_MAX_TOKENS
             and router_kernel.schedule_supported(cfg.num_experts, cfg.num_experts_per_token, shared_parts)):
-        return "schedule"
-    return "select" if kind != "reference" else "reference"
+        return "schedule", interpret
+    return ("select" if kind != "reference" else "reference"), interpret
 
 
 class Router(nn.Module):
@@ -168,9 +171,7 @@ class Router(nn.Module):
             return *router_kernel.route_tokens(x, weight, bias, **options, interpret=kind == "interpret"), None
         if logits is None:
             logits = router_logits(x, weight)
-        kind = select_route(cfg, x.shape[0], shared_parts, self.one_kernel)
-        interpret = router_kernel.choose_select(cfg.num_experts, cfg.num_experts_per_token,
-                                                restricting_groups(cfg)) == "interpret"
+        kind, interpret = select_route(cfg, x.shape[0], shared_parts, self.one_kernel)
         if kind == "schedule":
             return router_kernel.select_and_schedule(logits, bias, **options, shared_parts=shared_parts,
                                                      interpret=interpret)
@@ -345,7 +346,7 @@ class MoE(nn.Module):
         handed back as `chosen`; else None."""
         cfg = self.config
         parts = self._shared_parts(1)
-        if self.mesh is not None or not parts or select_route(cfg, 1, parts) != "schedule":
+        if self.mesh is not None or not parts or select_route(cfg, 1, parts)[0] != "schedule":
             return None
         select = moe_front.Select(cfg.num_experts_per_token, cfg.router_activation == "sigmoid", cfg.renormalize,
                                   float(cfg.routed_scaling_factor), parts)

@@ -282,42 +282,6 @@ def _spy_on_grouped_matmul(monkeypatch, argument: str):
     return matmul, seen
 
 
-@pytest.mark.parametrize("n_tokens,hidden,k_slices", [(1, 64, 2), (9, 64, 4), (9, 48, 3)])
-def test_swiglu_in_down(seed, monkeypatch, n_tokens, hidden, k_slices):
-    """`SWIGLU_IN_DOWN`: the down kernel adds up the gate/up kernel's K-slice sums and applies the SwiGLU as it loads
-    them (prologue "swiglu_sums"): the XLA path's result (float32: to rounding; bf16: to bf16 rounding) and the
-    float64 oracle; three slices (not a power of two) keep the XLA path; sums of the wrong shape are refused by
-    name; the two kernels lower to Triton at the medium hybrid's one-token shape."""
-    x, ids, weights, wg, wu, wd = _case(np.random.default_rng(seed), n_tokens, 6, hidden, 32, 3)
-    tiles = moe_dense.DenseTiles(block_m=4, block_n=8, step_k=8, k_slices=k_slices, min_programs=4096)
-    matmul, prologues = _spy_on_grouped_matmul(monkeypatch, "prologue")
-
-    def run(dtype):  # activations and expert weights in `dtype`, routing weights float32
-        acts = [jnp.asarray(a, dtype) for a in (x, wg, wu, wd)]
-        fn = jax.jit(lambda x, ids, w, *experts: moe_dense.grouped_swiglu(x, ids, w, *experts, tiles=tiles,
-                                                                          interpret=True))
-        return np.asarray(fn(acts[0], jnp.asarray(ids), jnp.asarray(weights), *acts[1:]), np.float32)
-
-    monkeypatch.setattr(moe_dense, "SWIGLU_IN_DOWN", False)
-    plain = {dt: run(dt) for dt in (jnp.float32, jnp.bfloat16)}
-    monkeypatch.setattr(moe_dense, "SWIGLU_IN_DOWN", True)
-    prologues.clear()
-    fused = {dt: run(dt) for dt in (jnp.float32, jnp.bfloat16)}
-    assert ("swiglu_sums" in prologues) == (k_slices != 3), prologues
-    np.testing.assert_allclose(fused[jnp.float32], plain[jnp.float32], rtol=1e-5, atol=1e-5)
-    assert rel_err(fused[jnp.float32], dense_oracle(x, ids, weights, wg, wu, wd)) < 1e-5
-    assert rel_err(fused[jnp.bfloat16], plain[jnp.bfloat16]) < 1e-2
-    with pytest.raises(ValueError, match="swiglu_sums"):
-        matmul(jnp.zeros((3, 8, 2, 32)), jnp.zeros((2,), jnp.int32), (jnp.asarray(wd),), tiles, interpret=True,
-               prologue="swiglu_sums")
-    if n_tokens == 1:
-        spec = jax.ShapeDtypeStruct
-        shapes = (spec((1, 2048), jnp.bfloat16), spec((1, 6), jnp.int32), spec((1, 6), jnp.float32),
-                  spec((64, 2048, 768), jnp.bfloat16), spec((64, 2048, 768), jnp.bfloat16),
-                  spec((64, 768, 2048), jnp.bfloat16))
-        assert count_triton_kernels(lambda *a: moe_dense.grouped_swiglu(*a), *shapes) == 2
-
-
 @pytest.mark.parametrize("n_tokens,hidden,k_slices", [(1, 64, 2), (9, 64, 4), (9, 48, 3), (9, 64, 1)])
 def test_swiglu_last(seed, monkeypatch, n_tokens, hidden, k_slices):
     """`SWIGLU_LAST` (turn counters given): the gate/up kernel's last K slice of each tile adds up the tile's sums
