@@ -170,25 +170,6 @@ def moe_dense_cases() -> dict:
             name = f"moe_dense T{n_tokens}" + {False: "", True: " fused_prologues", "epilogue": " epilogue",
                                                "pairs": " pair_partials"}[fused]
             cases[name] = (lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)
-        if n_tokens == 1:
-            def swiglu_last(counters, *a):  # the gate/up kernel's last K slice applying the SwiGLU
-                saved, moe_dense.SWIGLU_LAST = moe_dense.SWIGLU_LAST, True
-                try:
-                    return moe_dense.grouped_swiglu(*a, turns=counters, turn_row=1)
-                finally:
-                    moe_dense.SWIGLU_LAST = saved
-            cases["moe_dense T1 swiglu_last"] = (swiglu_last, (S((16, 1 + moe_dense.TURN_SLOTS), jnp.int32),)
-                                                 + shapes)
-
-            def combine_last(counters, residual, *a):  # + the down kernel's last program combining, residual added
-                saved = moe_dense.SWIGLU_LAST, moe_dense.COMBINE_LAST
-                moe_dense.SWIGLU_LAST = moe_dense.COMBINE_LAST = True
-                try:
-                    return moe_dense.grouped_swiglu(*a, turns=counters, turn_row=1, residual=residual)
-                finally:
-                    moe_dense.SWIGLU_LAST, moe_dense.COMBINE_LAST = saved
-            cases["moe_dense T1 swiglu_last combine_last"] = (
-                combine_last, (S((16, 1 + moe_dense.TURN_SLOTS), jnp.int32), S((1, hidden), jnp.bfloat16)) + shapes)
         tiles = dataclasses.replace(moe_dense.choose_tiles(n_tokens * top_k, n_experts), atomic_combine=True)
         cases[f"moe_dense T{n_tokens} atomic_combine"] = (
             lambda *a, tiles=tiles: moe_dense.grouped_swiglu(*a, tiles=tiles), shapes)
@@ -235,6 +216,27 @@ def projection_cases() -> dict:
                                     (bf(rows, 2048), S((2048,), jnp.float32), *inputs))
         cases[f"o_proj M{rows}"] = (lambda o, r, w: projection.project(o, ((w,),), residual=r),
                                     (bf(rows, 2048), bf(rows, 2048), bf(2048, 2048)))
+    return cases
+
+
+def mla_absorb_cases() -> dict:
+    """Absorbed MLA's W_UK and W_UV kernels at the medium hybrid's 16 heads and DeepSeek-V3.2's 128 (nope 128, rope
+    64, v 128, latent 512, bf16), 1 and 16 rows, 8 splits."""
+    from dayzero.kernels import mla_absorb
+    from dayzero.kernels.sparse_mla import SplitLatents
+
+    S = jax.ShapeDtypeStruct
+    bf = lambda *shape: S(shape, jnp.bfloat16)
+    cases = {}
+    for heads in (16, 128):
+        for rows in (1, 16):
+            cases[f"absorb H{heads} M{rows}"] = (
+                lambda q, w, heads=heads: mla_absorb.absorb_queries(q, w, heads=heads, nope=128, rope=64, v_dim=128),
+                (bf(rows, heads * 192), bf(512, heads * 256)))
+            cases[f"up_project H{heads} M{rows} S8"] = (
+                lambda o, lse, w, heads=heads: mla_absorb.up_project(SplitLatents(o, lse, heads, "bfloat16"), w,
+                                                                     nope=128, v_dim=128),
+                (bf(rows, 8, heads, 512), S((rows, 8, heads), jnp.float32), bf(512, heads * 256)))
     return cases
 
 
@@ -383,7 +385,7 @@ def moe_front_cases() -> dict:
             "front B1 with the router's choice": (choosing, shapes + (S((64,), jnp.float32), S((16, 4), jnp.int32)))}
 
 
-CASES = {"indexer": indexer_cases, "kda": kda_cases, "moe_dense": moe_dense_cases, "moe_front": moe_front_cases,
+CASES = {"indexer": indexer_cases, "kda": kda_cases, "mla_absorb": mla_absorb_cases, "moe_dense": moe_dense_cases, "moe_front": moe_front_cases,
          "moe_gemv": moe_gemv_cases, "moe_mxfp4": moe_mxfp4_cases, "projection": projection_cases,
          "router": router_cases, "sparse_mla": sparse_mla_cases, "topk": topk_cases}
 

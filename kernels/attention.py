@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from . import dispatch, paged, tiles
 from . import sparse_mla as sparse_mla_pallas
 from .indexer import indices_to_mask
-from .sparse_mla import SparseMLAConfig
+from .sparse_mla import SparseMLAConfig, SplitLatents
 
 # Whether this op's Pallas kernels have passed tests/gpu/test_sparse_attention_gpu.py on a GPU (H200, jax 0.11.2:
 # 13/13 on 2026-11-30). Until a kernel has, dispatch runs it on CUDA/ROCm only when asked for (impl= or DAYZERO_KERNELS).
@@ -65,18 +65,21 @@ def sparse_mla_reference(q_latent, q_rope, cache, layer, block_tables, query_pos
 
 def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: int, block_tables: jax.Array,
                query_positions: jax.Array, indices: jax.Array | None, scale: float, impl: str | None = None,
-               config: SparseMLAConfig = SparseMLAConfig()) -> jax.Array:
+               config: SparseMLAConfig = SparseMLAConfig(), merge: bool = True) -> jax.Array | SplitLatents:
     """Absorbed MLA over each query's selected tokens of the paged latent cache.
 
     q_latent [B, T, H, R] (q_nope with W_UK folded in), q_rope [B, T, H, E], cache [L, N, block, R + E] read at
     `layer` through block_tables [B, max_blocks] (key s of row b is position s), query_positions [B, T] int (-1: a
     padding token, output zeros), indices [B, T, K] int32 key positions (-1 = none; the DSA selection) or None
     (every key at or before the query position: dense MLA) -> latent outputs [B, T, H, R] in q_latent.dtype.
+    `merge` False (one token per request): where the split decode kernel runs, its splits unmerged (`SplitLatents`
+    over the B rows, for `mla_absorb.up_project`); elsewhere the merged outputs as above.
     """
     choice = dispatch.choose("sparse_mla", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
     if choice == "pallas" and not tiles.dots_fit(q_latent.shape[-1], q_rope.shape[-1]):
         choice = "reference"  # Triton dots need >= 16-wide segments (tiny test models run the reference on GPUs)
     if choice == "reference":
         return sparse_mla_reference(q_latent, q_rope, cache, layer, block_tables, query_positions, indices, scale)
+    merge = merge or q_latent.shape[1] != 1 or config.decode_variant != "fused"
     return sparse_mla_pallas.sparse_mla(q_latent, q_rope, cache, layer, block_tables, query_positions, indices, scale,
-                                        config=config, interpret=choice == "interpret")
+                                        config=config, interpret=choice == "interpret", merge=merge)

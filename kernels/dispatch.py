@@ -67,6 +67,7 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({k.name: k for k in (
     Kernel("router_select"),  # kernels/router.py: the router's scores, top-k and weights after XLA's logits
     Kernel("projection"),   # kernels/projection.py: decode-sized projections (norm in, residual out) in one kernel
     Kernel("moe_front"),    # kernels/moe_front.py: a decode MoE block's residual add, norm and router logits
+    Kernel("mla_absorb"),   # kernels/mla_absorb.py: absorbed MLA's W_UK and W_UV products (split merge) at decode
 )})
 
 

@@ -51,20 +51,17 @@ def swiglu_as_one_expert(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_dow
 
 def routed_and_shared(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                       w_down: jax.Array, shared: tuple[jax.Array, jax.Array, jax.Array],
-                      impl: str | None = None, sched: moe_tiles.Schedule | None = None, turns: jax.Array | None = None,
-                      turn_row: int = 0, residual: jax.Array | None = None
-                      ) -> jax.Array | tuple[jax.Array, jax.Array] | None:
+                      impl: str | None = None, sched: moe_tiles.Schedule | None = None) -> jax.Array | None:
     """The routed experts (as `moe_experts`) plus a shared-expert SwiGLU MLP (gate [H, S], up [H, S], down [S, H],
     S a multiple of the experts' I) in one set of `moe_dense` grouped kernels, the MLP as S / I extra experts that
     every token uses with weight 1: x [N, H] -> [N, H] of x.dtype. None where dispatch does not pick those kernels
     (`impl` overrides): the caller then runs the two its own way. `sched`: the pairs' schedule made by the router
-    (`kernels.router.select_and_schedule`), topk_ids / topk_weights then with the shared parts' columns. `turns`,
-    `turn_row`, `residual`: `moe_dense.grouped_swiglu`'s (the result is then (y, turns); residual + y)."""
+    (`kernels.router.select_and_schedule`), topk_ids / topk_weights then with the shared parts' columns."""
     kind = shared_kernel_kind(w_gate, impl)
     if kind == "reference":
         return None
     return moe_dense.grouped_swiglu(x, topk_ids, topk_weights, w_gate, w_up, w_down, interpret=kind == "interpret",
-                                    shared=shared, sched=sched, turns=turns, turn_row=turn_row, residual=residual)
+                                    shared=shared, sched=sched)
 
 
 def shared_kernel_kind(w_gate: jax.Array, impl: str | None = None) -> str:

@@ -13,8 +13,7 @@ used weight tile once, straight from the stacked [E, K, N] experts, and do only 
   `DenseTiles.pair_partials`, stored and added up for the pairs' rows only);
 - gate and up share one kernel (the same x tile feeds both), then SwiGLU in XLA and the down kernel; with
   `DenseTiles.swiglu_epilogue` (K not split) the gate/up kernel applies the SwiGLU to its sums, and with
-  `DenseTiles.fused_prologues` the row gather (and the SwiGLU) happen in the kernels' operand loads instead; with
-  `SWIGLU_LAST` and turn counters (K split) the last of each tile's K slices adds them up and applies the SwiGLU;
+  `DenseTiles.fused_prologues` the row gather (and the SwiGLU) happen in the kernels' operand loads instead;
 - `DenseTiles.fused_mlp` runs the whole MLP in one kernel instead (`moe_dense_fused`; off by default);
 - a shared-expert MLP can ride along (`grouped_swiglu(shared=)`): split over its intermediate columns into parts
   of the experts' shape, it runs as extra experts of the same two kernels, read in place from its own weights.
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import atomics, moe_dense_fused, moe_tiles, tiles as tiling
+from . import moe_dense_fused, moe_tiles, tiles as tiling
 
 # Whether these kernels have passed tests/gpu/test_moe_dense_gpu.py on a GPU (H200, jax 0.11.2: 7/7 on 2026-11-30,
 # and faster than both XLA paths at 1 and 16 tokens, benchmarks/RESULTS.md). Until a kernel has, dispatch runs the
@@ -113,21 +112,11 @@ FUSED_MLP_MAX_PAIRS = 0
 # against 1.174 without (pipelined 1.105 against 1.129); tests/gpu/test_moe_dense_gpu.py -k one_token 4/4.
 ONE_TOKEN_BLOCK = True
 FUSED_MLP_TILES = dict(block_i=64, step_k=256, block_n=512)
-# Where the gate/up kernel splits K and the caller hands it turn counters (`grouped_swiglu(turns=)`, the serving
-# cache's "moe_turns"), whether the last of each tile's K slices to finish adds up the tile's float32 sums and writes
-# its hidden rows silu(gate) * up (epilogue "swiglu_last", `kernels.atomics.take_turn`), instead of XLA's fusion
-# between the kernels (~1.9 us per MoE layer at batch 1 on the H200); the down kernel is unchanged. CPU-tested; off
-# until measured on a GPU (decode_profile.py --set kernels.moe_dense.SWIGLU_LAST=true).
-SWIGLU_LAST = False
-# One-token calls given turn counters and the residual (`grouped_swiglu(turns=, residual=)`): whether the down
-# kernel's last program of each column block adds up the pairs' K slices, weights and sums them and adds the residual
-# (epilogue "combine_last"), instead of XLA's combine-and-add fusion after it (~2 us per MoE layer at batch 1 on the
-# H200). CPU-tested; off until measured on a GPU (decode_profile.py --set kernels.moe_dense.COMBINE_LAST=true).
-COMBINE_LAST = False
-# Counters per layer for "swiglu_last" (one per (tile, column block) of a gate/up call; calls with more take the XLA
-# SwiGLU; at one token of the medium hybrid 7 tiles x 6 column blocks) and "combine_last" (one per column block).
-# The two kernels run one after the other and each leaves its counters at zero, so they share them.
-TURN_SLOTS = 1024
+# The last-program fusions of the eighteenth session, measured on the H200 and removed (nineteenth session, medium
+# hybrid, benchmarks/decode_profile.py batch 1, ms of kernels per token against 1.050): the gate/up kernel's last K
+# slice of each tile applying the SwiGLU ("swiglu_last", 1.067) and the down kernel's last program combining the pairs
+# and adding the residual ("combine_last", 1.054). The fused last program does the work of the launch it saves in
+# series, on one SM (benchmarks/NOTES_serving.md).
 
 
 def choose_tiles(n_pairs: int, n_experts: int) -> DenseTiles:
@@ -176,18 +165,13 @@ def _load_rows(x_ref, token_ref, r0, k0, *, bm, sk, prologue):
 
 
 def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, epilogue, n_routed, has_shared,
-                    masked, masked_atomics, combine_tokens, turn_row=0, interpret=False):
-    # epilogue "combine": each row's token and routing weight come first; "combine_last": the pairs' rows and
-    # routing weights, and the token's residual row
+                    masked, masked_atomics, combine_tokens):
+    # epilogue "combine": each row's token and routing weight come first
     (row_token_ref, row_weight_ref), refs = (refs[:2], refs[2:]) if epilogue == "combine" else ((None, None), refs)
-    (pair_row_ref, pair_weight_ref, residual_ref), refs = ((refs[:3], refs[3:]) if epilogue == "combine_last"
-                                                           else ((None, None, None), refs))
     valid_ref, refs = (refs[0], refs[1:]) if masked else (None, refs)  # rows to store (the rest stay unwritten)
     token_ref = refs[0] if prologue == "gather" else None  # the rows' tokens come first where they are gathered
     x_ref, *refs = refs[1:] if prologue == "gather" else refs
     w_refs, shared_refs, o_ref = refs[:n_w], refs[n_w:n_w * (1 + has_shared)], refs[-1]
-    if epilogue in ("swiglu_last", "combine_last"):  # the partial sums, the hidden rows (or the token's new row)
-        o_ref, hidden_ref, turns_ref = refs[-3:]  # and the turn counters (aliased, after their input: not read)
     t, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = tile_expert_ref[t]
     r0 = pl.multiple_of(t * bm, bm)
@@ -208,28 +192,6 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, ep
             moe_dense_fused.add_to_tokens(o_ref, row_token_ref[pl.ds(r0, bm)],
                                           accs[0] * row_weight_ref[pl.ds(r0, bm)][:, None], n0,
                                           n_tokens=combine_tokens, n_dim=w_refs[0].shape[2], masked=masked_atomics)
-            return
-        if epilogue == "swiglu_last":  # the slice's sums, then the tile's last slice adds them up (see grouped_matmul)
-            for i, acc in enumerate(accs):
-                o_ref[s, pl.ds(r0, bm), i, pl.ds(n0, bn)] = acc
-            slot = 1 + t * pl.num_programs(1) + j  # column 0 of the layer's counters is kernels.moe_front's
-            turn = atomics.take_turn(turns_ref, (jnp.int32(turn_row), slot), interpret=interpret)
-
-            @pl.when(turn == pl.num_programs(2) - 1)
-            def _swiglu():
-                rows, cols = pl.ds(r0, bm), pl.ds(n0, bn)
-                sums = []
-                for i in (0, 1):  # gate, up: slice by slice (one [bm, bn] block live per operand, not S)
-                    total = o_ref[0, rows, i, cols]
-                    for k in range(1, o_ref.shape[0]):
-                        total = total + o_ref[k, rows, i, cols]
-                    sums.append(total.astype(hidden_ref.dtype).astype(jnp.float32))
-                gate, up = sums
-                hidden_ref[rows, cols] = (jax.nn.silu(gate) * up).astype(hidden_ref.dtype)
-                turns_ref[turn_row, slot] = jnp.int32(0)
-            return
-        if epilogue == "combine_last":  # the slice's sums (the last program of the column block combines them)
-            o_ref[s, pl.ds(r0, bm), 0, pl.ds(n0, bn)] = accs[0]
             return
         for i, acc in enumerate(accs):
             if masked:
@@ -256,35 +218,14 @@ def _grouped_kernel(tile_expert_ref, *refs, n_w, bm, bn, sk, steps, prologue, ep
 
         pl.when((expert >= 0) & (expert < n_routed))(lambda: run(routed))
         pl.when(expert >= n_routed)(lambda: run(shared))
-    if epilogue != "combine_last":
-        return
-    # Every program of the column block (unused tiles too: the count is static) takes its turn; the last adds up each
-    # pair's row over the K slices, rounds it as the unfused path rounds the down kernel's output, weights and sums
-    # the pairs in float32, rounds, and adds the token's residual row.
-    turn = atomics.take_turn(turns_ref, (jnp.int32(turn_row), 1 + j), interpret=interpret)
-
-    @pl.when(turn == pl.num_programs(0) * pl.num_programs(2) - 1)
-    def _combine():
-        cols, dtype = pl.ds(n0, bn), hidden_ref.dtype
-        y = jnp.zeros((bn,), jnp.float32)
-        for p in range(pair_row_ref.shape[0]):
-            row = pair_row_ref[p]
-            h = o_ref[0, row, 0, cols]
-            for k in range(1, o_ref.shape[0]):
-                h = h + o_ref[k, row, 0, cols]
-            y = y + h.astype(dtype).astype(jnp.float32) * pair_weight_ref[p]
-        hidden_ref[0, cols] = (residual_ref[0, cols] + y.astype(dtype)).astype(dtype)
-        turns_ref[turn_row, 1 + j] = jnp.int32(0)
 
 
 def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax.Array, ...], tiles: DenseTiles,
                    interpret: bool = False, token_of_row: jax.Array | None = None,
                    prologue: str | None = None, shared: tuple[jax.Array, ...] | None = None,
                    epilogue: str | None = None, out_dtype=jnp.float32, row_valid: jax.Array | None = None,
-                   sum_slices: bool = True, combine: tuple[jax.Array, jax.Array, int] | None = None,
-                   turns: tuple[jax.Array, int] | None = None,
-                   last_combine: tuple[jax.Array, jax.Array, jax.Array] | None = None
-                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
+                   sum_slices: bool = True, combine: tuple[jax.Array, jax.Array, int] | None = None
+                   ) -> jax.Array:
     """x_rows [R, K] (R a multiple of block_m; tile t = rows [t*block_m, (t+1)*block_m) uses expert tile_expert[t],
     -1: unused), weights: each [E, K, N] -> [R, len(weights), N] (rows of unused tiles undefined), float32 sums
     rounded to `out_dtype` (once, after the K slices are added up). `epilogue` "swiglu" (two weights, gate and up):
@@ -298,17 +239,7 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     `token_of_row` [R] for R); "swiglu" takes gate and up [R, 2K] and multiplies silu(gate) * up. `epilogue`
     "combine" (one weight; `combine` = (the rows' tokens [R], T for padding rows; their routing weights [R] float32;
     T)): [T, N] float32, each row's sums times its weight added into its token's row by float32 atomics (K slices
-    included; no rounding per row; the order of the adds varies run to run). `epilogue` "swiglu_last" (gate and up;
-    `turns` = (counters int32 [L, 1 + C], their row)): -> (hidden [R, N] of out_dtype, counters): with K split,
-    each program stores its float32 sums and takes a turn on its tile and column block's counter (column 1 +
-    t * blocks + j); the last of the K slices adds them up, rounds gate and up to out_dtype and writes silu(gate) *
-    up, and sets the counter back to zero; K unsplit: as "swiglu"; more tiles and blocks than C, or a slice count
-    that is not a power of two: XLA adds them up. `epilogue` "combine_last" (one weight; one token: `last_combine`
-    = (the pairs' rows [P] int32, their routing weights [P] float32, the token's residual [1, N]); `turns` as
-    above, column 1 + j for column block j) -> (residual + y [1, N] of the residual's dtype, counters): each
-    program stores its float32 sums and takes a turn; the column block's last program adds up each pair's row
-    over the K slices, rounds it to the residual's dtype, sums the pairs weighted in float32, rounds, adds the
-    residual. `shared` (one per weight): an MLP's
+    included; no rounding per row; the order of the adds varies run to run). `shared` (one per weight): an MLP's
     weight split in P parts of the experts' shape, as extra experts E .. E + P - 1; each either [K, P * N] (part p
     its columns p*N ..) or [P, K, N]."""
     weights_k = weights[0].shape[1]
@@ -324,10 +255,8 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
         raise ValueError(f"unknown prologue {prologue!r} (None, 'gather', 'block' or 'swiglu')")
     if k_dim != weights_k:
         raise ValueError(f"rows of {k_dim} features for weights of {weights_k} inputs")
-    if epilogue not in (None, "swiglu", "swiglu_last", "combine", "combine_last") or (
-            epilogue in ("swiglu", "swiglu_last") and (len(weights) != 2 or row_valid is not None)) or (
-            epilogue in ("swiglu_last", "combine_last") and turns is None) or (
-            epilogue == "combine_last" and (len(weights) != 1 or row_valid is not None or last_combine is None)) or (
+    if epilogue not in (None, "swiglu", "combine") or (
+            epilogue == "swiglu" and (len(weights) != 2 or row_valid is not None)) or (
             epilogue == "combine" and (len(weights) != 1 or row_valid is not None or combine is None)):
         raise ValueError(f"epilogue {epilogue!r} for {len(weights)} weights (None; 'swiglu' for gate and up, all rows "
                          f"written; or 'combine' for one weight, with the rows' tokens and weights)")
@@ -340,33 +269,14 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     wanted = -(-tiles.min_programs // (grid[0] * grid[1]))
     slices = 1 if epilogue == "swiglu" else max(d for d in range(1, min(tiles.k_slices, wanted, k_steps) + 1)
                                                 if k_steps % d == 0)
-    if epilogue == "swiglu_last":
-        counters, turn_row = turns
-        if slices == 1:  # the sums are whole in each program
-            hidden = grouped_matmul(x_rows, tile_expert, weights, tiles, interpret, token_of_row, prologue, shared,
-                                    epilogue="swiglu", out_dtype=out_dtype)
-            return hidden, counters
-        if slices & (slices - 1) or grid[0] * grid[1] > counters.shape[1] - 1:
-            gate_up = grouped_matmul(x_rows, tile_expert, weights, tiles, interpret, token_of_row, prologue, shared,
-                                     out_dtype=out_dtype)  # (rows of unused tiles: garbage no one reads)
-            return (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(out_dtype), counters
-    if epilogue == "combine_last" and grid[1] > turns[0].shape[1] - 1:  # more column blocks than counters
-        out = grouped_matmul(x_rows, tile_expert, weights, tiles, interpret, token_of_row, prologue, shared,
-                             out_dtype=last_combine[2].dtype)
-        pair_rows, pair_weights, residual = last_combine
-        y = moe_tiles.weighted_sum(out[pair_rows, 0][None], pair_weights[None]).astype(residual.dtype)
-        return residual + y, turns[0]
     combine_tokens = combine[2] if epilogue == "combine" else None
     kernel = functools.partial(_grouped_kernel, n_w=len(weights), bm=bm, bn=bn, sk=sk, steps=k_steps // slices,
                                prologue=prologue, epilogue=epilogue, n_routed=weights[0].shape[0],
                                has_shared=shared is not None, masked=row_valid is not None,
-                               masked_atomics=not interpret, combine_tokens=combine_tokens,
-                               turn_row=turns[1] if turns else 0, interpret=interpret)
+                               masked_atomics=not interpret, combine_tokens=combine_tokens)
     operands = [tile_expert.astype(jnp.int32)]
     if epilogue == "combine":
         operands += [combine[0].astype(jnp.int32), combine[1].astype(jnp.float32)]
-    if epilogue == "combine_last":
-        operands += [last_combine[0].astype(jnp.int32), last_combine[1].astype(jnp.float32), last_combine[2]]
     operands += [*([] if row_valid is None else [row_valid.astype(jnp.int32)]),
                  *([token_of_row.astype(jnp.int32)] if prologue == "gather" else []), x_rows, *weights,
                  *(shared or ())]
@@ -374,23 +284,6 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
                   interpret=interpret, name="moe_dense_gate_up" if len(weights) == 2 else "moe_dense_down")
     if epilogue == "combine":
         return moe_dense_fused.token_sums(kernel, operands, combine_tokens, bm, n_dim, **common)
-    if epilogue == "swiglu_last":
-        _, hidden, counters = pl.pallas_call(
-            kernel, out_shape=[jax.ShapeDtypeStruct((slices, n_rows, 2, n_dim), jnp.float32),
-                               jax.ShapeDtypeStruct((n_rows, n_dim), out_dtype),
-                               jax.ShapeDtypeStruct(counters.shape, counters.dtype)],
-            input_output_aliases={len(operands): 2}, **common,
-        )(*operands, counters)
-        return hidden, counters
-    if epilogue == "combine_last":
-        counters = turns[0]
-        _, new_row, counters = pl.pallas_call(
-            kernel, out_shape=[jax.ShapeDtypeStruct((slices, n_rows, 1, n_dim), jnp.float32),
-                               jax.ShapeDtypeStruct((1, n_dim), last_combine[2].dtype),
-                               jax.ShapeDtypeStruct(counters.shape, counters.dtype)],
-            input_output_aliases={len(operands): 2}, **common,
-        )(*operands, counters)
-        return new_row, counters
     out_shape = (n_rows, n_dim) if epilogue else (slices, n_rows, len(weights), n_dim)
     partial = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype if slices == 1 else jnp.float32), **common,
@@ -403,8 +296,7 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                    w_down: jax.Array, tiles: DenseTiles | None = None, interpret: bool = False,
                    shared: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-                   sched: moe_tiles.Schedule | None = None, turns: jax.Array | None = None,
-                   turn_row: int = 0, residual: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                   sched: moe_tiles.Schedule | None = None) -> jax.Array:
     """x [N, H], topk_ids [N, k] int, topk_weights [N, k] f32, w_gate/w_up [E, H, I], w_down [E, I, H] -> [N, H] of
     x.dtype (see the module docstring; `tiles` default: `choose_tiles`).
 
@@ -414,15 +306,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
 
     `sched`: the pairs' schedule, made already (`kernels.router.select_and_schedule`, `moe_tiles.DECODE_BLOCK_M`-row
     tiles); topk_ids and
-    topk_weights then hold the shared parts' columns too (ids E .., weight 1) where `shared` is given.
-
-    `turns` (int32 [L, 1 + C], zero; the serving cache's "moe_turns") and `turn_row` (this layer's row): the
-    counters for the gate/up kernel's "swiglu_last" epilogue where `SWIGLU_LAST` is on (and the down kernel's
-    "combine_last" where `COMBINE_LAST` is, at one token); the result is then (y, turns), the counters left at zero.
-    `residual` [N, H] of x's dtype: the result is residual + y (rounded to x's dtype, as a 16-bit add rounds)."""
-    def finish(y):
-        y = y if residual is None else (residual + y).astype(x.dtype)
-        return y if turns is None else (y, turns)
+    topk_weights then hold the shared parts' columns too (ids E .., weight 1) where `shared` is given."""
     n_tokens = x.shape[0]
     n_experts = w_gate.shape[0]
     shared_up = shared_down = None
@@ -448,10 +332,10 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
         raise ValueError(f"a schedule of {sched.row_of_pair.shape} pairs in {moe_tiles.DECODE_BLOCK_M}-row tiles "
                          f"for {topk_ids.shape} pairs in {tiles.block_m}-row tiles")
     if tiles.fused_mlp:
-        return finish(moe_dense_fused.fused_swiglu(
+        return moe_dense_fused.fused_swiglu(
             x, sched, topk_weights, w_gate, w_up, w_down, block_m=tiles.block_m, block_i=tiles.block_i,
             step_k=tiles.step_k, block_n=tiles.block_n, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            k_chains=tiles.k_chains, shared=shared, interpret=interpret).astype(x.dtype))
+            k_chains=tiles.k_chains, shared=shared, interpret=interpret).astype(x.dtype)
     if tiles.fused_prologues:  # padding rows of used tiles read zeros, so their hidden rows are silu(0) * 0 = 0
         rows, gather = x, dict(token_of_row=sched.token_of_row, prologue="gather")
     elif ONE_TOKEN_BLOCK and n_tokens == 1 and not tiles.pair_partials:
@@ -461,8 +345,8 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
     else:
         rows, gather = moe_tiles.take_or_zero(x, sched.token_of_row), {}  # padding rows zero
     if tiles.pair_partials and not (tiles.swiglu_epilogue or tiles.fused_prologues):
-        return finish(_pair_partials_swiglu(rows, sched, topk_weights, (w_gate, w_up), (w_down,), shared_up,
-                                            shared_down, tiles, interpret))
+        return _pair_partials_swiglu(rows, sched, topk_weights, (w_gate, w_up), (w_down,), shared_up, shared_down,
+                                     tiles, interpret)
     down_prologue = None
     if tiles.swiglu_epilogue:
         hidden = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
@@ -471,27 +355,19 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w
         gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
                                  out_dtype=x.dtype, **gather)
         hidden, down_prologue = gate_up.reshape(gate_up.shape[0], -1), "swiglu"
-    elif SWIGLU_LAST and turns is not None:  # the gate/up kernel's last K slice of each tile applies the SwiGLU
-        hidden, turns = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
-                                       epilogue="swiglu_last", out_dtype=x.dtype, turns=(turns, turn_row), **gather)
     else:
         gate_up = grouped_matmul(rows, sched.tile_expert, (w_gate, w_up), tiles, interpret, shared=shared_up,
                                  out_dtype=x.dtype, **gather)
         real = sched.real_rows()[:, None]  # rows of unused tiles hold whatever the buffer held
         hidden = jnp.where(real, jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 0).astype(x.dtype)
     # rows of unused tiles stay undefined, but no program of the down kernel and no pair of `combine` reads them
-    if COMBINE_LAST and turns is not None and residual is not None and n_tokens == 1 and not tiles.atomic_combine:
-        new_row, turns = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
-                                        prologue=down_prologue, epilogue="combine_last", turns=(turns, turn_row),
-                                        last_combine=(sched.row_of_pair[0], topk_weights[0], residual))
-        return new_row, turns  # (the residual added in the kernel)
     if tiles.atomic_combine:
         combine = (sched.token_of_row, moe_tiles.row_weights(sched, topk_weights), n_tokens)
-        return finish(grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
-                                     prologue=down_prologue, epilogue="combine", combine=combine).astype(x.dtype))
+        return grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
+                              prologue=down_prologue, epilogue="combine", combine=combine).astype(x.dtype)
     out = grouped_matmul(hidden, sched.tile_expert, (w_down,), tiles, interpret, shared=shared_down,
                          prologue=down_prologue, out_dtype=x.dtype)
-    return finish(moe_tiles.combine(out[:, 0], sched, topk_weights).astype(x.dtype))
+    return moe_tiles.combine(out[:, 0], sched, topk_weights).astype(x.dtype)
 
 
 def _pair_partials_swiglu(rows: jax.Array, sched: moe_tiles.Schedule, topk_weights: jax.Array, gate_up: tuple,

@@ -2,11 +2,15 @@
 
 A cache array is [layers, num_blocks, block_size, D]; a block table row [max_blocks] lists a request's blocks in
 order (block 0 is the engine's scratch block: padding rows and padded tokens write there and nothing reads it back).
-`write` dispatches between the plain-jnp reference and the Pallas write kernels (`paged_pallas`); `contiguous`
+`write` dispatches between the plain-jnp reference and the Pallas write kernels (`paged_pallas`), optionally
+normalizing each row's leading features on the way (`LeadingNorm`: MLA's latent norm at decode); `contiguous`
 views whole sequences [B, S, D] as a one-layer paged cache, so every paged kernel also serves contiguous inputs.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,30 @@ from . import dispatch, paged_pallas
 # 13/13 on 2026-11-30). Until a kernel has, dispatch runs it on CUDA/ROCm only when asked for (impl= or DAYZERO_KERNELS).
 GPU_VERIFIED = True
 
+# Whether CUDA runs a `LeadingNorm` inside the decode write kernel (else the norm runs in XLA before it):
+# tests/gpu/test_mla_absorb_gpu.py's latent-write case passes on the H200 (2026-12-03); the medium hybrid's batch-1
+# decode measured the same 1.020 ms per token with it, in 4 kernels fewer (decode_profile.py, nineteenth session).
+NORM_GPU_VERIFIED = True
+
 BLOCK_SIZE = 64
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["weight"], meta_fields=["width", "eps"])
+@dataclass(frozen=True)
+class LeadingNorm:
+    """An RMSNorm over each value row's first `width` features (weight [width]), as `model.norms.RMSNorm` computes it
+    (statistics in float32, x / rms rounded to the values' dtype, times the weight, rounded again); the features
+    after them are written unchanged."""
+
+    weight: jax.Array
+    width: int
+    eps: float
+
+    def apply(self, values: jax.Array) -> jax.Array:
+        """values [..., D] -> the same with the first `width` features normalized."""
+        x32 = values[..., :self.width].astype(jnp.float32)
+        normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(values.dtype)
+        return jnp.concatenate([(self.weight * normed).astype(values.dtype), values[..., self.width:]], axis=-1)
 
 
 def write_reference(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
@@ -31,12 +58,18 @@ def write_reference(cache: jax.Array, layer: int, block_tables: jax.Array, posit
 
 
 def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
-          values: jax.Array, impl: str | None = None) -> jax.Array:
-    """`write_reference`'s contract; on CUDA/ROCm the Pallas kernels (one token per request: the decode kernel)."""
+          values: jax.Array, impl: str | None = None, norm: LeadingNorm | None = None) -> jax.Array:
+    """`write_reference`'s contract; on CUDA/ROCm the Pallas kernels (one token per request: the decode kernel).
+    `norm`: the rows' leading features normalized first (in the decode kernel where it runs: `NORM_GPU_VERIFIED`
+    on CUDA, or interpret mode)."""
     choice = dispatch.choose("paged_write", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
+    if norm is not None and (choice == "reference" or values.shape[1] != 1
+                             or (choice == "pallas" and not NORM_GPU_VERIFIED)):
+        values, norm = norm.apply(values), None
     if choice == "reference":
         return write_reference(cache, layer, block_tables, positions, valid, values)
-    return paged_pallas.write(cache, layer, block_tables, positions, valid, values, interpret=choice == "interpret")
+    return paged_pallas.write(cache, layer, block_tables, positions, valid, values, interpret=choice == "interpret",
+                              norm=norm)
 
 
 def gather(cache: jax.Array, layer: int, block_tables: jax.Array) -> jax.Array:

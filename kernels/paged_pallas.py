@@ -24,12 +24,27 @@ def _token_rows(pos, ok, table_ref, b, layer_row0, block_size):
     return jnp.where(ok, layer_row0 + page * block_size + safe % block_size, layer_row0)
 
 
-def _decode_kernel(pos_ref, ok_ref, table_ref, val_ref, _cache_ref, out_ref, *, layer_row0, block_size, pieces):
+def _decode_kernel(*refs, layer_row0, block_size, pieces, norm):
+    if norm is None:
+        pos_ref, ok_ref, table_ref, val_ref, _cache_ref, out_ref = refs
+    else:
+        pos_ref, ok_ref, table_ref, val_ref, weight_ref, _cache_ref, out_ref = refs
     b = pl.program_id(0)
     ok = ok_ref[b] != 0
     row = _token_rows(pos_ref[b], ok, table_ref, b, layer_row0, block_size)
-    for start, size in pieces:
-        out_ref[row, pl.ds(start, size)] = val_ref[b, pl.ds(start, size)].astype(out_ref.dtype)
+    values = [val_ref[b, pl.ds(start, size)] for start, size in pieces]
+    if norm is not None:  # `paged.LeadingNorm` over the pieces before `width`
+        width, eps = norm
+        lead = [i for i, (start, _) in enumerate(pieces) if start < width]
+        ms = sum(jnp.sum(values[i].astype(jnp.float32) ** 2) for i in lead) / width
+        inv = jax.lax.rsqrt(ms + eps)
+        for i in lead:
+            start, size = pieces[i]
+            normed = (values[i].astype(jnp.float32) * inv).astype(values[i].dtype)
+            weight = weight_ref[pl.ds(start, size)].astype(jnp.float32)
+            values[i] = (weight * normed.astype(jnp.float32)).astype(values[i].dtype)
+    for (start, size), value in zip(pieces, values):
+        out_ref[row, pl.ds(start, size)] = value.astype(out_ref.dtype)
 
 
 def _prefill_kernel(pos_ref, ok_ref, table_ref, val_ref, _cache_ref, out_ref, *, layer_row0, block_size, block_t,
@@ -42,20 +57,29 @@ def _prefill_kernel(pos_ref, ok_ref, table_ref, val_ref, _cache_ref, out_ref, *,
 
 
 def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
-          values: jax.Array, *, block_t: int = 64, num_warps: int = 4, interpret: bool = False) -> jax.Array:
+          values: jax.Array, *, block_t: int = 64, num_warps: int = 4, interpret: bool = False,
+          norm=None) -> jax.Array:
     """Same contract as `paged.write_reference`: cache [L, N, block, D], block_tables [B, NB] int32, positions/valid
-    [B, T], values [B, T, D] -> the cache with the tokens stored (in place when the cache buffer is donated)."""
+    [B, T], values [B, T, D] -> the cache with the tokens stored (in place when the cache buffer is donated).
+    `norm` (a `paged.LeadingNorm`, one token per request only): the rows' leading features normalized first."""
     n_layers, n_blocks, block_size, width = cache.shape
     batch, length = positions.shape
     rows = tiles.cache_rows(cache)
-    common = dict(layer_row0=layer * n_blocks * block_size, block_size=block_size, pieces=tiles.segments(width))
+    pieces = tiles.segments(width) if norm is None else \
+        tiles.segments(norm.width) + tiles.segments(width - norm.width, norm.width)
+    common = dict(layer_row0=layer * n_blocks * block_size, block_size=block_size, pieces=pieces)
     positions = positions.astype(jnp.int32)
     valid = valid.astype(jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
+    if norm is not None and length != 1:
+        raise ValueError("paged write: a leading norm is for one token per request (the decode kernel)")
     if length == 1:
-        kernel = functools.partial(_decode_kernel, **common)
+        kernel = functools.partial(_decode_kernel, norm=None if norm is None else (norm.width, float(norm.eps)),
+                                   **common)
         grid = (batch,)
         args = (positions[:, 0], valid[:, 0], block_tables, values[:, 0])
+        if norm is not None:
+            args += (norm.weight,)
     else:
         block_t = min(block_t, tiles.pow2_at_least(length))
         padded = tiles.round_up(length, block_t)
@@ -65,7 +89,7 @@ def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.
         args = (jnp.pad(positions, pad), jnp.pad(valid, pad), block_tables, jnp.pad(values, pad + ((0, 0),)))
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype), grid=grid,
-        input_output_aliases={4: 0}, interpret=interpret, compiler_params=tiles.compiler_params(num_warps, 1),
+        input_output_aliases={len(args): 0}, interpret=interpret, compiler_params=tiles.compiler_params(num_warps, 1),
         name="paged_write_decode" if length == 1 else "paged_write_prefill",
     )(*args, rows)
     return out.reshape(cache.shape)

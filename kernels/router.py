@@ -33,6 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from . import dispatch, moe_tiles, tiles as tiling
 
@@ -184,14 +185,22 @@ def _launch(kernel, operands, n_tokens: int, slots: int, name: str, interpret: b
 SCHEDULE_MAX_TOKENS = BLOCK_M
 TILE_ROWS = moe_tiles.DECODE_BLOCK_M
 assert SCHEDULE_MAX_TOKENS <= TILE_ROWS  # an expert's tokens fill at most one tile
-SCHEDULE_WARPS = 8  # on the H200 at 16 tokens: 8.9 us per call, 15.6 with 4 warps (decode_profile.py, 2026-12-02)
+# On the H200 at 16 tokens (decode_profile.py): 8.9 us per call, 15.6 with 4 warps (2026-12-02); with the pairs'
+# map, rows and token table passed through memory (nineteenth session: 25 barriers in the sm_90 build, 98 before)
+# 6.2 us per call, 6.4 with 4 warps; 5.4 us at 2 tokens (7.3 before).
+SCHEDULE_WARPS = 8
 
 
-def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_ref, tile_ref, size_ref, *, n_tokens,
-                     top_k, parts, e_pad, sigmoid, renormalize, scale):
+def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_ref, tile_ref, size_ref, pairs_ref,
+                     row_of_ref, *, n_tokens, top_k, parts, e_pad, sigmoid, renormalize, scale, interpret):
     """One program: the top-k choice of up to BLOCK_M tokens, the `parts` shared experts appended to each (ids E ..,
     weight 1), and their schedule in 16-row tiles (moe_tiles.Schedule; each expert holds at most one tile since a
-    token picks an expert at most once): tiles in expert order, a tile's rows its tokens in order."""
+    token picks an expert at most once): tiles in expert order, a tile's rows its tokens in order.
+
+    Between the token-by-slot domain of the ids [M, k_pad] and the expert-by-token domain [e_pad, M] of the counts,
+    values pass through memory (scratch outputs `pairs_ref` [2 e_pad, M] and `row_of_ref` [e_pad, M], and the
+    flat token table): a scatter or gather behind a CTA barrier, where a reduction per slot or per tile row would
+    each cost a barrier of its own (the program is latency-bound: one CTA, a chain of small steps)."""
     n_experts = logits_ref.shape[1]
     k_pad, t_pad = ids_ref.shape[1], tile_ref.shape[0]
     token = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M,), 0)
@@ -201,15 +210,17 @@ def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_
     ids, weights = append_shared(ids, weights, top_k, parts, n_experts)
     ids_ref[...], weights_ref[...] = ids, weights
     slot = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, k_pad), 1)
-    n_pairs = top_k + parts
-    expert = jax.lax.broadcasted_iota(jnp.int32, (e_pad, BLOCK_M), 0)
-    tok = jax.lax.broadcasted_iota(jnp.int32, (e_pad, BLOCK_M), 1)
-    columns = []  # each pair slot's expert per token [BLOCK_M]
-    chosen = jnp.zeros((e_pad, BLOCK_M), jnp.bool_)  # [e, t]: token t runs expert e
-    for c in range(n_pairs):
-        column = jnp.sum(jnp.where(slot == c, ids, 0), axis=1)
-        columns.append(column)
-        chosen = chosen | ((expert == column[None, :]) & real[None, :])
+    pair_token = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, k_pad), 0)
+    is_pair = (slot < top_k + parts) & (pair_token < n_tokens)
+    barrier = (lambda: None) if interpret else pltriton.debug_barrier
+    # [e, t]: token t runs expert e (a one at each pair's (expert, token); padding slots write row e_pad, unread)
+    pairs_ref[...] = jnp.zeros(pairs_ref.shape, jnp.int32)
+    row_of_ref[...] = jnp.zeros(row_of_ref.shape, jnp.int32)  # (its stores ordered before the rows' gather below)
+    token_ref[...] = jnp.full(token_ref.shape, n_tokens, jnp.int32)  # rows of no pair: padding (token T)
+    barrier()
+    pairs_ref[jnp.where(is_pair, ids, e_pad), pair_token] = jnp.ones((BLOCK_M, k_pad), jnp.int32)
+    barrier()
+    chosen = pairs_ref[pl.ds(0, e_pad), :] != 0
     one = chosen.astype(jnp.bfloat16)
     # rank [e, t]: the tokens before t that run e (their order in its tile); exact in float32 sums of 0 / 1
     earlier = (jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_M), 0)
@@ -222,22 +233,16 @@ def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_
              < jax.lax.broadcasted_iota(jnp.int32, (e_pad, e_pad), 0)).astype(jnp.bfloat16)
     used_cols = jnp.broadcast_to(used[:, None], (e_pad, BLOCK_M)).astype(jnp.bfloat16)
     tile_of = jnp.max(tiling.mm(lower, used_cols), axis=1).astype(jnp.int32)  # [e]: used experts before e
-    row_of = tile_of[:, None] * TILE_ROWS + rank  # [e, t]
-    rows = jnp.zeros((BLOCK_M, k_pad), jnp.int32)
-    for c, column in enumerate(columns):
-        pick = jnp.sum(jnp.where(expert == column[None, :], row_of, 0), axis=0)  # [t]
-        rows = jnp.where(slot == c, pick[:, None], rows)
+    row_of_ref[...] = tile_of[:, None] * TILE_ROWS + rank  # [e, t]
+    barrier()
+    rows = row_of_ref[jnp.where(is_pair, ids, 0), pair_token]  # [t, slot]: each pair's row
     row_ref[...] = rows
-    # tile i holds the expert e with used[e] and tile_of[e] == i; its row j the token of rank j (t + 1; 0: none)
-    table = jnp.zeros((e_pad, TILE_ROWS), jnp.int32)  # [e, j]
-    row_in_tile = jax.lax.broadcasted_iota(jnp.int32, (e_pad, TILE_ROWS), 1)
-    for j in range(min(n_tokens, TILE_ROWS)):  # (rank j needs j earlier tokens)
-        holder = jnp.sum(jnp.where(chosen & (rank == j), tok + 1, 0), axis=1)  # [e]
-        table = jnp.where(row_in_tile == j, holder[:, None], table)
+    # row r of the flat table [2 t_pad * TILE_ROWS] holds its pair's token (padding slots write past the tiles)
+    token_ref[jnp.where(is_pair, rows, t_pad * TILE_ROWS)] = pair_token
+    # tile i holds the expert e with used[e] and tile_of[e] == i
+    expert = jax.lax.broadcasted_iota(jnp.int32, (e_pad, BLOCK_M), 0)
     tile = jax.lax.broadcasted_iota(jnp.int32, (t_pad, e_pad), 0)
     holds = ((tile == tile_of[None, :]) & (used[None, :] > 0)).astype(jnp.bfloat16)  # [tile, e]
-    tokens = tiling.mm(holds, table.astype(jnp.bfloat16)).astype(jnp.int32)  # [tile, j]
-    token_ref[...] = jnp.where(tokens > 0, tokens - 1, n_tokens)
     tile_ref[...] = jnp.max(tiling.mm(holds, (expert + 1).astype(jnp.bfloat16)), axis=1).astype(jnp.int32) - 1
 
 
@@ -276,9 +281,10 @@ def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     e_pad = tiling.pow2_at_least(total, 16)
     shapes = [((BLOCK_M, k_pad), jnp.int32), ((BLOCK_M, k_pad), jnp.float32), ((BLOCK_M, k_pad), jnp.int32),
-              ((t_pad, TILE_ROWS), jnp.int32), ((t_pad,), jnp.int32), ((e_pad,), jnp.int32)]
-    ids, weights, rows, tokens, tiles, sizes = pl.pallas_call(
-        functools.partial(_schedule_kernel, **options, parts=shared_parts, e_pad=e_pad),
+              ((2 * t_pad * TILE_ROWS,), jnp.int32), ((t_pad,), jnp.int32), ((e_pad,), jnp.int32),
+              ((2 * e_pad, BLOCK_M), jnp.int32), ((e_pad, BLOCK_M), jnp.int32)]  # (the last two: scratch)
+    ids, weights, rows, tokens, tiles, sizes, _, _ = pl.pallas_call(
+        functools.partial(_schedule_kernel, **options, parts=shared_parts, e_pad=e_pad, interpret=interpret),
         grid=(1,),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
         out_specs=[whole(shape) for shape, _ in shapes],
@@ -288,7 +294,7 @@ def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int
         name="moe_router_schedule",
     )(logits.astype(jnp.float32), bias)
     return ids[:n_tokens, :n_pairs], weights[:n_tokens, :n_pairs], moe_tiles.Schedule(
-        rows[:n_tokens, :n_pairs], tokens.reshape(-1)[:n_tiles * TILE_ROWS], tiles, sizes[:total])
+        rows[:n_tokens, :n_pairs], tokens[:n_tiles * TILE_ROWS], tiles, sizes[:total])
 
 
 def one_token_routing(ids: jax.Array, weights: jax.Array, n_pairs: int, n_experts: int

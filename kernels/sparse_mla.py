@@ -212,6 +212,22 @@ def _cache_rows_of(block_tables, query_positions, indices, num_keys, padded, lay
     return jnp.pad(rows.reshape(batch * length, -1), ((0, 0), (0, padded - num_keys)), constant_values=-1)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["out", "lse"], meta_fields=["heads", "dtype"])
+@dataclass(frozen=True)
+class SplitLatents:
+    """Split decode attention before its merge: out [M, S, Hp, R] (each split's normalized output; cache dtype or
+    float32), lse [M, S, Hp] float32 (its log-sum-exp; -inf where the split saw no key); the first `heads` of the
+    Hp (padded) heads are real. `merged()` -> [M, heads, R] in `dtype`."""
+
+    out: jax.Array
+    lse: jax.Array
+    heads: int
+    dtype: str
+
+    def merged(self) -> jax.Array:
+        return combine_normalized(self.out[:, :, :self.heads], self.lse[:, :, :self.heads], self.dtype)
+
+
 def combine(acc: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
     """Partials acc [R, splits, H, D], m/l [R, splits, H] float32 -> normalized [R, H, D] in `dtype`."""
     m_max = jnp.max(m, axis=1, keepdims=True)
@@ -236,11 +252,13 @@ def decode_splits(programs: int, keys: int, block_h: int, config: SparseMLAConfi
 
 def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: int, block_tables: jax.Array,
                query_positions: jax.Array, indices: jax.Array | None, scale: float,
-               config: SparseMLAConfig = SparseMLAConfig(), interpret: bool = False) -> jax.Array:
+               config: SparseMLAConfig = SparseMLAConfig(), interpret: bool = False,
+               merge: bool = True) -> jax.Array | SplitLatents:
     """q_latent [B, T, H, R], q_rope [B, T, H, E], cache [L, N, block, R + E] read at `layer` through block_tables
     [B, max_blocks], query_positions [B, T] int (-1: a padding token), indices [B, T, K] int32 key positions (-1 =
     none) or None (every key at or before the query position) -> latent outputs [B, T, H, R] in q_latent.dtype.
-    One token per request (T == 1) takes the split decode path."""
+    One token per request (T == 1) takes the split decode path; there `merge` False returns the "fused" variant's
+    splits unmerged (`SplitLatents` over the B rows, for a consumer that merges them: `mla_absorb.up_project`)."""
     batch, length, heads, rank = q_latent.shape
     rope_dim = q_rope.shape[-1]
     n_layers, n_blocks, block_size, width = cache.shape
@@ -261,9 +279,12 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
     q_rope = jnp.pad(q_rope.reshape(n_rows, heads, rope_dim).astype(cache.dtype),
                      ((0, 0), (0, heads_p - heads), (0, 0)))
     if fused:
-        return _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions, indices, scale, config,
-                             interpret, heads=heads, block_h=block_h, block_k=block_k, n_chunks=n_chunks, splits=splits,
-                             num_keys=num_keys, out_dtype=out_dtype).reshape(batch, length, heads, rank)
+        out = _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions, indices, scale, config,
+                            interpret, heads=heads, block_h=block_h, block_k=block_k, n_chunks=n_chunks, splits=splits,
+                            num_keys=num_keys, out_dtype=out_dtype)
+        return out.merged().reshape(batch, length, heads, rank) if merge else out
+    if not merge:
+        raise ValueError("sparse_mla: merge=False is for the fused decode variant (one token per request)")
     tables = block_tables.astype(jnp.int32)
     args = [q_latent, q_rope, query_positions.reshape(n_rows).astype(jnp.int32)]
     if indices is not None:
@@ -301,7 +322,8 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
 
 def _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions, indices, scale, config, interpret,
                   *, heads, block_h, block_k, n_chunks, splits, num_keys, out_dtype):
-    """The "fused" decode variant on head-padded q_latent [R, Hp, rank], q_rope [R, Hp, E] -> [R, heads, rank]."""
+    """The "fused" decode variant on head-padded q_latent [R, Hp, rank], q_rope [R, Hp, E] -> its splits'
+    `SplitLatents` (merged: [R, heads, rank] in out_dtype)."""
     n_rows, heads_p, rank = q_latent.shape
     rope_dim = q_rope.shape[-1]
     _, n_blocks, block_size, _ = cache.shape
@@ -325,4 +347,4 @@ def _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions,
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
         compiler_params=tiles.compiler_params(warps, config.num_stages), name="sparse_mla_decode_fused",
     )(q_latent, q_rope, query_positions.reshape(n_rows).astype(jnp.int32), rows, tiles.cache_rows(cache))
-    return combine_normalized(out[:, :, :heads], lse[:, :, :heads], out_dtype)
+    return SplitLatents(out, lse, heads, jnp.dtype(out_dtype).name)

@@ -8,10 +8,8 @@
 - "kda_turns": [kda_layers, TURN_ROWS, H] int32, all zero between steps: the counters with which the one-kernel KDA
   decode step finds each head's last block (`kernels.kda.decode_layer.decode_step(turns=)`), for steps of at most
   TURN_ROWS rows (larger steps do without)
-- "moe_turns": [num_layers, 1 + kernels.moe_dense.TURN_SLOTS] int32, all zero between steps: per layer, the counter
-  with which the MoE front kernel finds its last program when it also makes the router's choice (column 0,
-  `kernels.moe_front.front(select=)`), and those with which the gate/up kernel's last K slice of each tile and
-  column block applies the SwiGLU (`kernels.moe_dense.grouped_swiglu(turns=)`)
+- "moe_turns": [num_layers, 1] int32, all zero between steps: per layer, the counter with which the MoE front kernel
+  finds its last program when it also makes the router's choice (`kernels.moe_front.front(select=)`)
 Block 0 and slot 0 are scratch: padding writes there and nothing reads them.
 """
 
@@ -20,7 +18,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from dayzero.kernels import moe_dense
 from dayzero.kernels.kda import decode_layer
 
 from .config import LAYER_KDA, LAYER_MLA, MLP_MOE, ModelConfig
@@ -48,7 +45,7 @@ def cache_shapes(config: ModelConfig, num_blocks: int, num_slots: int, dtype,
                            jnp.float32)
         shapes["kda_turns"] = ((n_kda, TURN_ROWS, config.kda_num_heads), jnp.int32)
     if MLP_MOE in config.mlp_types:
-        shapes["moe_turns"] = ((config.num_layers, 1 + moe_dense.TURN_SLOTS), jnp.int32)
+        shapes["moe_turns"] = ((config.num_layers, 1), jnp.int32)
     return shapes
 
 

@@ -29,9 +29,10 @@ from .norms import RMSNorm
 FRONT_AFTER_MLA = True
 # Whether the front kernel also makes the router's choice in its last program (`moe_front.front(select=)`, with the
 # cache's "moe_turns" counters), where the router would run its one-token select kernel next: one kernel fewer per
-# MoE layer at batch 1. CPU-tested (interpret mode: the same choice as the select kernel's); off until it has run on
-# a GPU (tests/gpu/test_moe_front_gpu.py -k select; decode_profile.py --set model.decoder.FRONT_SELECT=true).
-FRONT_SELECT = False
+# MoE layer at batch 1. tests/gpu/test_moe_front_gpu.py passes on the H200; batch-1 decode 1.048 against 1.050 ms of
+# kernels per token alone (pipelined 1.020 / 1.030, eighteenth-session tree), 1.014 against 1.020 with the MLA
+# absorb kernels (174 kernels against 189; decode_profile.py, nineteenth session).
+FRONT_SELECT = True
 
 
 def layer_slots(config: ModelConfig) -> list[int]:
@@ -82,41 +83,30 @@ class DecoderLayer(nn.Module):
         norm_weight = self.post_attention_layernorm.variables["params"]["weight"]
         front = moe_front.by_kind(kind)
         select = self.mlp.front_select() if FRONT_SELECT and "moe_turns" in cache else None
-        chosen = None
         if select is None:
             x, normed, logits = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps)
-        else:
-            x, normed, logits, ids, weights, turns = front(update, residual, norm_weight, router_weight,
+            y, workspace = self.mlp(normed[:, None], workspace, logits=logits)
+            return x[:, None] + y, workspace, cache
+        x, normed, logits, ids, weights, turns = front(update, residual, norm_weight, router_weight,
                                                         eps=cfg.rms_norm_eps, select=select[0], bias=select[1],
                                                         turns=cache["moe_turns"], layer=self.layer)
-            chosen, cache = (ids, weights), dict(cache, moe_turns=turns)
-        # the residual add in the MoE block (the down kernel's, with `moe_dense.COMBINE_LAST`)
-        x, workspace, cache = self._moe(normed[:, None], workspace, cache, logits=logits, chosen=chosen,
-                                        residual=x[:, None])
-        return x, workspace, cache
+        y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=(ids, weights))
+        return x[:, None] + y, workspace, dict(cache, moe_turns=turns)
 
-    def _moe(self, h, workspace, cache: dict | None, **routing):
-        """The MoE block on normed rows h -> (y, workspace, cache), handing it the cache's "moe_turns" counters
-        (and taking them back) where the cache has them."""
-        if cache is None or "moe_turns" not in cache:
-            return (*self.mlp(h, workspace, **routing), cache)
-        y, workspace, turns = self.mlp(h, workspace, turns=cache["moe_turns"], **routing)
-        return y, workspace, dict(cache, moe_turns=turns)
-
-    def _mlp(self, x, workspace, cache: dict | None = None):
-        """x + mlp(norm(x)) -> (x, workspace, cache) (`_moe` for a MoE block)."""
+    def _mlp(self, x, workspace):
+        """x + mlp(norm(x)) -> (x, workspace)."""
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            y, workspace, cache = self._moe(h, workspace, cache)
+            y, workspace = self.mlp(h, workspace)
         else:
             y = self.mlp(h)
-        return x + y, workspace, cache
+        return x + y, workspace
 
     def __call__(self, x, positions, workspace=None):
         """Returns (x, workspace): the MXFP4 expert workspace (or None) passes from layer to layer."""
         h = self.input_layernorm(x)
         h = self.self_attn(h) if self.is_kda else self.self_attn(h, positions)
-        return self._mlp(x + h, workspace)[:2]
+        return self._mlp(x + h, workspace)
 
     def step(self, x, positions, valid, cache: dict, block_tables, slots, decode: bool, workspace=None):
         """Cached step of this layer; returns (x, cache, workspace)."""
@@ -150,7 +140,7 @@ class DecoderLayer(nn.Module):
         else:
             h, cache = self.self_attn.step(self.input_layernorm(x), positions, valid, cache, index, block_tables)
             x = x + h
-        x, workspace, cache = self._mlp(x, workspace, cache)
+        x, workspace = self._mlp(x, workspace)
         return x, cache, workspace
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from dayzero.kernels import attention as attention_kernels
 from dayzero.kernels import fp8_indexer
 from dayzero.kernels import indexer as indexer_kernels
-from dayzero.kernels import paged, projection
+from dayzero.kernels import mla_absorb, paged, projection
 
 from . import rope as rope_lib
 from .config import ModelConfig
@@ -125,17 +125,24 @@ class MLAttention(nn.Module):
             return rope_lib.cos_sin(cfg.rope, cfg.qk_rope_head_dim, positions, self.dtype)
         return None, None
 
-    def _queries(self, x, cos, sin, projected=None):
-        """-> q_nope [B, T, H, nope], q_rope [B, T, H, rope] (roped when the model uses rope), q_latent or None.
-        `projected`: q_proj(x) (or q_a_proj(x) with a query LoRA) computed already."""
+    def _query_projection(self, x, projected=None):
+        """-> q [B, T, H * (nope + rope)] (unroped), q_latent (the normed query LoRA) or None. `projected`: q_proj(x)
+        (or q_a_proj(x) with a query LoRA) computed already."""
         cfg = self.config
-        batch, length, _ = x.shape
         q_latent = None
         first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
         q = first(x) if projected is None else projected
         if cfg.q_lora_rank is not None:
             q_latent = self.q_a_layernorm(q)
             q = self.q_b_proj(q_latent)
+        return q, q_latent
+
+    def _queries(self, x, cos, sin, projected=None):
+        """-> q_nope [B, T, H, nope], q_rope [B, T, H, rope] (roped when the model uses rope), q_latent or None.
+        `projected`: as `_query_projection` takes it."""
+        cfg = self.config
+        batch, length, _ = x.shape
+        q, q_latent = self._query_projection(x, projected)
         q = q.reshape(batch, length, cfg.num_heads, cfg.qk_head_dim)
         q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
         if cfg.mla_use_rope:
@@ -153,24 +160,80 @@ class MLAttention(nn.Module):
             k_rope = rope_lib.apply_interleaved(k_rope[:, :, None, :], cos, sin)[:, :, 0]
         return latent, k_rope
 
+    def _cache_rows(self, x, cos, sin, projected=None):
+        """-> (the latent cache's new rows [B, T, R + rope], a `paged.LeadingNorm` for the write or None). One token
+        per row: kv_a_layernorm goes with the rows into the cache write (one kernel with the write where it runs),
+        the rope key roped beside them; else the rows come normed (`_latents`)."""
+        cfg = self.config
+        if x.shape[1] != 1 or self.is_initializing():
+            latent, k_rope = self._latents(x, cos, sin, projected)
+            return jnp.concatenate([latent, k_rope], axis=-1), None
+        kv = self.kv_a_proj_with_mqa(x) if projected is None else projected
+        if cfg.mla_use_rope:
+            k_rope = rope_lib.apply_interleaved(kv[:, :, None, cfg.kv_lora_rank:], cos, sin)[:, :, 0]
+            kv = jnp.concatenate([kv[..., :cfg.kv_lora_rank], k_rope], axis=-1)
+        weight = self.kv_a_layernorm.variables["params"]["weight"]
+        return kv, paged.LeadingNorm(weight, cfg.kv_lora_rank, self.kv_a_layernorm.eps)
+
+    def _kv_b_kernel(self) -> jax.Array:
+        """kv_b_proj's kernel [R, H * (nope + v)], which the absorbed path reads without calling the layer."""
+        if self.is_initializing():
+            self.kv_b_proj(jnp.zeros((1, self.config.kv_lora_rank), self.dtype))
+        return self.kv_b_proj.variables["params"]["kernel"]
+
+    def _out(self, o, out_project=None):
+        """o [B, T, H * v] -> o_proj(o) [B, T, D], or `out_project(o, o_proj's kernel)`: o_proj by other means (the
+        decode projections with the residual added)."""
+        if out_project is not None:
+            return out_project(o, self.o_proj.variables["params"]["kernel"])
+        return self.o_proj(o)
+
     def _absorbed(self, q_nope, q_rope, latent_cache, layer: int, block_tables, query_positions, indices,
                   out_project=None):
-        """Absorbed MLA over the paged latents of `layer` (W_UK folded into q, W_UV after) -> [B, T, D].
-        `out_project(o [B, T, H * v], o_proj's kernel)`: o_proj by other means (the decode projections with the
-        residual added)."""
+        """Absorbed MLA over the paged latents of `layer` (W_UK folded into q, W_UV after) -> [B, T, D] (`_out`)."""
         cfg = self.config
         batch, length, heads, nope = q_nope.shape
-        if self.is_initializing():  # the absorbed path reads kv_b_proj's kernel without calling it
-            self.kv_b_proj(jnp.zeros((1, cfg.kv_lora_rank), self.dtype))
-        w_kv = self.kv_b_proj.variables["params"]["kernel"].reshape(cfg.kv_lora_rank, heads, nope + cfg.v_head_dim)
+        w_kv = self._kv_b_kernel().reshape(cfg.kv_lora_rank, heads, nope + cfg.v_head_dim)
         q_absorbed = jnp.einsum("bthn,rhn->bthr", q_nope, w_kv[..., :nope].astype(q_nope.dtype))
         o_latent = attention_kernels.sparse_mla(q_absorbed, q_rope, latent_cache, layer, block_tables,
                                                 query_positions, indices, scale=cfg.mla_softmax_scale)
         o = jnp.einsum("bthr,rhv->bthv", o_latent, w_kv[..., nope:].astype(o_latent.dtype))
-        o = o.reshape(batch, length, heads * cfg.v_head_dim)
-        if out_project is not None:
-            return out_project(o, self.o_proj.variables["params"]["kernel"])
-        return self.o_proj(o)
+        return self._out(o.reshape(batch, length, heads * cfg.v_head_dim), out_project)
+
+    def absorb_kind(self, x) -> str:
+        """Which implementation `step` runs absorbed MLA's W_UK and W_UV products with for these rows x [B, T, D]:
+        "pallas" / "interpret" (`kernels.mla_absorb`: one token per row, off a mesh, where dispatch picks it and the
+        head sizes fit) or "reference" (the einsums of `_absorbed`)."""
+        cfg = self.config
+        if self.mesh is not None or self.is_initializing() or x.shape[1] != 1:
+            return "reference"
+        return mla_absorb.choose(cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
+
+    def _absorbed_decode(self, q, cos, sin, latent_cache, layer: int, block_tables, query_positions, indices, kind,
+                         out_project=None):
+        """`_absorbed` for one token per row through `kernels.mla_absorb` (`kind` "pallas" / "interpret"): q
+        [B, 1, H * (nope + rope)] unroped -> [B, 1, D] (`_out`)."""
+        cfg = self.config
+        batch = q.shape[0]
+        heads, nope, rope, v_dim = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        w_kv = self._kv_b_kernel()
+        interpret = kind == "interpret"
+        q_absorbed, q_rope = mla_absorb.absorb_queries(q[:, 0], w_kv, heads=heads, nope=nope, rope=rope,
+                                                       v_dim=v_dim, interpret=interpret)
+        q_rope = q_rope[:, None]
+        if cfg.mla_use_rope:
+            q_rope = rope_lib.apply_interleaved(q_rope, cos, sin)
+        up_kernel = batch <= mla_absorb.UP_PROJECT_MAX_ROWS
+        latents = attention_kernels.sparse_mla(q_absorbed[:, None], q_rope, latent_cache, layer, block_tables,
+                                               query_positions, indices, scale=cfg.mla_softmax_scale,
+                                               merge=not up_kernel)
+        if not isinstance(latents, mla_absorb.SplitLatents):
+            latents = latents.reshape(batch, heads, cfg.kv_lora_rank)
+        if up_kernel:
+            o = mla_absorb.up_project(latents, w_kv, nope=nope, v_dim=v_dim, interpret=interpret)
+        else:
+            o = mla_absorb.up_project_reference(latents, w_kv, nope=nope, v_dim=v_dim)
+        return self._out(o[:, None], out_project)
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Whole sequence: x [B, T, D], positions [B, T] (each row 0, 1, ..., T - 1) -> [B, T, D]."""
@@ -236,12 +299,16 @@ class MLAttention(nn.Module):
                 out_project = lambda o, w: project(o[:, 0], ((w,),), residual=rows)[0][:, None]
         elif unfinished:
             raise ValueError("MLAttention.step: `unfinished` needs the decode projections (a norm weight)")
-        q_nope, q_rope, q_latent = self._queries(x, cos, sin, projected[0])
-        latent, k_rope = self._latents(x, cos, sin, projected[1])
+        absorb = self.absorb_kind(x)
+        if absorb == "reference":
+            q_nope, q_rope, q_latent = self._queries(x, cos, sin, projected[0])
+        else:
+            q, q_latent = self._query_projection(x, projected[0])
+        latent_rows, norm = self._cache_rows(x, cos, sin, projected[1])
         query_positions = jnp.where(valid, positions, -1)
         cache = dict(cache)
-        cache["latent"] = paged.write(cache["latent"], layer, block_tables, positions, valid,
-                                      jnp.concatenate([latent, k_rope], axis=-1))
+        cache["latent"] = paged.write(cache["latent"], layer, block_tables, positions, valid, latent_rows,
+                                      norm=norm)
         indices = None
         if cfg.use_dsa:
             keys, scales = self.indexer.keys(x, cos, sin)
@@ -251,6 +318,10 @@ class MLAttention(nn.Module):
                                                     scales)
             indices = self.indexer.select(x, q_latent, cos, sin, cache["index_keys"], cache.get("index_scales"),
                                           layer, block_tables, query_positions)
-        out = self._absorbed(q_nope, q_rope, cache["latent"], layer, block_tables, query_positions, indices,
-                             out_project)
+        if absorb == "reference":
+            out = self._absorbed(q_nope, q_rope, cache["latent"], layer, block_tables, query_positions, indices,
+                                 out_project)
+        else:
+            out = self._absorbed_decode(q, cos, sin, cache["latent"], layer, block_tables, query_positions, indices,
+                                        absorb, out_project)
         return out, cache

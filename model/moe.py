@@ -355,14 +355,10 @@ class MoE(nn.Module):
         return select, self.variables["params"]["gate"].get("e_score_correction_bias")
 
     @nn.compact
-    def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None, chosen=None,
-                 turns: jax.Array | None = None, residual: jax.Array | None = None):
+    def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None, chosen=None):
         """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`).
         `logits` [B * T, E] float32: the router's logits of x, computed already (`kernels.moe_front`); `chosen`:
-        one token's choice made already (`front_select`); `turns`: the serving cache's "moe_turns" counters, for
-        the grouped expert kernels (`kernels.moe_dense.grouped_swiglu(turns=)`): the results are then (y,
-        workspace, turns); `residual` (x's shape): y is residual + the block's output (added in the down kernel
-        where `kernels.moe_dense.COMBINE_LAST` has it)."""
+        one token's choice made already (`front_select`)."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         router = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")
@@ -373,12 +369,7 @@ class MoE(nn.Module):
             shared = tuple(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
             ids, weights, sched = router(flat, shared_parts=parts, logits=logits, chosen=chosen)
             y = moe_kernels.routed_and_shared(flat, ids, weights, experts["w_gate"], experts["w_up"],
-                                              experts["w_down"], shared, sched=sched, turns=turns,
-                                              turn_row=self.layer,
-                                              residual=None if residual is None else residual.reshape(flat.shape))
-            if turns is not None:
-                y, turns = y
-                return y.reshape(x.shape), workspace, turns
+                                              experts["w_down"], shared, sched=sched)
             return y.reshape(x.shape), workspace
         if chosen is not None:
             raise ValueError("MoE: a choice made already needs the shared MLP in the routed kernels")
@@ -390,6 +381,4 @@ class MoE(nn.Module):
             y = y + MLP(cfg.moe_intermediate_size * cfg.num_shared_experts, cfg.hidden_size, self.dtype,
                         grouped_max_tokens=SHARED_GROUPED_MAX_TOKENS if self.mesh is None else 0,
                         name="shared_experts")(x)
-        if residual is not None:
-            y = residual + y
-        return (y, workspace) if turns is None else (y, workspace, turns)
+        return y, workspace

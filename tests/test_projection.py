@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dayzero.kernels import dispatch, projection
+from mla_decode_cases import prefilled_mla_layer
 from triton_lowering import count_triton_kernels
 
 SMALL = projection.ProjectionTiles(block_n=64, step_k=64, k_slices=1)
@@ -212,28 +213,16 @@ def test_mla_decode_with_projection_kernel(seed, monkeypatch, q_lora_rank):
     """`model.mla.DECODE_PROJECTIONS`: a one-MLA-layer model's cached decode step with the input norm, the query
     and latent projections and o_proj + residual in the projection kernel (interpret mode; two calls per layer,
     counted as traced) gives the logits of the same step with XLA's projections, to bf16 rounding."""
-    from dayzero.model import Model, mla
-    from dayzero.model.cache import init_cache
-    from dayzero.model.config import LAYER_MLA, MLP_DENSE
-    from dayzero.model.presets import tiny
+    from dayzero.model import mla
 
-    cfg = tiny().replace(num_layers=1, layer_types=(LAYER_MLA,), mlp_types=(MLP_DENSE,), index_topk=0,
-                         q_lora_rank=q_lora_rank, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
-    rng = np.random.default_rng(seed)
-    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
-    cache = init_cache(cfg, num_blocks=4, num_slots=3, dtype=jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 5)), jnp.int32)
-    tables, slots = jnp.asarray([[1], [2]], jnp.int32), jnp.asarray([1, 2], jnp.int32)
-    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
-    _, cache = step(ids, jnp.broadcast_to(jnp.arange(5), (2, 5)), jnp.ones((2, 5), bool), cache, tables, slots)
-    token, at, valid = ids[:, :1], jnp.full((2, 1), 5), jnp.ones((2, 1), bool)
-    plain, _ = step(token, at, valid, cache, tables, slots, decode=True)
+    step, args = prefilled_mla_layer(seed, q_lora_rank=q_lora_rank)
+    plain, _ = step(*args, decode=True)
     calls = []
     project = projection.project
     monkeypatch.setattr(mla, "DECODE_PROJECTIONS", True)
     monkeypatch.setattr(projection, "choose", lambda *a, impl=None: "interpret")
     monkeypatch.setattr(projection, "project", lambda *a, **k: calls.append(k) or project(*a, **k))
-    fused, _ = step(token, at, valid, cache, tables, slots, decode=True)
+    fused, _ = step(*args, decode=True)
     assert len(calls) == 2 and calls[0]["norm_weight"] is not None and calls[1]["residual"] is not None
     err = np.max(np.abs(np.asarray(fused, np.float32) - np.asarray(plain, np.float32)))
     assert err <= 3e-2 * np.max(np.abs(np.asarray(plain, np.float32)))

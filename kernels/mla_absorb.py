@@ -1,0 +1,232 @@
+"""Pallas (Triton) kernels on either side of absorbed MLA attention at decode, reading kv_b_proj's kernel in place.
+
+Absorbed MLA folds W_UK (kv_b_proj's nope columns) into the queries before attention and applies W_UV (its value
+columns) after it. In XLA each side is a head-batched product behind copies: the strided W_UK slice made every step
+(2 MB per layer for 16 heads, 16 MB for DeepSeek-V3.2's 128), the query's nope / rope slices, and after the split
+decode attention its merge (a max, an einsum, a convert) before the W_UV product. Here each side is one launch:
+
+- `absorb_queries`: q [M, H * (nope + rope)] (the query projection's output as it comes) and the kernel w_kv
+  [R, H * (nope + v)] -> q_latent [M, H, R] = per head q_nope . W_UK^T, and q_rope [M, H, E] copied out of q.
+  Grid (head, block of R, block of 16 rows); each program reads its [block_r, nope] piece of W_UK once.
+- `up_project`: the decode attention's per-split outputs (`SplitLatents`, from `sparse_mla(merge=False)`), or
+  latents already merged, and w_kv -> o [M, H * v]: the splits merged with their log-sum-exp weights (rounded to
+  the output dtype, as `sparse_mla.combine_normalized` does), times W_UV. Grid (head, block of v columns, row):
+  a vector-matrix product without tensor cores; each program walks R in steps, loading all splits of the step
+  as one [S, step] block (a first form merged them split by split inside the step: 64 dependent loads per
+  program, 29 us per layer on the H200) and multiplying the merged row into its [step, block_v] weights.
+
+`absorb_queries` takes rows in blocks of 16 (Triton's smallest dot M); spare rows repeat the last real row (the
+same values stored twice), as `kernels.projection` does. `absorb_reference` / `up_project_reference` are the same in plain XLA;
+`choose` picks (dispatch name "mla_absorb").
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from . import dispatch, tiles as tiling
+from .sparse_mla import SplitLatents
+
+# Whether CUDA runs the kernels by default: tests/gpu/test_mla_absorb_gpu.py passes on the H200 (2026-12-03), and
+# the medium hybrid's batch-1 decode took 1.020 ms of kernels per token with them against 1.049 without
+# (benchmarks/decode_profile.py, nineteenth session; up_project 5.3 us per layer against XLA's ~7.3 us of merge and
+# W_UV products).
+GPU_VERIFIED = True
+BLOCK_ROWS = 16
+# The model runs `up_project` for decode steps of at most this many rows and XLA's merge and einsum above: one
+# program per row re-reads W_UV, so at 16 rows the kernel took 18.7 us per layer against XLA's ~10 (same run).
+UP_PROJECT_MAX_ROWS = 2
+
+
+@dataclass(frozen=True)
+class AbsorbTiles:
+    """block_r: latent columns per `absorb_queries` program. `up_project` takes v blocks of the largest power of two
+    (>= 16) that still gives about `min_programs` programs per row, and R steps of up to `step_elements` weights."""
+
+    block_r: int = 64
+    min_programs: int = 128
+    step_elements: int = 4096
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _dims(w_kv: jax.Array, heads: int, nope: int, v_dim: int) -> int:
+    """Checks w_kv [R, heads * (nope + v_dim)] -> R."""
+    if w_kv.ndim != 2 or w_kv.shape[1] != heads * (nope + v_dim):
+        raise ValueError(f"mla_absorb: kv_b_proj kernel {list(w_kv.shape)} is not [R, {heads} heads x "
+                         f"({nope} nope + {v_dim} v)]")
+    return w_kv.shape[0]
+
+
+def supported(rank: int, nope: int, rope: int, v_dim: int, tiles: AbsorbTiles = AbsorbTiles()) -> bool:
+    """Whether the kernels take these head sizes: nope, v_dim and the R step powers of two >= 16 (Triton dots),
+    R a multiple of the step, rope a power of two (a copy)."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0
+    step = tiling.pow2_divisor(rank, tiles.block_r)
+    return pow2(nope) and nope >= 16 and pow2(v_dim) and v_dim >= 16 and step >= 16 and pow2(rope)
+
+
+def choose(rank: int, nope: int, rope: int, v_dim: int, impl: str | None = None) -> str:
+    """"pallas" / "interpret" where dispatch picks the kernels and they take these sizes, else "reference"."""
+    kind = dispatch.choose("mla_absorb", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
+    return kind if kind != "reference" and supported(rank, nope, rope, v_dim) else "reference"
+
+
+def _row_index(rows: int):
+    """This program's 16 row indices (spare ones clamped to the last real row)."""
+    first = pl.program_id(2) * BLOCK_ROWS
+    return jnp.minimum(first + jax.lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0), rows - 1)
+
+
+def absorb_reference(q: jax.Array, w_kv: jax.Array, *, heads: int, nope: int, rope: int,
+                     v_dim: int) -> tuple[jax.Array, jax.Array]:
+    """XLA form of `absorb_queries`."""
+    rank = _dims(w_kv, heads, nope, v_dim)
+    q = q.reshape(q.shape[0], heads, nope + rope)
+    w = w_kv.reshape(rank, heads, nope + v_dim)[..., :nope].astype(q.dtype)
+    return jnp.einsum("mhn,rhn->mhr", q[..., :nope], w), q[..., nope:]
+
+
+def _absorb_kernel(q_ref, w_ref, ql_ref, qr_ref, *, rows, nope, rope, v_dim, rank, block_r):
+    h, j = pl.program_id(0), pl.program_id(1)
+    index = _row_index(rows)
+    q_start = pl.multiple_of(h * (nope + rope), math.gcd(nope + rope, nope))
+    q_nope = q_ref[index, pl.ds(q_start, nope)]
+    r0 = pl.multiple_of(j * block_r, block_r)
+    w = w_ref[pl.ds(r0, block_r), pl.ds(pl.multiple_of(h * (nope + v_dim), math.gcd(nope + v_dim, nope)), nope)]
+    out = tiling.mm_nt(q_nope, w.astype(q_nope.dtype))
+    ql_ref[index, pl.ds(pl.multiple_of(h * rank + r0, block_r), block_r)] = out.astype(ql_ref.dtype)
+
+    @pl.when(j == 0)
+    def _():
+        qr_ref[index, pl.ds(pl.multiple_of(h * rope, rope), rope)] = q_ref[index, pl.ds(q_start + nope, rope)]
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "nope", "rope", "v_dim", "tiles", "interpret"))
+def absorb_queries(q: jax.Array, w_kv: jax.Array, *, heads: int, nope: int, rope: int, v_dim: int,
+                   tiles: AbsorbTiles = AbsorbTiles(), interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """q [M, heads * (nope + rope)], w_kv [R, heads * (nope + v_dim)] (kv_b_proj's kernel) -> q_latent [M, heads, R]
+    in q's dtype (float32 sums of q_nope . W_UK per head), q_rope [M, heads, rope] (q's rope columns)."""
+    rank = _dims(w_kv, heads, nope, v_dim)
+    rows = q.shape[0]
+    if q.ndim != 2 or q.shape[1] != heads * (nope + rope):
+        raise ValueError(f"mla_absorb: queries {list(q.shape)} are not [M, {heads} x ({nope} + {rope})]")
+    if not supported(rank, nope, rope, v_dim, tiles):
+        raise ValueError(f"mla_absorb: head sizes nope {nope}, rope {rope}, v {v_dim}, rank {rank} not supported")
+    block_r = tiling.pow2_divisor(rank, tiles.block_r)
+    kernel = functools.partial(_absorb_kernel, rows=rows, nope=nope, rope=rope, v_dim=v_dim, rank=rank,
+                               block_r=block_r)
+    q_latent, q_rope = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((rows, heads * rank), q.dtype),
+                   jax.ShapeDtypeStruct((rows, heads * rope), q.dtype)),
+        grid=(heads, rank // block_r, -(-rows // BLOCK_ROWS)),
+        compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
+        interpret=interpret,
+        name="mla_absorb_queries",
+    )(q, w_kv)
+    return q_latent.reshape(rows, heads, rank), q_rope.reshape(rows, heads, rope)
+
+
+def _as_split(latents: SplitLatents | jax.Array) -> SplitLatents:
+    """Merged latents [M, H, R] as one split of weight 1."""
+    if isinstance(latents, SplitLatents):
+        return latents
+    rows, heads, _ = latents.shape
+    return SplitLatents(latents[:, None], jnp.zeros((rows, 1, heads), jnp.float32), heads,
+                        jnp.dtype(latents.dtype).name)
+
+
+def up_project_reference(latents: SplitLatents | jax.Array, w_kv: jax.Array, *, nope: int,
+                         v_dim: int) -> jax.Array:
+    """XLA form of `up_project`."""
+    merged = latents.merged() if isinstance(latents, SplitLatents) else latents
+    rows, heads, rank = merged.shape
+    _dims(w_kv, heads, nope, v_dim)
+    w = w_kv.reshape(rank, heads, nope + v_dim)[..., nope:].astype(merged.dtype)
+    return jnp.einsum("mhr,rhv->mhv", merged, w).reshape(rows, heads * v_dim)
+
+
+def _up_kernel(out_ref, lse_ref, w_ref, o_ref, *, splits, heads_p, nope, v_dim, rank, block_r, block_v):
+    h, j, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dtype = o_ref.dtype
+    split_rows = (m * splits + jax.lax.broadcasted_iota(jnp.int32, (splits,), 0)) * heads_p + h  # in out / lse
+    lse = lse_ref[split_rows]
+    top = jnp.max(lse)
+    weight = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # 0 for splits that saw no key
+    total = jnp.sum(weight)
+    weight = weight * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    w_col = pl.multiple_of(h * (nope + v_dim) + nope + j * block_v, math.gcd(nope + v_dim, nope, block_v))
+
+    def step(c, acc):  # one block_r slice of R: the splits' rows merged, rounded, times W_UV's rows
+        r0 = pl.multiple_of(c * block_r, block_r)
+        parts = out_ref[split_rows, pl.ds(r0, block_r)].astype(jnp.float32)
+        merged = jnp.sum(weight[:, None] * parts, axis=0).astype(dtype).astype(jnp.float32)
+        w = w_ref[pl.ds(r0, block_r), pl.ds(w_col, block_v)].astype(dtype).astype(jnp.float32)
+        return acc + jnp.sum(merged[:, None] * w, axis=0)
+
+    acc = jax.lax.fori_loop(0, rank // block_r, step, jnp.zeros((block_v,), jnp.float32))
+    o_ref[m, pl.ds(pl.multiple_of(h * v_dim + j * block_v, block_v), block_v)] = acc.astype(dtype)
+
+
+def up_block_v(heads: int, v_dim: int, tiles: AbsorbTiles = AbsorbTiles()) -> int:
+    """`up_project`'s v columns per program: the largest power of two dividing v_dim (>= 16) with about
+    `min_programs` programs over the heads."""
+    block = tiling.pow2_divisor(v_dim, v_dim)
+    while block > 16 and heads * (v_dim // block) < tiles.min_programs:
+        block //= 2
+    return block
+
+
+def up_block_r(rank: int, block_v: int, splits: int, tiles: AbsorbTiles = AbsorbTiles()) -> int:
+    """`up_project`'s R step: a power of two dividing R with a [step, block_v] weight slice and an [S, step] block
+    of split rows of at most `step_elements` each (the program holds them in float32 registers)."""
+    return tiling.pow2_divisor(rank, max(16, tiles.step_elements // max(block_v, splits)))
+
+
+def _pad_splits(split: SplitLatents) -> SplitLatents:
+    """Split counts up to a power of two (the kernel loads all of a row's splits as one block): extra splits of
+    -inf log-sum-exp, which weigh 0."""
+    splits = split.out.shape[1]
+    extra = tiling.pow2_at_least(splits) - splits
+    if not extra:
+        return split
+    out = jnp.pad(split.out, ((0, 0), (0, extra), (0, 0), (0, 0)))
+    lse = jnp.pad(split.lse, ((0, 0), (0, extra), (0, 0)), constant_values=-jnp.inf)
+    return SplitLatents(out, lse, split.heads, split.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("nope", "v_dim", "tiles", "interpret"))
+def up_project(latents: SplitLatents | jax.Array, w_kv: jax.Array, *, nope: int, v_dim: int,
+               tiles: AbsorbTiles = AbsorbTiles(), interpret: bool = False) -> jax.Array:
+    """Decode attention's latents (`SplitLatents`, or merged [M, H, R]) and w_kv [R, H * (nope + v_dim)] -> o
+    [M, H * v_dim] in the latents' dtype: the splits merged (rounded to that dtype), times W_UV per head."""
+    split = _as_split(latents)
+    rows, _, heads_p, rank = split.out.shape
+    heads = split.heads
+    if _dims(w_kv, heads, nope, v_dim) != rank:
+        raise ValueError(f"mla_absorb: latents of rank {rank} for a kv_b_proj kernel of {w_kv.shape[0]} rows")
+    if split.lse.shape != split.out.shape[:3]:
+        raise ValueError(f"mla_absorb: log-sum-exps {split.lse.shape} for split outputs {split.out.shape}")
+    if not supported(rank, nope, 16, v_dim, tiles):
+        raise ValueError(f"mla_absorb: nope {nope}, v {v_dim}, rank {rank} not supported")
+    split = _pad_splits(split)
+    splits = split.out.shape[1]
+    block_v = up_block_v(heads, v_dim, tiles)
+    block_r = up_block_r(rank, block_v, splits, tiles)
+    kernel = functools.partial(_up_kernel, splits=splits, heads_p=heads_p, nope=nope, v_dim=v_dim, rank=rank,
+                               block_r=block_r, block_v=block_v)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((rows, heads * v_dim), jnp.dtype(split.dtype)),
+        grid=(heads, v_dim // block_v, rows),
+        compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
+        interpret=interpret,
+        name="mla_up_project",
+    )(split.out.reshape(rows * splits * heads_p, rank), split.lse.reshape(-1), w_kv)

@@ -1,0 +1,100 @@
+"""Absorbed MLA's W_UK / W_UV kernels (kernels/mla_absorb.py) compiled for real (Triton) on the GPU, at the medium
+hybrid's (16 heads) and DeepSeek-V3.2's (128 heads) sizes, against float64 oracles; and the medium hybrid's decode
+step through them against the einsum path; the latent's norm inside the decode cache write. Passing here is what
+lets `mla_absorb.GPU_VERIFIED` and `paged.NORM_GPU_VERIFIED` become True."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dayzero.kernels import mla_absorb
+from dayzero.kernels.sparse_mla import SplitLatents
+
+pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices()),
+                                reason="no GPU on this machine")
+
+NOPE, ROPE, V, RANK = 128, 64, 128, 512
+
+
+@pytest.mark.parametrize("heads,rows,splits", [(16, 1, 8), (16, 16, 4), (16, 3, 256), (128, 1, 16), (128, 8, 1)])
+def test_both_sides_against_float64(heads, rows, splits):
+    rng = np.random.default_rng(heads + rows + splits)
+    q = jnp.asarray(rng.standard_normal((rows, heads * (NOPE + ROPE))), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((RANK, heads * (NOPE + V))) / np.sqrt(RANK), jnp.bfloat16)
+    q_lat, q_rope = jax.jit(lambda q, w: mla_absorb.absorb_queries(q, w, heads=heads, nope=NOPE, rope=ROPE,
+                                                                   v_dim=V))(q, w)
+    q64 = np.asarray(q, np.float64).reshape(rows, heads, NOPE + ROPE)
+    w64 = np.asarray(w, np.float64).reshape(RANK, heads, NOPE + V)
+    want = np.einsum("mhn,rhn->mhr", q64[..., :NOPE], w64[..., :NOPE])
+    assert np.max(np.abs(np.asarray(q_lat, np.float64) - want)) <= 1e-2 * np.max(np.abs(want))
+    np.testing.assert_array_equal(np.asarray(q_rope), np.asarray(q).reshape(rows, heads, -1)[..., NOPE:])
+
+    out = jnp.asarray(rng.standard_normal((rows, splits, heads, RANK)), jnp.bfloat16)
+    lse = rng.standard_normal((rows, splits, heads)) * 3
+    if splits > 1:
+        lse[:, splits // 2:] = -np.inf  # empty splits, as a short context leaves them
+    lse[0, :, 1] = -np.inf
+    latents = SplitLatents(out, jnp.asarray(lse, jnp.float32), heads, "bfloat16")
+    o = jax.jit(lambda l, w: mla_absorb.up_project(l, w, nope=NOPE, v_dim=V))(latents, w)
+    merged = np.asarray(latents.merged(), np.float64)
+    want = np.einsum("mhr,rhv->mhv", merged, w64[..., NOPE:]).reshape(rows, -1)
+    got = np.asarray(o, np.float64)
+    assert np.all(np.isfinite(got)) and np.max(np.abs(got - want)) <= 1e-2 * np.max(np.abs(want))
+    assert not np.any(got[0, V:2 * V])
+
+
+def test_model_decode_through_the_kernels_on_gpu(monkeypatch):
+    """The medium hybrid's first four layers (an MLA layer last), batch 1: the decode step's logits with the kernels
+    against the einsum path, to bf16 rounding."""
+    from dayzero.model import Model
+    from dayzero.model.cache import init_cache
+    from dayzero.model.presets import medium_hybrid
+
+    cfg = medium_hybrid().replace(num_layers=4, layer_types=medium_hybrid().layer_types[:4],
+                                  mlp_types=medium_hybrid().mlp_types[:4])
+    model = Model.random(cfg, dtype="bfloat16", seed=0)
+    cache = init_cache(cfg, num_blocks=8, num_slots=2, dtype=jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (1, 150)), jnp.int32)
+    tables, rows = jnp.asarray([[1, 2, 3]], jnp.int32), jnp.asarray([1], jnp.int32)
+    run = lambda *a, **k: jax.jit(lambda p, *a: model.module.apply({"params": p}, *a, method="step", **k))(
+        model.params, *a)  # traced anew each time: the dispatch choice is read when the step traces
+    _, cache = run(ids, jnp.arange(150)[None], jnp.ones((1, 150), bool), cache, tables, rows)
+    args = (ids[:, :1], jnp.full((1, 1), 150), jnp.ones((1, 1), bool), cache, tables, rows)
+    monkeypatch.setattr(mla_absorb, "choose", lambda *a, impl=None: "reference")
+    plain, _ = run(*args, decode=True)
+    from dayzero.kernels import paged
+    monkeypatch.setattr(paged, "NORM_GPU_VERIFIED", True)  # and the latent's norm in the cache write
+    calls = []
+    up = mla_absorb.up_project
+    monkeypatch.setattr(mla_absorb, "choose", lambda *a, impl=None: "pallas")
+    monkeypatch.setattr(mla_absorb, "up_project", lambda l, *a, **k: calls.append(l) or up(l, *a, **k))
+    fused, _ = run(*args, decode=True)
+    assert len(calls) == 1 and isinstance(calls[0], SplitLatents)
+    a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
+    assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_latent_write_with_its_norm_on_gpu(monkeypatch, rows):
+    """`paged.write(norm=LeadingNorm)` in the decode write kernel at the medium hybrid's latent (512 + 64, bf16)
+    against the norm in XLA before the same kernel: equal to bf16 rounding, the rope key bit for bit."""
+    from dayzero.kernels import paged
+
+    rng = np.random.default_rng(rows)
+    cache = jnp.zeros((2, 40, 64, 576), jnp.bfloat16)
+    values = jnp.asarray(rng.standard_normal((rows, 1, 576)) * 4, jnp.bfloat16)
+    norm = paged.LeadingNorm(jnp.asarray(rng.standard_normal(512), jnp.bfloat16), 512, 1e-6)
+    tables = jnp.asarray(rng.permutation(np.arange(1, 40))[:rows * 2].reshape(rows, 2), jnp.int32)
+    positions, valid = jnp.asarray(rng.integers(0, 128, (rows, 1))), jnp.ones((rows, 1), bool)
+    write = jax.jit(lambda c, v: paged.write(c, 1, tables, positions, valid, v, norm=norm))
+    monkeypatch.setattr(paged, "NORM_GPU_VERIFIED", False)
+    want = np.asarray(write(cache, values), np.float32)
+    monkeypatch.setattr(paged, "NORM_GPU_VERIFIED", True)
+    got = np.asarray(jax.jit(lambda c, v: paged.write(c, 1, tables, positions, valid, v, norm=norm))(cache, values),
+                     np.float32)
+    assert np.max(np.abs(got - want)) <= 1e-2 * np.max(np.abs(want))
+    np.testing.assert_array_equal(got[..., 512:], want[..., 512:])
+    assert np.count_nonzero(np.any(got != 0, axis=-1)) == rows

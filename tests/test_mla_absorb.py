@@ -1,0 +1,179 @@
+"""kernels/mla_absorb.py: absorbed MLA's W_UK and W_UV products at decode, in interpret mode against a float64 oracle
+and the XLA form, the split merge's corner cases (empty splits, heads that saw nothing, padded heads), errors, the
+Triton lowering at the medium hybrid's and DeepSeek-V3.2's head sizes, and the MLA decode step through them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dayzero.kernels import mla_absorb
+from dayzero.kernels.sparse_mla import SplitLatents
+from mla_decode_cases import prefilled_mla_layer
+from triton_lowering import count_triton_kernels
+
+HEADS, NOPE, ROPE, V, RANK = 4, 32, 16, 32, 128
+
+
+def _weights(rng, dtype, heads=HEADS, nope=NOPE, v_dim=V, rank=RANK):
+    return jnp.asarray(rng.standard_normal((rank, heads * (nope + v_dim))) / np.sqrt(rank), dtype)
+
+
+def _tol(dtype):
+    return 2e-2 if dtype == jnp.bfloat16 else 1e-5
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_absorb_queries(seed, rows, dtype):
+    """q_nope . W_UK^T per head against float64, and the rope columns copied exactly; 17 rows span two row blocks."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((rows, HEADS * (NOPE + ROPE))), dtype)
+    w = _weights(rng, dtype)
+    q_lat, q_rope = mla_absorb.absorb_queries(q, w, heads=HEADS, nope=NOPE, rope=ROPE, v_dim=V, interpret=True)
+    assert q_lat.shape == (rows, HEADS, RANK) and q_lat.dtype == dtype and q_rope.shape == (rows, HEADS, ROPE)
+    q64 = np.asarray(q, np.float64).reshape(rows, HEADS, NOPE + ROPE)
+    w64 = np.asarray(w, np.float64).reshape(RANK, HEADS, NOPE + V)
+    want = np.einsum("mhn,rhn->mhr", q64[..., :NOPE], w64[..., :NOPE])
+    err = np.max(np.abs(np.asarray(q_lat, np.float64) - want))
+    assert err <= _tol(dtype) * np.max(np.abs(want))
+    np.testing.assert_array_equal(np.asarray(q_rope), np.asarray(q).reshape(rows, HEADS, NOPE + ROPE)[..., NOPE:])
+    ref_lat, ref_rope = mla_absorb.absorb_reference(q, w, heads=HEADS, nope=NOPE, rope=ROPE, v_dim=V)
+    np.testing.assert_array_equal(np.asarray(q_rope), np.asarray(ref_rope))
+    np.testing.assert_allclose(np.asarray(q_lat, np.float32), np.asarray(ref_lat, np.float32),
+                               atol=_tol(dtype) * float(np.max(np.abs(want))))
+
+
+def _split_case(rng, rows, splits, heads_p, dtype):
+    out = jnp.asarray(rng.standard_normal((rows, splits, heads_p, RANK)), dtype)
+    lse = rng.standard_normal((rows, splits, heads_p)) * 3
+    if splits > 1:
+        lse[:, -1] = -np.inf  # a split that saw no key
+    lse[0, :, 1] = -np.inf  # a head of row 0 that saw no key at all
+    return SplitLatents(out, jnp.asarray(lse, jnp.float32), HEADS, jnp.dtype(dtype).name)
+
+
+def _up_oracle(latents: SplitLatents, w):
+    """float64: the splits merged by their log-sum-exps, rounded to the output dtype as the reference rounds, then
+    times W_UV."""
+    merged = np.asarray(latents.merged(), np.float64)
+    rank = merged.shape[-1]
+    w64 = np.asarray(w, np.float64).reshape(rank, HEADS, NOPE + V)[..., NOPE:]
+    return np.einsum("mhr,rhv->mhv", merged, w64).reshape(merged.shape[0], -1)
+
+
+@pytest.mark.parametrize("rows,splits,heads_p", [(1, 1, 4), (1, 8, 4), (5, 4, 8), (17, 2, 4), (2, 3, 4)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_up_project_merges_splits(seed, rows, splits, heads_p, dtype):
+    """The splits' merge and W_UV: against float64 and the XLA form; zeros for a head that saw no key; padded heads
+    (heads_p > heads) ignored."""
+    rng = np.random.default_rng(seed)
+    latents = _split_case(rng, rows, splits, heads_p, dtype)
+    w = _weights(rng, dtype)
+    o = mla_absorb.up_project(latents, w, nope=NOPE, v_dim=V, interpret=True)
+    assert o.shape == (rows, HEADS * V) and o.dtype == dtype
+    want = _up_oracle(latents, w)
+    scale = np.max(np.abs(want))
+    assert np.max(np.abs(np.asarray(o, np.float64) - want)) <= _tol(dtype) * scale
+    assert not np.any(np.asarray(o, np.float32)[0, V:2 * V])  # row 0's head 1 saw no key
+    ref = mla_absorb.up_project_reference(latents, w, nope=NOPE, v_dim=V)
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(ref, np.float32), atol=_tol(dtype) * scale)
+
+
+def test_up_project_takes_merged_latents(seed):
+    rng = np.random.default_rng(seed)
+    merged = jnp.asarray(rng.standard_normal((3, HEADS, RANK)), jnp.float32)
+    w = _weights(rng, jnp.float32)
+    o = mla_absorb.up_project(merged, w, nope=NOPE, v_dim=V, interpret=True)
+    want = np.einsum("mhr,rhv->mhv", np.asarray(merged, np.float64),
+                     np.asarray(w, np.float64).reshape(RANK, HEADS, NOPE + V)[..., NOPE:]).reshape(3, -1)
+    np.testing.assert_allclose(np.asarray(o, np.float64), want, rtol=1e-5, atol=1e-5)
+
+
+def test_block_v_keeps_programs():
+    assert mla_absorb.up_block_v(16, 128) == 16  # the medium hybrid: 16 heads x 8 blocks = 128 programs
+    assert mla_absorb.up_block_v(128, 128) == 128  # DeepSeek-V3.2: one block per head
+    assert mla_absorb.up_block_v(4, 32) == 16
+    assert mla_absorb.up_block_r(512, 16, 8) == 256 and mla_absorb.up_block_r(512, 128, 8) == 32
+    assert mla_absorb.up_block_r(512, 16, 256) == 16
+
+
+def test_names_what_it_does_not_take():
+    w = jnp.zeros((RANK, HEADS * (NOPE + V)), jnp.float32)
+    with pytest.raises(ValueError, match="kv_b_proj kernel"):
+        mla_absorb.absorb_queries(jnp.zeros((1, HEADS * (NOPE + ROPE))), w[:, :-1], heads=HEADS, nope=NOPE,
+                                  rope=ROPE, v_dim=V, interpret=True)
+    with pytest.raises(ValueError, match="queries"):
+        mla_absorb.absorb_queries(jnp.zeros((1, 7)), w, heads=HEADS, nope=NOPE, rope=ROPE, v_dim=V, interpret=True)
+    with pytest.raises(ValueError, match="not supported"):
+        mla_absorb.absorb_queries(jnp.zeros((1, HEADS * 20)), jnp.zeros((RANK, HEADS * 20)), heads=HEADS, nope=8,
+                                  rope=12, v_dim=12, interpret=True)
+    bad = SplitLatents(jnp.zeros((1, 2, HEADS, RANK)), jnp.zeros((1, 3, HEADS)), HEADS, "float32")
+    with pytest.raises(ValueError, match="log-sum-exps"):
+        mla_absorb.up_project(bad, w, nope=NOPE, v_dim=V, interpret=True)
+    assert not mla_absorb.supported(RANK, 8, ROPE, V) and mla_absorb.supported(512, 128, 64, 128)
+
+
+@pytest.mark.parametrize("heads,rows", [(16, 1), (16, 16), (128, 1)])
+def test_lowers_to_triton(heads, rows):
+    """The medium hybrid's (16 heads) and DeepSeek-V3.2's (128) head sizes: one Triton kernel each side."""
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    w = spec(512, heads * 256)
+    absorb = lambda q, w: mla_absorb.absorb_queries(q, w, heads=heads, nope=128, rope=64, v_dim=128)
+    assert count_triton_kernels(absorb, spec(rows, heads * 192), w) == 1
+    up = lambda o, lse, w: mla_absorb.up_project(SplitLatents(o, lse, heads, "bfloat16"), w, nope=128, v_dim=128)
+    assert count_triton_kernels(up, spec(rows, 8, heads, 512), spec(rows, 8, heads, dtype=jnp.float32), w) == 1
+
+
+@pytest.mark.parametrize("q_lora_rank,use_rope,up_max_rows", [(None, False, 2), (32, True, 2), (32, True, 1)])
+def test_mla_decode_through_the_kernels(seed, monkeypatch, q_lora_rank, use_rope, up_max_rows):
+    """A one-MLA-layer model's cached decode step with absorbed MLA through the kernels (interpret mode, with the
+    split decode attention handing them its splits unmerged) gives the logits of the einsum path, to bf16 rounding.
+    Steps of more rows than `UP_PROJECT_MAX_ROWS` merge the splits in the attention and take XLA's W_UV product."""
+    monkeypatch.setattr(mla_absorb, "UP_PROJECT_MAX_ROWS", up_max_rows)
+    from dayzero.kernels import attention
+
+    step, args = prefilled_mla_layer(seed, q_lora_rank=q_lora_rank, kv_lora_rank=32, mla_use_rope=use_rope)
+    sparse = attention.sparse_mla
+    monkeypatch.setattr(attention, "sparse_mla", lambda *a, **k: sparse(*a, impl="interpret", **k))
+    plain, _ = step(*args, decode=True)
+    calls = []
+    up = mla_absorb.up_project
+    monkeypatch.setattr(mla_absorb, "choose", lambda *a, impl=None: "interpret")
+    monkeypatch.setattr(mla_absorb, "up_project", lambda latents, *a, **k: calls.append(latents) or up(latents, *a, **k))
+    fused, _ = step(*args, decode=True)
+    assert (len(calls) == 1 and isinstance(calls[0], SplitLatents)) if up_max_rows >= 2 else not calls
+    err = np.max(np.abs(np.asarray(fused, np.float32) - np.asarray(plain, np.float32)))
+    assert err <= 3e-2 * np.max(np.abs(np.asarray(plain, np.float32)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_latent_write_with_its_norm(seed, dtype):
+    """`paged.write(norm=LeadingNorm)`: the decode write kernel (interpret mode) normalizes the latent (the first 32
+    of 48 features) as `model.norms.RMSNorm` does and stores the rope key after it unchanged; invalid rows go to the
+    scratch block."""
+    from dayzero.kernels import paged
+    from dayzero.model.norms import RMSNorm
+
+    rng = np.random.default_rng(seed)
+    cache = jnp.zeros((2, 4, 8, 48), dtype)
+    values = jnp.asarray(rng.standard_normal((3, 1, 48)) * 4, dtype)
+    weight = jnp.asarray(rng.standard_normal(32), dtype)
+    tables = jnp.asarray([[1, 2], [3, 0], [2, 1]], jnp.int32)
+    positions, valid = jnp.asarray([[9], [3], [0]]), jnp.asarray([[True], [True], [False]])
+    norm = paged.LeadingNorm(weight, 32, 1e-6)
+    got = paged.write(cache, 1, tables, positions, valid, values, impl="interpret", norm=norm)
+    normed = RMSNorm(eps=1e-6, param_dtype=dtype).apply({"params": {"weight": weight}}, values[..., :32])
+    want = paged.write_reference(cache, 1, tables, positions, valid,
+                                 jnp.concatenate([normed, values[..., 32:]], axis=-1))
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    np.testing.assert_array_equal(np.asarray(got[1, 2, 1, 32:]), np.asarray(values[0, 0, 32:]))
+    np.testing.assert_array_equal(np.asarray(norm.apply(values)), np.asarray(
+        jnp.concatenate([normed, values[..., 32:]], axis=-1)))
+    with pytest.raises(ValueError, match="one token per request"):
+        from dayzero.kernels import paged_pallas
+        paged_pallas.write(cache, 1, tables, jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2), bool),
+                           jnp.zeros((3, 2, 48), dtype), interpret=True, norm=norm)
