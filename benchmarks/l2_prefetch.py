@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--widths", default="2048,6144")
     parser.add_argument("--fractions", default="0,0.5,1")
     args = parser.parse_args(argv)
+    if not l2_prefetch.available(interpret=False):
+        raise SystemExit("l2_prefetch.py needs JAX's Pallas Triton lowering (a CUDA build of jax)")
     copy_bw = hbm_copy_bandwidth()
     res = {"hbm_copy_TBps": round(copy_bw / 1e12, 3)}
     dim = 2048

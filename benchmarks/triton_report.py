@@ -385,8 +385,8 @@ def moe_front_cases() -> dict:
             "front B1 with the router's choice": (choosing, shapes + (S((64,), jnp.float32), S((16, 4), jnp.int32)))}
 
 
-CASES = {"indexer": indexer_cases, "kda": kda_cases, "mla_absorb": mla_absorb_cases, "moe_dense": moe_dense_cases, "moe_front": moe_front_cases,
-         "moe_gemv": moe_gemv_cases, "moe_mxfp4": moe_mxfp4_cases, "projection": projection_cases,
+CASES = {"indexer": indexer_cases, "kda": kda_cases, "mla_absorb": mla_absorb_cases, "moe_dense": moe_dense_cases,
+         "moe_front": moe_front_cases, "moe_gemv": moe_gemv_cases, "moe_mxfp4": moe_mxfp4_cases, "projection": projection_cases,
          "router": router_cases, "sparse_mla": sparse_mla_cases, "topk": topk_cases}
 
 

@@ -12,9 +12,9 @@ RELAXED semantic. This leans on Pallas' internal lowering module (present in jax
 missing, `add_relaxed` falls back to `pallas.triton.atomic_add`.
 
 `take_turn` is how a kernel's programs find the last of them to finish a shared piece of work (the KDA decode
-step's conv shift, the MoE front's router choice, the gate/up kernel's SwiGLU over its K slices): each adds 1 to an
-int32 counter after its own loads and stores, and the one that sees N - 1 does the work and sets the counter back
-to zero, so the counters (kept in the serving cache) are zero between calls.
+step's conv shift, the MoE front's router choice): each adds 1 to an int32 counter after its own loads and stores,
+and the one that sees N - 1 does the work and sets the counter back to zero, so the counters (kept in the serving
+cache) are zero between calls.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import Any
 
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
+
+from . import tiles as tiling
 
 try:  # Pallas internals: the atomic primitive's pieces and the Triton lowering registry
     from jax._src import core as _core
@@ -88,6 +90,5 @@ def take_turn(counters_ref, idx, *, interpret: bool):
     acquire-release ordering at GPU scope. Returns the count before this turn: the program that sees N - 1 of N
     knows the others' stores are visible to it and their loads are done. (Interpret mode runs programs one after
     another: no barrier there.)"""
-    if not interpret:
-        pltriton.debug_barrier()
+    tiling.cta_barrier(interpret)
     return pltriton.atomic_add(counters_ref, idx, jnp.int32(1))

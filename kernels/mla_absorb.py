@@ -16,8 +16,8 @@ decode attention its merge (a max, an einsum, a convert) before the W_UV product
   program, 29 us per layer on the H200) and multiplying the merged row into its [step, block_v] weights.
 
 `absorb_queries` takes rows in blocks of 16 (Triton's smallest dot M); spare rows repeat the last real row (the
-same values stored twice), as `kernels.projection` does. `absorb_reference` / `up_project_reference` are the same in plain XLA;
-`choose` picks (dispatch name "mla_absorb").
+same values stored twice), as `kernels.projection` does. `absorb_reference` / `up_project_reference` are the same
+in plain XLA; `choose` picks (dispatch name "mla_absorb").
 """
 
 from __future__ import annotations

@@ -33,7 +33,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
 from . import dispatch, moe_tiles, tiles as tiling
 
@@ -212,14 +211,13 @@ def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_
     slot = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, k_pad), 1)
     pair_token = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, k_pad), 0)
     is_pair = (slot < top_k + parts) & (pair_token < n_tokens)
-    barrier = (lambda: None) if interpret else pltriton.debug_barrier
+    table_rows = t_pad * TILE_ROWS  # the token table's rows read back; padding slots write past them
     # [e, t]: token t runs expert e (a one at each pair's (expert, token); padding slots write row e_pad, unread)
-    pairs_ref[...] = jnp.zeros(pairs_ref.shape, jnp.int32)
-    row_of_ref[...] = jnp.zeros(row_of_ref.shape, jnp.int32)  # (its stores ordered before the rows' gather below)
-    token_ref[...] = jnp.full(token_ref.shape, n_tokens, jnp.int32)  # rows of no pair: padding (token T)
-    barrier()
+    pairs_ref[pl.ds(0, e_pad), :] = jnp.zeros((e_pad, BLOCK_M), jnp.int32)
+    token_ref[pl.ds(0, table_rows)] = jnp.full((table_rows,), n_tokens, jnp.int32)  # rows of no pair: token T
+    tiling.cta_barrier(interpret)
     pairs_ref[jnp.where(is_pair, ids, e_pad), pair_token] = jnp.ones((BLOCK_M, k_pad), jnp.int32)
-    barrier()
+    tiling.cta_barrier(interpret)
     chosen = pairs_ref[pl.ds(0, e_pad), :] != 0
     one = chosen.astype(jnp.bfloat16)
     # rank [e, t]: the tokens before t that run e (their order in its tile); exact in float32 sums of 0 / 1
@@ -234,11 +232,10 @@ def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_
     used_cols = jnp.broadcast_to(used[:, None], (e_pad, BLOCK_M)).astype(jnp.bfloat16)
     tile_of = jnp.max(tiling.mm(lower, used_cols), axis=1).astype(jnp.int32)  # [e]: used experts before e
     row_of_ref[...] = tile_of[:, None] * TILE_ROWS + rank  # [e, t]
-    barrier()
+    tiling.cta_barrier(interpret)
     rows = row_of_ref[jnp.where(is_pair, ids, 0), pair_token]  # [t, slot]: each pair's row
     row_ref[...] = rows
-    # row r of the flat table [2 t_pad * TILE_ROWS] holds its pair's token (padding slots write past the tiles)
-    token_ref[jnp.where(is_pair, rows, t_pad * TILE_ROWS)] = pair_token
+    token_ref[jnp.where(is_pair, rows, table_rows)] = pair_token  # row r of the table: its pair's token
     # tile i holds the expert e with used[e] and tile_of[e] == i
     expert = jax.lax.broadcasted_iota(jnp.int32, (e_pad, BLOCK_M), 0)
     tile = jax.lax.broadcasted_iota(jnp.int32, (t_pad, e_pad), 0)

@@ -65,6 +65,14 @@ def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def cta_barrier(interpret: bool) -> None:
+    """Inside a kernel: a barrier across the program's threads (every warp's earlier loads and stores issued, so
+    stores to memory are seen by the other threads' later loads). Interpret mode runs each program as one thread of
+    array ops: nothing to wait for."""
+    if not interpret:
+        pltriton.debug_barrier()
+
+
 def cache_rows(cache: jax.Array) -> jax.Array:
     """A paged cache [L, N, block, D] viewed as rows [L * N * block, D] (a free reshape): kernels address token
     (layer, page, offset) as row (layer * N + page) * block + offset."""

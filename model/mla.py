@@ -149,12 +149,14 @@ class MLAttention(nn.Module):
             q_rope = rope_lib.apply_interleaved(q_rope, cos, sin)
         return q_nope, q_rope, q_latent
 
-    def _latents(self, x, cos, sin, projected=None):
-        """-> normed latent [B, T, kv_lora_rank], shared rope key [B, T, rope]. `projected`: kv_a_proj_with_mqa(x)
-        computed already."""
+    def _latents(self, x, cos, sin, projected=None, normed: bool = True):
+        """-> latent [B, T, kv_lora_rank] (kv_a_layernorm applied unless `normed` is False), shared rope key
+        [B, T, rope]. `projected`: kv_a_proj_with_mqa(x) computed already."""
         cfg = self.config
         kv = self.kv_a_proj_with_mqa(x) if projected is None else projected
-        latent = self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank])
+        latent = kv[..., :cfg.kv_lora_rank]
+        if normed:
+            latent = self.kv_a_layernorm(latent)
         k_rope = kv[..., cfg.kv_lora_rank:]
         if cfg.mla_use_rope:
             k_rope = rope_lib.apply_interleaved(k_rope[:, :, None, :], cos, sin)[:, :, 0]
@@ -164,16 +166,13 @@ class MLAttention(nn.Module):
         """-> (the latent cache's new rows [B, T, R + rope], a `paged.LeadingNorm` for the write or None). One token
         per row: kv_a_layernorm goes with the rows into the cache write (one kernel with the write where it runs),
         the rope key roped beside them; else the rows come normed (`_latents`)."""
-        cfg = self.config
-        if x.shape[1] != 1 or self.is_initializing():
-            latent, k_rope = self._latents(x, cos, sin, projected)
-            return jnp.concatenate([latent, k_rope], axis=-1), None
-        kv = self.kv_a_proj_with_mqa(x) if projected is None else projected
-        if cfg.mla_use_rope:
-            k_rope = rope_lib.apply_interleaved(kv[:, :, None, cfg.kv_lora_rank:], cos, sin)[:, :, 0]
-            kv = jnp.concatenate([kv[..., :cfg.kv_lora_rank], k_rope], axis=-1)
-        weight = self.kv_a_layernorm.variables["params"]["weight"]
-        return kv, paged.LeadingNorm(weight, cfg.kv_lora_rank, self.kv_a_layernorm.eps)
+        in_write = x.shape[1] == 1 and not self.is_initializing()
+        latent, k_rope = self._latents(x, cos, sin, projected, normed=not in_write)
+        rows = jnp.concatenate([latent, k_rope], axis=-1)
+        if not in_write:
+            return rows, None
+        norm = self.kv_a_layernorm
+        return rows, paged.LeadingNorm(norm.variables["params"]["weight"], self.config.kv_lora_rank, norm.eps)
 
     def _kv_b_kernel(self) -> jax.Array:
         """kv_b_proj's kernel [R, H * (nope + v)], which the absorbed path reads without calling the layer."""

@@ -142,7 +142,8 @@ def test_mla_decode_through_the_kernels(seed, monkeypatch, q_lora_rank, use_rope
     calls = []
     up = mla_absorb.up_project
     monkeypatch.setattr(mla_absorb, "choose", lambda *a, impl=None: "interpret")
-    monkeypatch.setattr(mla_absorb, "up_project", lambda latents, *a, **k: calls.append(latents) or up(latents, *a, **k))
+    monkeypatch.setattr(mla_absorb, "up_project",
+                        lambda latents, *a, **k: calls.append(latents) or up(latents, *a, **k))
     fused, _ = step(*args, decode=True)
     assert (len(calls) == 1 and isinstance(calls[0], SplitLatents)) if up_max_rows >= 2 else not calls
     err = np.max(np.abs(np.asarray(fused, np.float32) - np.asarray(plain, np.float32)))
