@@ -36,7 +36,8 @@ an ideal bf16 kernel reading only the active experts at the copy bandwidth. A va
 is reported as not measured. Prints a table and appends a dated line to the results file.
 `--sweep` also times the MMA kernels over a few tile configurations: at 1 token (split-K ones included) or, with
 `decode16`, at 16 tokens; `gemv`: the CUDA-core kernels over GEMV_SWEEP's tiles at each token count up to 64;
-`dense`: the bf16 dense-expert kernels over DENSE_SWEEP's tiles at each token count up to 16 (GPU time); `mlp`: the
+`dense`: the bf16 dense-expert kernels over DENSE_SWEEP's tiles at each token count up to 16 (GPU time); `dense16`:
+the same at 16 tokens over the epilogue tiles of DENSE16_SWEEP, beside the HBM read bandwidth; `mlp`: the
 one-kernel MLP (DenseTiles.fused_mlp) over MLP_SWEEP's tiles likewise, and choose_tiles' own with the down kernel's
 atomic combine.
 """
@@ -59,6 +60,7 @@ from dayzero.kernels import moe, moe_dense, moe_grouped, moe_mxfp4, moe_mxfp4_ge
 from dayzero.model.config import MXFP4Execution
 
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
+from timing import hbm_read_bandwidth  # benchmarks/timing.py
 
 SHAPES = {"medium": (64, 6, 2048, 768), "deepseek": (256, 8, 7168, 2048), "tiny": (8, 2, 64, 32)}
 TOKENS = (1, 16, 64, 256, 8192)
@@ -284,6 +286,28 @@ def _dense(**fields) -> moe_dense.DenseTiles:
     return moe_dense.DenseTiles(**{**base, **fields})
 
 
+def _dense16(**fields) -> moe_dense.DenseTiles:
+    """The batch-16 dense-expert tiles (`choose_tiles` at 16 tokens of top-6: 16-row tiles, K whole, SwiGLU in the
+    gate/up kernel's epilogue) with these fields changed."""
+    return dataclasses.replace(moe_dense.choose_tiles(96, 64), **fields)
+
+
+DENSE16_SWEEP = {  # label: DenseTiles, swept by --sweep dense16 at 16 tokens (the epilogue tiles; GPU time)
+    "ep_bn64": _dense16(block_n=64),
+    "ep_bn64_sk128": _dense16(block_n=64, step_k=128),
+    "ep_bn128_sk32": _dense16(step_k=32),
+    "ep_bn128_sk128": _dense16(step_k=128),
+    "ep_bn256_sk32": _dense16(block_n=256, step_k=32),
+    "ep_st2": _dense16(num_stages=2),
+    "ep_st4": _dense16(num_stages=4),
+    "ep_st5": _dense16(num_stages=5),
+    "ep_w8": _dense16(num_warps=8),
+    "ep_bn64_w2": _dense16(block_n=64, num_warps=2),
+    "ep_bn64_sk128_st4": _dense16(block_n=64, step_k=128, num_stages=4),
+    "ep_bn128_sk32_st5": _dense16(step_k=32, num_stages=5),
+}
+
+
 DENSE_SWEEP = {  # label: DenseTiles, swept by --sweep dense at each token count up to 16 (GPU time from a trace)
     "bn128_sk64_s8": _dense(),
     "bn128_sk64_s4": _dense(k_slices=4),
@@ -346,7 +370,8 @@ def dense_sweep(layer, name, n_tokens: int, impl, table: dict | None = None, sha
                                                                    interpret=impl == "interpret")
         got = attempt(label, lambda call=call: traced_device_time(call, x, layer[2], impl == "interpret"))
         if got is not None and got[0] is not None:
-            out[label] = {"device_us": round(got[0] * 1e6, 2), "kernels_us": round(got[1] * 1e6, 2)}
+            out[label] = {"device_us": round(got[0] * 1e6, 2), "kernels_us": round(got[1] * 1e6, 2),
+                          **{name: round(us, 2) for name, us in got[2].items() if name.startswith("moe_dense")}}
     return out
 
 
@@ -462,6 +487,13 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
                                                                              shared_parts=args.shared_parts)
                     print(f"tile sweep (dense bf16), {n} token(s), GPU time (us):", r)
                 continue
+            if which == "dense16":
+                results["hbm_read_TBps"] = round(hbm_read_bandwidth() / 1e12, 3)
+                results[f"{name}_sweep_dense16_T16_us"] = r = dense_sweep(layer, name, 16, args.impl, DENSE16_SWEEP,
+                                                                          shared_parts=args.shared_parts)
+                print(f"HBM read {results['hbm_read_TBps']} TB/s; tile sweep (dense bf16, epilogue tiles), 16 tokens, "
+                      f"GPU time (us):", r)
+                continue
             if which == "mlp":
                 for n in [t for t in tokens if t <= 16] or [1]:
                     results[f"{name}_sweep_mlp_T{n}_us"] = r = dense_sweep(layer, name, n, args.impl, MLP_SWEEP,
@@ -484,7 +516,8 @@ def main(argv=None) -> int:
                         help="also sweep the fused kernel's tiles, comma-separated: all / split_k (1 token: every "
                              "tile, or the split-K ones), decode16 (16 tokens); gemv: the decode kernels' tiles at "
                              "each token count up to 64; dense: the bf16 dense-expert kernels' tiles (GPU time) "
-                             "at each token count up to 16; mlp: the one-kernel MLP's tiles (MLP_SWEEP) likewise")
+                             "at each token count up to 16; dense16: the batch-16 epilogue tiles (DENSE16_SWEEP) and the "
+                             "HBM read bandwidth; mlp: the one-kernel MLP's tiles (MLP_SWEEP) likewise")
     parser.add_argument("--shared-parts", type=int, default=0,
                         help="dense / mlp sweeps: a shared MLP of this many x the experts' width in the same kernels")
     parser.add_argument("--dense-only", action="store_true", help="time the bf16 variants alone (no MXFP4 / FP8)")

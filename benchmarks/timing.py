@@ -32,3 +32,16 @@ def hbm_copy_bandwidth() -> float:
 
     x = jax.random.normal(jax.random.key(0), (256 * 1024 * 1024,), jnp.float32)
     return 2 * x.nbytes / pipelined_seconds(jax.jit(lambda a: a * 1.0001), x)
+
+
+def hbm_read_bandwidth() -> float:
+    """Bytes per second read by XLA's reductions of a 1 GiB bf16 array (calls back to back, `pipelined_seconds`):
+    the best of a row sum ([2^19, 1024] -> [2^19] float32, 2 MB written) and a column sum ([1024, 2^19] -> [2^19]):
+    the ceiling of a kernel that only streams weights in (the copy figure counts a write for every byte read)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.key(0), (1 << 19, 1 << 10), jnp.bfloat16)
+    rows = pipelined_seconds(jax.jit(lambda a: jnp.sum(a, axis=1, dtype=jnp.float32)), x)
+    cols = pipelined_seconds(jax.jit(lambda a: jnp.sum(a.reshape(1 << 10, 1 << 19), axis=0, dtype=jnp.float32)), x)
+    return x.nbytes / min(rows, cols)

@@ -136,7 +136,11 @@ def kda_cases() -> dict:
         S((1,) + a.shape[1:], a.dtype) if i in (10, 11) else a for i, a in enumerate(layer) if i > 1)
     counted_step = lambda turns, q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
                                                                  value_split=8, turns=turns)
+    # at batch 16 as the model runs it: f_b's and g_b's products made by XLA (`decode_layer.LOW_RANK_UPS_MIN_ROWS`)
+    ups_step = lambda f_up, g_up, *a: decode_layer.decode_step(*a, layer=0, eps=1e-5, lower_bound=None,
+                                                               low_rank_ups=(f_up, g_up))
     return {"decode layer B16 H16": (decode_layer_step, layer),
+            "decode layer B16 H16 low_rank_ups": (ups_step, (S((16, dim), jnp.bfloat16),) * 2 + layer),
             "decode layer B1 H16 value split 8": (split_step, layer_b1),
             "decode layer B1 H16 value split 8, last block shifts": (counted_step,
                                                                       (S((12, 2, 16), jnp.int32),) + layer_b1),

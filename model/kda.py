@@ -168,6 +168,13 @@ class KimiDeltaAttention(nn.Module):
         projected = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps,
                             finish=not PROJECTION_PARTIALS)
         qkv, fgb = projected if len(projected) == 2 else (projected[0], None)
+        ups = None
+        if 0 < decode_layer.LOW_RANK_UPS_MIN_ROWS <= rows.shape[0]:  # f_b's and g_b's products by XLA, all rows
+            if fgb is None:
+                qkv = projection.finished(qkv)
+            else:
+                fgb = projection.finished(fgb)
+            ups = decode_layer.low_rank_ups(qkv if fgb is None else fgb, weight(self.f_b_proj), weight(self.g_b_proj))
         fits = turns is not None and turns.shape[1] >= rows.shape[0]  # else: the XLA scatter, the counters untouched
         o, conv_cache, state_pool, *counters = decode_layer.decode_step(
             qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
@@ -175,6 +182,7 @@ class KimiDeltaAttention(nn.Module):
             conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=cfg.rms_norm_eps,
             lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
             value_split=decode_layer.value_split(rows.shape[0], cfg.kda_head_dim), turns=turns if fits else None,
+            low_rank_ups=ups,
             interpret=self.decode_layer_kind(x) == "interpret")
         turns = tuple(counters) if fits else (() if turns is None else (turns,))
         if unfinished:

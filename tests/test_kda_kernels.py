@@ -281,6 +281,34 @@ def test_decode_layer_value_split(seed, head_dim, split):
         decode_layer.decode_step(*args, **options, value_split=split, turns=turns[:, :2])
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_decode_layer_takes_low_rank_ups(seed, split):
+    """`decode_step(low_rank_ups=)` with f_a @ f_b and g_a @ g_b made by `low_rank_ups` (interpret mode): the
+    caches and output of the step that multiplies by f_b and g_b itself (the states to float32 rounding, the output
+    to bf16 rounding), and the reference's; from the six projections side by side the same products; wrong shapes
+    refused by name."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+
+    args = decode_layer_inputs(seed, 4, 2, 32)
+    options = dict(layer=1, eps=1e-5, lower_bound=-5.0, interpret=True, value_split=split)
+    ups = decode_layer.low_rank_ups(args[1], args[3], args[6])
+    assert all(u.shape == (4, 64) and u.dtype == jnp.bfloat16 for u in ups)
+    own = decode_layer.decode_step(*args, **options)
+    got = decode_layer.decode_step(*args, **options, low_rank_ups=ups)
+    ref = decode_layer.reference(*args, layer=1, eps=1e-5, lower_bound=-5.0, conv_dtype=jnp.float32)
+    assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(own[1], np.float32))
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(own[2]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(ref[2]), rtol=1e-4, atol=1e-5)
+    outs = [projection.finished(o) for o in (got[0], own[0])]
+    assert _rel_err(outs[0], outs[1]) < 1e-2 and _rel_err(outs[0], ref[0]) < 1e-2
+    both = jnp.concatenate(args[:2], axis=1)
+    for a, b in zip(decode_layer.low_rank_ups(both, args[3], args[6]), ups):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="low_rank_ups"):
+        decode_layer.decode_step(*args, **options, low_rank_ups=(ups[0][:3], ups[1]))
+
+
 @pytest.mark.parametrize("partials", [False, True])
 def test_decode_layer_takes_the_six_projections_side_by_side(seed, partials):
     """`decode_step(qkv, None, ...)` with q|k|v|f_a|g_a|b as one array (or one `projection.Partials`, as the model's
@@ -373,6 +401,9 @@ def test_decode_layer_lowers_to_triton():
     assert count_triton_kernels(with_partials, *sums, spec((8, 1), jnp.float32), *args[2:]) == 1
     split = lambda *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None, value_split=4)
     assert count_triton_kernels(split, *args) == 1
+    ups = (spec((1, 2048), jnp.bfloat16),) * 2
+    given = lambda u, v, *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None, low_rank_ups=(u, v))
+    assert count_triton_kernels(given, *ups, *args) == 1
     # the six projections side by side, as the model passes them (one array, or one group's partial sums)
     joined = lambda q, *a: decode_layer.decode_step(q, None, *a, layer=1, eps=1e-5, lower_bound=None, value_split=8)
     six = 3 * 2048 + 2 * 128 + 16
@@ -543,3 +574,46 @@ def test_decode_layer_names_what_it_does_not_take():
     args = decode_layer_inputs(0, 2, 2, 16, dtype=jnp.float32)
     with pytest.raises(ValueError, match="heads 2 x 16.*float32"):
         decode_layer.decode_step(*args, layer=0, eps=1e-5, lower_bound=None, interpret=True)
+
+
+def test_model_decode_of_sixteen_rows_with_low_rank_ups(seed, monkeypatch):
+    """The decoder's cached decode step of 16 rows as the GPU runs it (the KDA decode kernel and the projection
+    kernel in interpret mode; f_b's and g_b's products by XLA at 16 rows, `LOW_RANK_UPS_MIN_ROWS`) against the same
+    step with the step kernel making those products itself, and against the XLA path: the next-token logits to
+    bf16 rounding, the caches' KDA states likewise."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+    from dayzero.model import Model
+    from dayzero.model.cache import init_cache
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(hidden_size=64, kda_num_heads=4, kda_head_dim=16, num_experts=16, num_experts_per_token=2,
+                         index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
+                         v_head_dim=16, moe_intermediate_size=16)
+    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
+    rng = np.random.default_rng(seed)
+    rows = 16
+    cache = init_cache(cfg, num_blocks=rows + 1, num_slots=rows + 1, dtype=jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (rows, 5)), jnp.int32)
+    tables, slots = jnp.arange(1, rows + 1, dtype=jnp.int32)[:, None], jnp.arange(1, rows + 1, dtype=jnp.int32)
+    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
+    _, cache = step(ids, jnp.broadcast_to(jnp.arange(5), (rows, 5)), jnp.ones((rows, 5), bool), cache, tables, slots)
+    args = (ids[:, :1], jnp.full((rows, 1), 5), jnp.ones((rows, 1), bool), cache, tables, slots)
+    plain, plain_cache = step(*args, decode=True)
+    monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
+    chosen = projection.choose
+    monkeypatch.setattr(projection, "choose", lambda *a, impl=None: chosen(*a, impl="interpret"))
+    ups_made = []
+    made = decode_layer.low_rank_ups
+    monkeypatch.setattr(decode_layer, "low_rank_ups", lambda *a: ups_made.append(a[0].shape) or made(*a))
+    monkeypatch.setattr(decode_layer, "LOW_RANK_UPS_MIN_ROWS", 16)
+    given, given_cache = step(*args, decode=True)
+    assert len(ups_made) == sum(t == "kda" for t in cfg.layer_types) and ups_made[0][0] == rows
+    monkeypatch.setattr(decode_layer, "LOW_RANK_UPS_MIN_ROWS", 0)
+    own, own_cache = step(*args, decode=True)
+    assert len(ups_made) == sum(t == "kda" for t in cfg.layer_types)
+    for got in (given, own):
+        assert _rel_err(got, plain) < 2e-2
+    assert _rel_err(given, own) < 1e-2
+    assert _rel_err(given_cache["state"], own_cache["state"]) < 1e-3
+    assert _rel_err(given_cache["state"], plain_cache["state"]) < 2e-2

@@ -61,6 +61,14 @@ NUM_WARPS = 4
 # session; tests/gpu/test_kda_gpu.py -k value_split passes, three calls in a row each). 1: off.
 VALUE_SPLIT = 8
 VALUE_SPLIT_MAX_ROWS = 2
+# Decode calls of at least this many rows hand the kernel f_a @ f_b and g_a @ g_b made by XLA over all rows
+# (`decode_step(low_rank_ups=)`), instead of each (row, head) program loading the head's f_b and g_b columns (64 KB at
+# the medium hybrid's 128 x 128 per head, as many bytes as its state) and reducing over them. 0: never. On the H200
+# (medium hybrid, benchmarks/decode_profile.py, 2026-12-04, twentieth session): at batch 16 the step kernel 17.4 ->
+# 12.3 us per layer, and 2.830 ms of kernels per token with the projection kernel at 16 rows against 2.854 without
+# (XLA's two small matmuls take ~5 us of what the kernel saves); at batch 1 / 2 (threshold 1) 1.085 / 1.363 against
+# 1.012 / 1.323: slower where the step is split over value blocks.
+LOW_RANK_UPS_MIN_ROWS = 16
 
 
 def value_split(rows: int, head_dim: int) -> int:
@@ -105,7 +113,7 @@ def _projected_loader(refs, b, *, act, layout):
 
 
 def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, scale, eps, lower_bound, act,
-            qkv_layout, fgb_layout, value_split, last_block_shifts, interpret):
+            qkv_layout, fgb_layout, value_split, last_block_shifts, ups_given, interpret):
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2)  # which of the head's `value_split` blocks of value columns (state columns) this is
     qkv_at, refs = _projected_loader(refs, b, act=act, layout=qkv_layout)
@@ -116,6 +124,9 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     else:
         fgb_at, refs = _projected_loader(refs, b, act=act, layout=fgb_layout)
     qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, *refs = refs
+    ups = {}  # f_b's and g_b's products of the row's f_a and g_a outputs, where the caller made them
+    if ups_given:
+        (ups[0], ups[1]), refs = refs[:2], refs[2:]
     if last_block_shifts:
         refs = refs[1:]  # the turn counters' input: aliased with their output (in split_refs), not read
     conv_ref, pool_ref, o_ref, *split_refs, conv_out_ref, pool_out_ref = refs
@@ -156,6 +167,8 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
         return rnd(acc * jax.nn.sigmoid(acc)), taps
 
     def low_rank_up(offset, w_ref, cols):  # [R] @ [R, C] columns, rounded as the projection's output
+        if ups_given:
+            return ups[offset // low_rank][b, cols].astype(jnp.float32)
         a = fgb_at(pl.ds(offset, low_rank))
         w = w_ref[pl.ds(0, low_rank), cols].astype(jnp.float32)
         return rnd(jnp.sum(a[:, None] * w, axis=0))
@@ -210,7 +223,8 @@ def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple |
                                              "interpret"))
 def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, conv_cache, state_pool, slots,
                 lengths, *, layer: int, eps: float, lower_bound: float | None, num_warps: int = NUM_WARPS,
-                value_split: int = 1, turns: jax.Array | None = None, interpret: bool = False):
+                value_split: int = 1, turns: jax.Array | None = None,
+                low_rank_ups: tuple[jax.Array, jax.Array] | None = None, interpret: bool = False):
     """One decode token per row through the KDA layer's conv, gates, recurrence and gated norm.
 
     qkv [B, 3 * H * K] (the q, k, v projections, concatenated), fgb [B, 2R + H] (the f_a and g_a projections and
@@ -231,6 +245,11 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     done with an atomic add at (layer, b, h) and the head's last block shifts its q and k inputs in place; the
     results are then (o, conv_cache, state_pool, turns). Without, the shifted q and k inputs go into the cache by
     an XLA scatter after the kernel (one kernel more per call). v's, each block's own, are shifted in place.
+
+    `low_rank_ups` (f_up, g_up) [B, H * K] each, of the activations' dtype: the products f_a @ f_b and g_a @ g_b
+    of the rows' f_a and g_a outputs, made by the caller (as the model's XLA path does: one small matmul over all
+    rows, `low_rank_ups`); the kernel then reads them instead of multiplying by f_b's and g_b's head columns itself,
+    which every (row, head) program would otherwise load (as many weight bytes as its state's).
     """
     act = jnp.dtype(qkv.dtype)  # (a Partials' dtype is the one its sums round to)
     batch = qkv.sums.shape[1] if isinstance(qkv, projection.Partials) else qkv.shape[0]
@@ -252,11 +271,14 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
                               or turns.shape[1] < batch or turns.shape[2] != heads):
         raise ValueError(f"kda decode layer: turns {turns.dtype}{list(turns.shape)} for layer {layer}, {batch} rows, "
                          f"{heads} heads (needs int32 [L > layer, R >= rows, heads])")
+    if low_rank_ups is not None and any(u.shape != (batch, heads * head_dim) or u.dtype != act for u in low_rank_ups):
+        raise ValueError(f"kda decode layer: low_rank_ups {[f'{u.dtype}{list(u.shape)}' for u in low_rank_ups]} "
+                         f"(needs two {act.name} [{batch}, {heads * head_dim}])")
     (qkv_ops, qkv_layout), (fgb_ops, fgb_layout) = _operands(qkv), (([], "after_qkv") if fgb is None
                                                                      else _operands(fgb))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     inputs = [slots.astype(jnp.int32), lengths.astype(jnp.int32), *qkv_ops, *fgb_ops, *conv_weights, f_b,
-              a_log.astype(jnp.float32), dt_bias.astype(jnp.float32), g_b, norm_weight,
+              a_log.astype(jnp.float32), dt_bias.astype(jnp.float32), g_b, norm_weight, *(low_rank_ups or ()),
               *([turns] if last_block_shifts else []), conv_cache, state_pool]
     split = value_split > 1
     dim = heads * head_dim
@@ -274,7 +296,7 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
         functools.partial(_kernel, layer=layer, heads=heads, head_dim=head_dim, low_rank=low_rank, width=width,
                           scale=head_dim ** -0.5, eps=eps, lower_bound=lower_bound, act=act, qkv_layout=qkv_layout,
                           fgb_layout=fgb_layout, value_split=value_split, last_block_shifts=last_block_shifts,
-                          interpret=interpret),
+                          ups_given=low_rank_ups is not None, interpret=interpret),
         grid=(batch, heads, value_split),
         in_specs=[any_spec] * len(inputs),
         out_specs=[any_spec] * len(outputs),
@@ -292,6 +314,16 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
         else:
             conv_cache = conv_cache.at[layer, slots, :2].set(other)  # after the kernel: no block reads them any more
     return (o, conv_cache, state_pool) if turns is None else (o, conv_cache, state_pool, turns)
+
+
+def low_rank_ups(fgb: jax.Array, f_b: jax.Array, g_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`decode_step(low_rank_ups=)`'s operands: (f_a @ f_b, g_a @ g_b) [B, H * K] in fgb's dtype, from a finished
+    f_a|g_a|b output fgb [B, 2R + H] (or the six projections side by side, q|k|v first) and f_b, g_b [R, H * K]; two
+    small XLA matmuls over all rows, as the reference makes them."""
+    low_rank, dim = f_b.shape
+    start = 3 * dim if fgb.shape[1] > 3 * dim else 0
+    fa, ga = fgb[:, start:start + low_rank], fgb[:, start + low_rank:start + 2 * low_rank]
+    return (fa @ f_b).astype(fgb.dtype), (ga @ g_b).astype(fgb.dtype)
 
 
 def reference(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, conv_cache, state_pool, slots, lengths,

@@ -157,6 +157,24 @@ def test_decode_layer_on_gpu(lower_bound, batch, padding_row):
         assert _rel(got[0], want[0]) < 2e-2
 
 
+@pytest.mark.parametrize("batch", [16, 5])
+def test_decode_layer_with_low_rank_ups_on_gpu(batch):
+    """The decode step handed f_a @ f_b and g_a @ g_b by XLA (`low_rank_ups`), compiled at the medium hybrid's
+    layer: the caches and output of the step that multiplies by f_b and g_b itself, to rounding (conv caches
+    equal)."""
+    from dayzero.kernels.kda import decode_layer
+    from test_kda_kernels import decode_layer_inputs
+
+    seed = _seed()
+    args = decode_layer_inputs(seed, batch, 16, 128, slots_total=40, padding_row=True)
+    options = dict(layer=1, eps=1e-5, lower_bound=None)
+    own = jax.jit(lambda *a: decode_layer.decode_step(*a, **options))(*args)
+    got = jax.jit(lambda *a: decode_layer.decode_step(
+        *a, **options, low_rank_ups=decode_layer.low_rank_ups(a[1], a[3], a[6])))(*args)
+    assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(own[1], np.float32))
+    assert _rel(got[2], own[2]) < 1e-3 and _rel(got[0], own[0]) < 1e-2
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_decode_layer_with_projection_partials_on_gpu(batch):
     """The decode step given q|k|v and f_a|g_a|b as the projection kernel's 8-slice partial sums with the norm's

@@ -78,8 +78,10 @@ def test_mla_layer_projections(seed, rows):
 
 def test_model_kda_decode_with_projection_kernel(seed, monkeypatch):
     """The medium hybrid's KDA layer at decode (16 rows, bf16): `decode_in_place` with the projection kernel (its
-    sums finished by XLA, or by the step kernel: `PROJECTION_PARTIALS`) against the same with XLA's projections, on
-    the GPU's own one-kernel step."""
+    sums finished by XLA, or by the step kernel: `PROJECTION_PARTIALS`; f_b's and g_b's products by XLA or, with
+    `LOW_RANK_UPS_MIN_ROWS` 0, by the step kernel) against the same with XLA's projections and the step kernel's own
+    products, on the GPU's own one-kernel step."""
+    from dayzero.kernels.kda import decode_layer
     from dayzero.model import kda as kda_model
     from dayzero.model.kda import KimiDeltaAttention
 
@@ -96,13 +98,15 @@ def test_model_kda_decode_with_projection_kernel(seed, monkeypatch):
                                                           cfg.kda_head_dim)) * 0.1
     slots, valid = jnp.arange(1, rows + 1, dtype=jnp.int32), jnp.ones((rows, 1), bool)
     outs = {}
-    for kind, partials in (("reference", False), ("pallas", False), ("partials", True)):
+    for kind, partials, ups in (("reference", False, 0), ("pallas", False, 16), ("partials", True, 16),
+                                ("partials_own_ups", True, 0)):
         monkeypatch.setattr(projection, "choose", lambda *a, impl=None, kind=kind: "reference" if kind == "reference"
                             else "pallas")
         monkeypatch.setattr(kda_model, "PROJECTION_PARTIALS", partials)
+        monkeypatch.setattr(decode_layer, "LOW_RANK_UPS_MIN_ROWS", ups)
         run = jax.jit(lambda p, x, c, s: attn.apply(p, x, norm, valid, c, s, slots, 1, method="decode_in_place"))
         outs[kind] = run(params, x, conv, pool)
-    for kind in ("pallas", "partials"):
+    for kind in ("pallas", "partials", "partials_own_ups"):
         for got, want in zip(outs[kind], outs["reference"]):
             got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
             assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want)), kind
