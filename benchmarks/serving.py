@@ -2,7 +2,10 @@
 
 Measures TTFT at prompts of 2K and 32K tokens, ITL and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens,
 64 new tokens each), every shape compiled before it is timed, and the bandwidth floor of a batch-1 decode step
-(active params in bf16 at 4.0 TB/s). With `--peer SCRIPT` it runs the peer stack's anchor script
+(active params in bf16 at 4.0 TB/s). Each batch size's generate is timed `--repeats` times: its ITL is the median
+over the runs (each run's ITL the median of its requests' mean ITLs; one host stall in a 64-token run moves a
+single request's mean by as much as the stall / 63), and the runs' ITLs are reported too; a compilation during a
+timed run is named in the output (`compiled_while_timed`). With `--peer SCRIPT` it runs the peer stack's anchor script
 (../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same run and reports it beside ours;
 with `--trace-batches 1,16` those batches' generate runs once more under the profiler (GPU busy and idle time).
 Prints a table and appends one dated line to the results file.
@@ -38,11 +41,17 @@ def kernel_choice() -> str:
                      for name, ok in verified.items())
 
 
-def timed_generate(engine: Engine, prompts, params):
-    engine.generate(prompt_token_ids=prompts, sampling_params=params)  # compiles the shapes this run uses
-    start = time.perf_counter()
-    outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
-    return outs, time.perf_counter() - start
+def timed_generate(engine: Engine, prompts, params, repeats: int = 1):
+    """One warm-up generate (compiles the shapes this run uses), then `repeats` timed ones: [(outputs, wall
+    seconds, compilations made while timed)]."""
+    engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    runs = []
+    for _ in range(repeats):
+        compiled = engine.num_compilations
+        start = time.perf_counter()
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        runs.append((outs, time.perf_counter() - start, engine.num_compilations - compiled))
+    return runs
 
 
 def run_peer(script: str, timeout_s: float) -> dict:
@@ -68,6 +77,7 @@ def main(argv=None) -> int:
                         help="decode steps per dispatch (the engine option)")
     parser.add_argument("--no-overlap-decode", action="store_true",
                         help="read each decode dispatch's tokens before launching the next (the engine option)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed generates per batch size (median ITL)")
     parser.add_argument("--trace-batches", default="", help="comma-separated batch sizes whose generate runs once "
                         "more under the profiler: GPU busy time, idle share and kernel time by XLA module")
     args = parser.parse_args(argv)
@@ -87,20 +97,30 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     res = {}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    compiled_while_timed = {}
     for length in (2048, args.long_prompt):
-        outs, wall = timed_generate(engine, [rng.integers(3, config.vocab_size, length).tolist()], one)
+        [(outs, wall, compiled)] = timed_generate(engine, [rng.integers(3, config.vocab_size, length).tolist()], one)
+        if compiled:
+            compiled_while_timed[f"P{length}"] = compiled
         res[f"ttft_P{length}_ms"] = round(outs[0].ttft * 1e3, 2)
         print(f"TTFT prompt {length}: {outs[0].ttft * 1e3:.1f} ms")
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     traces = {}
     for batch in (1, 16, 64):
         prompts = [rng.integers(3, config.vocab_size, 128).tolist() for _ in range(batch)]
-        outs, wall = timed_generate(engine, prompts, params)
-        itl = float(np.median([o.mean_itl for o in outs]))  # per-request mean: decode dispatches come in bursts
+        runs = timed_generate(engine, prompts, params, args.repeats)
+        # per-request mean ITL (decode dispatches come in bursts), the median over requests, then over runs
+        itls = [float(np.median([o.mean_itl for o in outs])) for outs, _, _ in runs]
+        itl = float(np.median(itls))
+        outs, wall, _ = runs[int(np.argsort(itls)[len(itls) // 2])]  # the median run's tokens/s
         tokens = sum(len(o.token_ids) for o in outs)
+        if any(compiled for _, _, compiled in runs):
+            compiled_while_timed[f"B{batch}"] = sum(compiled for _, _, compiled in runs)
         res[f"itl_B{batch}_ms"] = round(itl * 1e3, 3)
+        res[f"itl_B{batch}_runs_ms"] = [round(t * 1e3, 3) for t in itls]
         res[f"tok_s_B{batch}"] = round(tokens / wall, 1)
-        print(f"batch {batch}: ITL (median of per-request means) {itl * 1e3:.2f} ms, {tokens / wall:.1f} tokens/s overall, "
+        print(f"batch {batch}: ITL (median of per-request means, median of {len(runs)} runs "
+              f"{[round(t * 1e3, 3) for t in itls]}) {itl * 1e3:.2f} ms, {tokens / wall:.1f} tokens/s overall, "
               f"decode-only {batch / itl:.1f} tokens/s")
         if batch in args.trace_batches:  # the same generate again, traced: where the ITL goes on the GPU
             events = traced_events(lambda: engine.generate(prompt_token_ids=prompts, sampling_params=params))
@@ -110,6 +130,10 @@ def main(argv=None) -> int:
         res["traced"] = traces
     res["bandwidth_floor_b1_ms"] = round(floor_ms, 3)
     res["compilations"] = engine.num_compilations
+    if compiled_while_timed:
+        res["compiled_while_timed"] = compiled_while_timed
+        print(f"warning: compilations during timed runs {compiled_while_timed}: those figures include them")
+    print(f"dayzero: {json.dumps(res)}", flush=True)  # before the peer runs: kept even if the run is cut there
     peer = run_peer(args.peer, args.peer_timeout) if args.peer else {}
     print("\n| figure | dayzero | peer (transformers+fla) |\n|---|---|---|")
     rows = [("TTFT 2K (ms)", res["ttft_P2048_ms"], peer.get("hf_B1_P2048_ttft_ms")),

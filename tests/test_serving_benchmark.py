@@ -1,0 +1,43 @@
+"""benchmarks/serving.py's timing helper on a tiny random model (CPU): a warm-up generate, then repeated timed
+generates whose compilations are counted."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+
+import serving as serving_benchmark  # noqa: E402
+
+from dayzero.model import Model  # noqa: E402
+from dayzero.model.presets import tiny  # noqa: E402
+from dayzero.serving import Engine, EngineConfig, SamplingParams  # noqa: E402
+
+
+def test_timed_generate_repeats_after_a_warm_up_and_counts_compilations():
+    model = Model.random(tiny(), dtype="float32", seed=0)
+    engine = Engine(model, None, EngineConfig(max_num_seqs=2, max_model_len=128, max_prefill_tokens=64,
+                                              max_prefill_rows=2, prefill_len_buckets=(64,), block_buckets=(2,)))
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    runs = serving_benchmark.timed_generate(engine, prompts, params, repeats=3)
+    assert len(runs) == 3
+    for outs, wall, compiled in runs:
+        assert [len(o.token_ids) for o in outs] == [5, 5] and wall > 0
+        assert compiled == 0  # every shape was compiled by the warm-up generate
+    assert [o.token_ids for o in runs[0][0]] == [o.token_ids for o in runs[2][0]]  # greedy: the same tokens
+    # with the warm-up skipped (an engine whose first generate does nothing), the first timed run compiles
+    fresh = Engine(model, None, EngineConfig(max_num_seqs=2, max_model_len=128, max_prefill_tokens=64,
+                                             max_prefill_rows=2, prefill_len_buckets=(64,), block_buckets=(2,)))
+
+    class SkipsFirst:
+        calls = 0
+        num_compilations = property(lambda self: fresh.num_compilations)
+
+        def generate(self, **kwargs):
+            self.calls += 1
+            return [] if self.calls == 1 else fresh.generate(**kwargs)
+
+    runs = serving_benchmark.timed_generate(SkipsFirst(), prompts, params, repeats=2)
+    assert runs[0][2] > 0 and runs[1][2] == 0
