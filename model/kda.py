@@ -151,6 +151,9 @@ class KimiDeltaAttention(nn.Module):
         K is split, as float32 partial sums that the step kernel adds up itself, with `PROJECTION_PARTIALS`), and so
         are o_proj and the residual add
         (with the step split over value blocks, o_proj's loads finish the gated norm: `projection.HeadScaled`).
+        From `decode_layer.LOW_RANK_UPS_MIN_ROWS` rows on, f_b's and g_b's products of the rows' f_a and g_a outputs
+        are two XLA matmuls handed to the step kernel (`decode_step(low_rank_ups=)`) instead of a weight load per
+        (row, head) program.
 
         `unfinished`: the first result is (o_proj's output as `project(finish=False)` gives it, x [B, D]) instead of
         their sum [B, 1, D], for a consumer that adds them up itself (`kernels.moe_front`). `turns`: the cache's

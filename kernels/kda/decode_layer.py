@@ -9,7 +9,8 @@ GPU time per layer on the H200, benchmarks/NOTES_serving.md). A program here, fo
 1. short causal conv + SiLU of the head's q, k and v channels (`kernels.short_conv`): the last W - 1 inputs come
    from the conv cache at (layer, slot[b]), which it shifts in place;
 2. the forget gate of the head's K channels from f_b (its [R, K] columns, R the low rank) applied to the row's f_a
-   output, + dt_bias, then -exp(A_log) softplus (or the lower-bounded sigmoid form); beta = sigmoid(b);
+   output (or read from the caller's f_a @ f_b: `low_rank_ups`), + dt_bias, then -exp(A_log) softplus (or the
+   lower-bounded sigmoid form); beta = sigmoid(b);
 3. the delta-rule step on the head's [K, V] state at (layer, slot[b]) of the state pool, in place: q and k
    l2-normalised, q scaled by K^-1/2, the output from the decayed state (`pallas._delta_step`);
 4. the gated RMSNorm of the head's output (rounded to the activations' dtype first, as the model's is) with
