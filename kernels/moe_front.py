@@ -94,9 +94,7 @@ def reference(update: projection.Projected | None, residual: jax.Array, norm_wei
     squares), its finished [M, H] of the residual's dtype, or None (x = residual)."""
     _check(update, residual, norm_weight, router_weight)
     x = residual if update is None else projection.finished(update, residual)
-    x32 = x.astype(jnp.float32)
-    unit = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
-    normed = (norm_weight * unit).astype(x.dtype)
+    normed = projection.rms_norm(x, norm_weight, eps)
     logits = jnp.sum(normed[:, None, :].astype(jnp.float32) * router_weight[None].astype(jnp.float32), axis=-1)
     return x, normed, logits
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from . import dispatch, paged_pallas
+from . import dispatch, paged_pallas, projection
 
 # Whether this op's Pallas kernels have passed tests/gpu/test_sparse_attention_gpu.py on a GPU (H200, jax 0.11.2:
 # 13/13 on 2026-11-30). Until a kernel has, dispatch runs it on CUDA/ROCm only when asked for (impl= or DAYZERO_KERNELS).
@@ -42,9 +42,8 @@ class LeadingNorm:
 
     def apply(self, values: jax.Array) -> jax.Array:
         """values [..., D] -> the same with the first `width` features normalized."""
-        x32 = values[..., :self.width].astype(jnp.float32)
-        normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(values.dtype)
-        return jnp.concatenate([(self.weight * normed).astype(values.dtype), values[..., self.width:]], axis=-1)
+        lead = projection.rms_norm(values[..., :self.width], self.weight, self.eps)
+        return jnp.concatenate([lead, values[..., self.width:]], axis=-1)
 
 
 def write_reference(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,

@@ -197,9 +197,9 @@ def _check(x, groups, norm_weight, residual):
             raise ValueError(f"projection: residual {residual.shape} for output {(rows, groups[0][0].shape[1])}")
 
 
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """weight * (x / rms(x)) as `model.norms.RMSNorm` computes it: statistics in float32, rounded to x's dtype
-    before and after the weight."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """weight * (x / rms(x)) over the last axis as `model.norms.RMSNorm` computes it: statistics in float32, rounded
+    to x's dtype before and after the weight (the XLA form of the kernels' input norms)."""
     x32 = x.astype(jnp.float32)
     normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
     return (weight * normed).astype(x.dtype)
@@ -212,7 +212,7 @@ def reference(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_w
     _check(x, groups, norm_weight, residual)
     if isinstance(x, HeadScaled):
         x = finished(x)
-    h = x if norm_weight is None else _rms_norm(x, norm_weight, eps)
+    h = x if norm_weight is None else rms_norm(x, norm_weight, eps)
     outs = tuple(jnp.concatenate([jnp.dot(h, w) for w in group], axis=-1) if len(group) > 1 else jnp.dot(h, group[0])
                  for group in groups)
     if residual is not None:

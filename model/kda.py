@@ -173,7 +173,7 @@ class KimiDeltaAttention(nn.Module):
         qkv, fgb = projected if len(projected) == 2 else (projected[0], None)
         ups = None
         if 0 < decode_layer.LOW_RANK_UPS_MIN_ROWS <= rows.shape[0]:  # f_b's and g_b's products by XLA, all rows
-            if fgb is None:
+            if fgb is None:  # the six side by side
                 qkv = projection.finished(qkv)
             else:
                 fgb = projection.finished(fgb)

@@ -125,9 +125,9 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     else:
         fgb_at, refs = _projected_loader(refs, b, act=act, layout=fgb_layout)
     qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, *refs = refs
-    ups = {}  # f_b's and g_b's products of the row's f_a and g_a outputs, where the caller made them
+    ups = ()  # (f_a @ f_b, g_a @ g_b) of all rows, where the caller made them
     if ups_given:
-        (ups[0], ups[1]), refs = refs[:2], refs[2:]
+        ups, refs = refs[:2], refs[2:]
     if last_block_shifts:
         refs = refs[1:]  # the turn counters' input: aliased with their output (in split_refs), not read
     conv_ref, pool_ref, o_ref, *split_refs, conv_out_ref, pool_out_ref = refs
@@ -168,7 +168,7 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
         return rnd(acc * jax.nn.sigmoid(acc)), taps
 
     def low_rank_up(offset, w_ref, cols):  # [R] @ [R, C] columns, rounded as the projection's output
-        if ups_given:
+        if ups:  # f_a's at offset 0, g_a's at R
             return ups[offset // low_rank][b, cols].astype(jnp.float32)
         a = fgb_at(pl.ds(offset, low_rank))
         w = w_ref[pl.ds(0, low_rank), cols].astype(jnp.float32)

@@ -49,20 +49,9 @@ def test_both_sides_against_float64(heads, rows, splits):
 def test_model_decode_through_the_kernels_on_gpu(monkeypatch):
     """The medium hybrid's first four layers (an MLA layer last), batch 1: the decode step's logits with the kernels
     against the einsum path, to bf16 rounding."""
-    from dayzero.model import Model
-    from dayzero.model.cache import init_cache
-    from dayzero.model.presets import medium_hybrid
+    from medium_prefix_cases import prefilled_medium_prefix
 
-    cfg = medium_hybrid().replace(num_layers=4, layer_types=medium_hybrid().layer_types[:4],
-                                  mlp_types=medium_hybrid().mlp_types[:4])
-    model = Model.random(cfg, dtype="bfloat16", seed=0)
-    cache = init_cache(cfg, num_blocks=8, num_slots=2, dtype=jnp.bfloat16)
-    ids = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (1, 150)), jnp.int32)
-    tables, rows = jnp.asarray([[1, 2, 3]], jnp.int32), jnp.asarray([1], jnp.int32)
-    run = lambda *a, **k: jax.jit(lambda p, *a: model.module.apply({"params": p}, *a, method="step", **k))(
-        model.params, *a)  # traced anew each time: the dispatch choice is read when the step traces
-    _, cache = run(ids, jnp.arange(150)[None], jnp.ones((1, 150), bool), cache, tables, rows)
-    args = (ids[:, :1], jnp.full((1, 1), 150), jnp.ones((1, 1), bool), cache, tables, rows)
+    run, args = prefilled_medium_prefix(150, num_blocks=8)
     monkeypatch.setattr(mla_absorb, "choose", lambda *a, impl=None: "reference")
     plain, _ = run(*args, decode=True)
     from dayzero.kernels import paged

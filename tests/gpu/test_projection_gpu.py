@@ -22,7 +22,7 @@ TILES = {"default": None, "bn32": projection.ProjectionTiles(block_n=32), "k128s
 
 def _want(x, groups, norm_weight, eps, residual):
     """The reference's roundings with float32 products at full precision (XLA's float32 dots may run TF32)."""
-    h = x if norm_weight is None else projection._rms_norm(x, norm_weight, eps)
+    h = x if norm_weight is None else projection.rms_norm(x, norm_weight, eps)
     with jax.default_matmul_precision("highest"):
         outs = [jnp.concatenate([(h.astype(jnp.float32) @ w.astype(jnp.float32)) for w in g], axis=-1)
                 for g in groups]
