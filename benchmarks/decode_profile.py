@@ -5,7 +5,7 @@ with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized H
                                          [--xla-option NAME=VALUE] [--pallas router] [--dump PREFIX]
                                          [--dense-fused-prologues] [--shared-apart] [--dense-epilogue-min-pairs N]
                                          [--router-dot] [--dense-pair-partials] [--dense-tiles FIELD=VALUE]
-                                         [--set MODULE.CONSTANT=VALUE]
+                                         [--set MODULE.CONSTANT=VALUE] [--projection-tiles [one.]FIELD=VALUE]
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
 `small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
@@ -32,7 +32,7 @@ import time
 import jax
 import numpy as np
 
-from dayzero.kernels import dispatch
+from dayzero.kernels import dispatch, projection
 from dayzero.model import Model
 from dayzero.model.presets import get_preset
 from dayzero.serving import Engine, EngineConfig
@@ -256,8 +256,16 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
                         help="set a dayzero module constant for this run (repeatable; true/false/ints parsed), "
                              "e.g. model.mla.DECODE_PROJECTIONS=false or kernels.projection.CHOOSE_MAX_ROWS=16")
+    parser.add_argument("--projection-tiles", action="append", default=[], metavar="[one.]FIELD=VALUE",
+                        help="the projection kernel's default ProjectionTiles field for calls of several weights "
+                             "(kernels.projection.TILES), or with 'one.' of one weight (ONE_WEIGHT_TILES: o_proj), "
+                             "e.g. one.k_slices=16 (repeatable)")
     args = parser.parse_args(argv)
     extra = use_xla_options(args.xla_option)
+    for target, _, text in (pair.partition("=") for pair in args.projection_tiles):
+        constant, field = ("ONE_WEIGHT_TILES", target[4:]) if target.startswith("one.") else ("TILES", target)
+        setattr(projection, constant, dataclasses.replace(getattr(projection, constant), **{field: parse_value(text)}))
+        extra[f"projection_{target}"] = parse_value(text)
     if args.pallas:
         extra["pallas"] = args.pallas
     tile_options = {}

@@ -3,13 +3,16 @@ the residual add, plus one XLA fusion adding its partial sums where K is split) 
 (`projection.reference`), at the medium hybrid's KDA layer shapes.
 
     python3 benchmarks/projection.py [--results benchmarks/RESULTS.md] [--batches 1,16] \
-        [--tiles 128x64s3p1024k8w2,64x128s4p1k1]
+        [--tiles 128x64s3p1024k8w2,64x128s4p1k1] [--xla-configs]
 
 Per layer: the input RMSNorm and the six input projections (q|k|v and f_a|g_a|b, 2048 -> 6144 + 272), then o_proj
 (2048 -> 2048) with the residual add, `LAYERS` layers with their own weights chained in one jitted call (o_proj
 takes the q part of the first call's output, so every layer depends on the one before). Device time per layer from
 a profiler trace of one call after a warm-up; the roofline is the layer's weight bytes at the HBM copy bandwidth
-measured in the same run. Tiles are written `<block_n>x<step_k>s<stages>p<min_programs>k<k_slices>[w<warps>]`.
+measured in the same run. Tiles are written `<block_n>x<step_k>s<stages>p<min_programs>k<k_slices>[w<warps>]`, for
+both calls, or `<input tiles>/<o_proj tiles>`; each variant's kernels are also timed apart (`top_us`: the input
+projections' kernel is decode_projection, o_proj's decode_projection_one_weight). `--xla-configs` prints (and
+records) the tiles XLA's autotuner chose for the XLA variant's GEMM fusions, read from its compiled HLO.
 """
 
 from __future__ import annotations
@@ -57,16 +60,41 @@ def layer_weights(cfg, key) -> list[dict]:
     return layers
 
 
-def chained(project, eps: float):
-    """jit(layers, x) -> x through LAYERS layers of (norm + input projections, o_proj + residual) by `project`."""
+def parse_tile_pair(text: str) -> tuple[projection.ProjectionTiles, projection.ProjectionTiles]:
+    """'IN' or 'IN/OUT' -> (tiles of the input projections' call, tiles of o_proj's call)."""
+    first, _, second = text.partition("/")
+    return parse_tiles(first), parse_tiles(second or first)
+
+
+def chained(project, eps: float, output_project=None):
+    """jit(layers, x) -> x through LAYERS layers of (norm + input projections, o_proj + residual) by `project` (o_proj
+    by `output_project` where given)."""
+    output_project = output_project or project
+
     def run(layers, x):
         for p in layers:
             qkv, fgb = project(x, (p["qkv"], p["fgb"]), norm_weight=p["norm"], eps=eps)
             o = qkv[:, :p["o"].shape[0]] + fgb[:, :1]  # the layer's output depends on both groups
-            (x,) = project(o, ((p["o"],),), residual=x)
+            (x,) = output_project(o, ((p["o"],),), residual=x)
         return x
 
     return jax.jit(run, compiler_options=dispatch.compiler_options() or None)
+
+
+def gemm_configs(compiled_text: str) -> list[str]:
+    """Each GEMM fusion of an optimized HLO module as 'name: its fusion backend config' (XLA's choice: the Triton
+    GEMM's tiles, split-K, stages and warps, or the cuBLAS call), one entry per distinct name stem and config."""
+    found = []
+    for line in compiled_text.splitlines():
+        if "backend_config=" not in line or not ("gemm" in line or "cublas" in line):
+            continue
+        stem = re.sub(r"[._]\d+$", "", line.strip().split(" ", 1)[0].lstrip("%"))
+        config = line[line.index("backend_config=") + len("backend_config="):]
+        inner = re.search(r'"fusion_backend_config":(\{.*)', config)
+        entry = f"{stem}: {(inner.group(1) if inner else config)[:400]}"
+        if entry not in found:
+            found.append(entry)
+    return found
 
 
 def main(argv=None) -> int:
@@ -76,6 +104,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", default="128x64s3p1024k8w2,128x64s3p1024k8,256x64s3p1024k8w2,128x32s4p1024k8w2,"
                                            "128x128s4p512k4")
     parser.add_argument("--preset", default="medium_hybrid")
+    parser.add_argument("--xla-configs", action="store_true",
+                        help="print and record the XLA variant's GEMM tile configs (from its compiled HLO)")
     args = parser.parse_args(argv)
     cfg = get_preset(args.preset)
     layers = layer_weights(cfg, jax.random.key(0))
@@ -83,16 +113,21 @@ def main(argv=None) -> int:
     copy_bw = hbm_copy_bandwidth()
     res = {"hbm_copy_TBps": round(copy_bw / 1e12, 3), "layer_weight_MB": round(weight_bytes / 1e6, 2),
            "roofline_us_per_layer": round(weight_bytes / copy_bw * 1e6, 2)}
-    variants = [("xla", projection.reference)] + [
-        (name, lambda *a, tiles=parse_tiles(name), **k: projection.project(*a, tiles=tiles, **k))
-        for name in args.tiles.split(",")]
+    variants = [("xla", projection.reference, None)] + [
+        (name, lambda *a, tiles=pair[0], **k: projection.project(*a, tiles=tiles, **k),
+         lambda *a, tiles=pair[1], **k: projection.project(*a, tiles=tiles, **k))
+        for name, pair in ((name, parse_tile_pair(name)) for name in args.tiles.split(","))]
     for batch in (int(b) for b in args.batches.split(",")):
         x = jax.random.normal(jax.random.fold_in(jax.random.key(1), batch), (batch, cfg.hidden_size), jnp.bfloat16)
         row, want = {}, None
-        for name, project in variants:
-            fn = chained(project, cfg.rms_norm_eps)
+        for name, project, output_project in variants:
+            fn = chained(project, cfg.rms_norm_eps, output_project)
             out = fn(layers, x)
-            us, top = device_us_per_call(fn, layers, x, calls=LAYERS, top=4)
+            if args.xla_configs and name == "xla":
+                configs = gemm_configs(fn.lower(layers, x).compile().as_text())
+                res[f"B{batch}_xla_gemm_configs"] = configs
+                print(f"B{batch} xla GEMM fusions:", *configs, sep="\n  ", flush=True)
+            us, top = device_us_per_call(fn, layers, x, calls=LAYERS, top=6)
             err = None if want is None else float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
             want = out.astype(jnp.float32) if want is None else want
             row[name] = {"us_per_layer": round(us, 2), "pct_of_roofline": round(100 * weight_bytes / copy_bw * 1e6

@@ -1,11 +1,11 @@
-"""The front of a batch-1 decode step's MoE block in one Pallas (Triton) kernel: the attention's residual add, the
-post-attention RMSNorm and the router's logits.
+"""The front of a decode step's MoE block in one Pallas (Triton) kernel: the attention's residual add, the
+post-attention RMSNorm and the router's logits, for up to `MAX_ROWS` rows.
 
 After a decode layer's attention, XLA runs two reductions before the router's select kernel: one adds up o_proj's
 split-K partial sums, adds the residual and sums the squares (~3.5 us per MoE layer at batch 1 on the H200), one
-normalises and multiplies by the router weight (~2-2.5 us; benchmarks/NOTES_serving.md, seventeenth session). Here
-one launch does both for the one row. A program takes `EXPERT_BLOCK` experts and loads everything at once (its
-router weight block first: it does not depend on x), with no loop:
+normalises and multiplies by the router weight (~2-2.5 us; benchmarks/NOTES_serving.md, seventeenth session); at
+16 rows three fusions (~2 + 1.5 + 2.2 us). Here one launch does it all. A program takes `EXPERT_BLOCK` experts of one
+row and loads everything at once (its router weight block first: it does not depend on x), with no loop:
 
 1. x = round(residual + round(sum of the partial sums)) (as `projection.finished` with a residual) and its squares;
 2. normed = round(weight * round(x / rms)) (as `model.norms.RMSNorm`);
@@ -14,13 +14,14 @@ router weight block first: it does not depend on x), with no loop:
 
 A first form (seventeenth session) walked the features in 64-column steps, twice, with the rows as a 16-row block
 for the tensor cores: correct on the H200 (tests/gpu/test_moe_front_gpu.py 7/7) but 44 us per call, the 64 dependent
-steps each waiting on its loads (batch 1 1.540 ms of kernels per token against 1.138 without). Takes one row, H a
+steps each waiting on its loads (batch 1 1.540 ms of kernels per token against 1.138 without). Takes 1 to
+`MAX_ROWS` rows (one program per row and expert block: each row's programs re-read the router weight, from L2), H a
 power of two up to `MAX_HIDDEN`, E a multiple of `EXPERT_BLOCK`, 16-bit activations (`supported`). `reference` is
 the same in XLA; `choose` picks (dispatch name "moe_front").
 
-With `select`, the router's choice after the logits (`kernels.router.select_and_schedule` at one token) is made in
-the same launch: every program adds 1 to an int32 counter with an acquire-release atomic once its logits are
-stored, and the program that sees the others all done reads every logit back, chooses the experts
+With `select` (one row only), the router's choice after the logits (`kernels.router.select_and_schedule` at one
+token) is made in the same launch: every program adds 1 to an int32 counter with an acquire-release atomic once its
+logits are stored, and the program that sees the others all done reads every logit back, chooses the experts
 (`router.choose_experts`) and sets the counter back to zero (the counters live in the serving cache, "moe_turns").
 """
 
@@ -42,6 +43,12 @@ from . import atomics, dispatch, projection, router, tiles as tiling
 GPU_VERIFIED = True
 EXPERT_BLOCK = 8
 MAX_HIDDEN = 8192
+# Rows the model hands the kernel at most (`choose`): the decode calls whose router logits are XLA reductions, not
+# a dot (`model.moe.REDUCE_LOGITS_MAX_TOKENS`). On the H200 (twenty-first session, decode_profile.py --set
+# kernels.moe_front.MAX_ROWS=1 for the A/B): batch 16 2.795 against 2.830 ms of kernels per token (4.1 us per MoE
+# layer in place of XLA's o_proj finish, norm and logits fusions), batch 2 1.318 against 1.322;
+# tests/gpu/test_moe_front_gpu.py passes at 1, 5 and 16 rows and in the model at batch 16.
+MAX_ROWS = 16
 # 4 / 8 / 16 warps: 6.55 / 6.72 / 5.94 us per call in benchmarks/moe_front.py (H200, chained with the benchmark's
 # own copy of ~3 us; the kernel alone 3.6 / 3.8 / 3.0 us)
 NUM_WARPS = 8
@@ -61,7 +68,7 @@ class Select(NamedTuple):
 
 def supported(rows: int, hidden: int, n_experts: int, dtype) -> bool:
     """Whether the kernel takes this call (see the module docstring)."""
-    return (rows == 1 and 16 <= hidden <= MAX_HIDDEN and hidden & (hidden - 1) == 0
+    return (1 <= rows <= MAX_ROWS and 16 <= hidden <= MAX_HIDDEN and hidden & (hidden - 1) == 0
             and n_experts % EXPERT_BLOCK == 0 and jnp.dtype(dtype).itemsize == 2)
 
 
@@ -109,7 +116,7 @@ def _kernel(*refs, hidden, slices, eps, select, layer, interpret):
         res_ref, norm_ref, w_ref, x_out, normed_out, logits_out = refs
     dtype = res_ref.dtype
     e0 = pl.multiple_of(pl.program_id(0) * EXPERT_BLOCK, EXPERT_BLOCK)
-    row, cols = pl.ds(0, 1), pl.ds(0, hidden)
+    row, cols = pl.ds(pl.program_id(1), 1), pl.ds(0, hidden)
     weight = w_ref[pl.ds(e0, EXPERT_BLOCK), cols]  # [EXPERT_BLOCK, H]: first, its read overlaps the rest
     x = res_ref[row, cols].astype(jnp.float32)  # [1, H]
     if slices:
@@ -151,12 +158,12 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
           bias: jax.Array | None = None, turns: jax.Array | None = None, layer: int = 0,
           interpret: bool = False) -> tuple[jax.Array, ...]:
     """`reference`'s results in one kernel (see the module docstring): update (o_proj's `projection.Partials`
-    [S, 1, H] float32 without squares, a finished [1, H], or None), residual [1, H] 16-bit, norm_weight [H], router
-    weight [E, H] -> (x [1, H], normed [1, H], logits [1, E] float32). Needs `supported`.
+    [S, M, H] float32 without squares, a finished [M, H], or None), residual [M, H] 16-bit, norm_weight [H], router
+    weight [E, H] -> (x [M, H], normed [M, H], logits [M, E] float32), M the residual's rows. Needs `supported`.
 
-    With `select` (and the correction `bias` [E] or None, and `turns`: int32 [L, C] counters, all zero, of which
-    the call uses turns[layer, 0] and leaves it zero; `model.cache`'s "moe_turns"), the last program to finish also
-    makes the router's choice from all the logits: the results then go on with (ids [16, k_pad] int32, weights
+    With `select` (one row; and the correction `bias` [E] or None, and `turns`: int32 [L, C] counters, all zero, of
+    which the call uses turns[layer, 0] and leaves it zero; `model.cache`'s "moe_turns"), the last program to finish
+    also makes the router's choice from all the logits: the results then go on with (ids [16, k_pad] int32, weights
     [16, k_pad] float32, turns), as `kernels.router.select_and_schedule`'s one-token kernel writes them (every row
     the token's choice, k_pad the next power of two of top_k + parts). Needs `select_supported` too."""
     _check(update, residual, norm_weight, router_weight)
@@ -164,7 +171,7 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     n_experts = router_weight.shape[0]
     if not supported(rows, hidden, n_experts, residual.dtype):
         raise ValueError(f"moe front kernel: {rows} rows x {hidden} features, {n_experts} experts, {residual.dtype} "
-                         f"not supported (1 row, H a power of two up to {MAX_HIDDEN}, E a multiple of "
+                         f"not supported (1 to {MAX_ROWS} rows, H a power of two up to {MAX_HIDDEN}, E a multiple of "
                          f"{EXPERT_BLOCK}, 16-bit)")
     if isinstance(update, projection.Partials):
         operands, slices = [update.sums], update.slices
@@ -179,6 +186,8 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     inputs = [*operands, residual, norm_weight, router_weight]
     aliases = {}
     if select is not None:
+        if rows != 1:
+            raise ValueError(f"moe front kernel: the router's choice is made for one row, not {rows}")
         if not select_supported(n_experts, select):
             raise ValueError(f"moe front kernel: the router's choice of top-{select.top_k} + {select.parts} shared "
                              f"of {n_experts} experts not supported (`kernels.router.schedule_supported`)")
@@ -195,7 +204,7 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     return tuple(pl.pallas_call(
         functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), select=select, layer=layer,
                           interpret=interpret),
-        grid=(n_experts // EXPERT_BLOCK,),
+        grid=(n_experts // EXPERT_BLOCK, rows),
         out_shape=outputs,
         input_output_aliases=aliases,
         compiler_params=tiling.compiler_params(num_warps, 1),

@@ -71,6 +71,20 @@ class ProjectionTiles:
     k_slices: int = 8
 
 
+# `project`'s tiles when the call names none: calls of several weights (a layer's input projections) and calls of
+# one weight (o_proj) apart, so each can be tuned (benchmarks/projection.py takes a pair, decode_profile.py
+# --projection-tiles sets either). o_proj (2048 -> 2048) in 64-column blocks: 32 x 8 = 256 programs where 128-column
+# blocks made 128, fewer than the H200's SMs; on the H200 (twenty-first session) 5.29 -> 4.45 us per call at 16 rows
+# (projection.py), the batch-16 decode's o_proj calls 0.0868 -> 0.0735 ms per token, batch 1 unchanged (0.060).
+TILES = ProjectionTiles()
+ONE_WEIGHT_TILES = ProjectionTiles(block_n=64)
+
+
+def default_tiles(weights: int) -> ProjectionTiles:
+    """The tiles `project` takes for a call of this many weights when it is given none."""
+    return ONE_WEIGHT_TILES if weights == 1 else TILES
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["sums", "squares"],
                    meta_fields=["k_dim", "eps", "dtype"])
 @dataclass(frozen=True)
@@ -308,7 +322,7 @@ def project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...]
         raise ValueError(f"projection kernel: {rows} rows x {k_dim} features into widths "
                          f"{[n for _, _, n in widths]} not supported (rows a power of two <= {MAX_ROWS}, "
                          "K and widths multiples of 16)")
-    tiles = tiles or ProjectionTiles()
+    tiles = tiles or default_tiles(len(widths))
     sk = tiling.pow2_divisor(k_dim if head_scaled is None else head_scaled[0], tiles.step_k)
     blocks, slices = _plan(widths, k_dim // sk, tiles)
     residual_in_kernel = residual is not None and slices == 1  # else XLA adds it after the partial sums
@@ -330,7 +344,7 @@ def project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...]
         grid=(sum(b.count for b in blocks), slices),
         compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
         interpret=interpret,
-        name="decode_projection",
+        name="decode_projection" if len(widths) > 1 else "decode_projection_one_weight",
     )(*operands)
     if slices == 1:
         return tuple(outs)

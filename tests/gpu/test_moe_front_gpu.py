@@ -15,13 +15,12 @@ pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") fo
                                 reason="no GPU on this machine")
 
 
-@pytest.mark.parametrize("slices", [8, 4, 0])
-def test_front_matches_xla_on_gpu(slices):
-    """x and the normed row within ~2 bf16 steps of the XLA form's (the partial sums' order of addition; XLA may
+@pytest.mark.parametrize("slices,rows", [(8, 1), (4, 1), (0, 1), (8, 16), (8, 5)])
+def test_front_matches_xla_on_gpu(slices, rows):
+    """x and the normed rows within ~2 bf16 steps of the XLA form's (the partial sums' order of addition; XLA may
     also skip the norm's inner rounding: excess precision), logits within float32 rounding of a float64 product of
-    the kernel's own normed row."""
-    rows = 1
-    key = jax.random.key(slices)
+    the kernel's own normed rows."""
+    key = jax.random.key(slices + rows)
     k = jax.random.split(key, 4)
     residual = jax.random.normal(k[0], (rows, 2048), jnp.bfloat16)
     update = None
@@ -39,14 +38,15 @@ def test_front_matches_xla_on_gpu(slices):
     np.testing.assert_allclose(np.asarray(got[2], np.float64), oracle, rtol=1e-4, atol=1e-5)
 
 
-def test_model_decode_with_the_front_on_gpu(monkeypatch):
-    """The medium hybrid's decode step (batch 1, random weights) with the front kernel after every KDA layer's decode
-    kernel and the MLA layer's decode projections (`decoder.FRONT_AFTER_MLA`) against the same step without it:
-    next-token logits to bf16 rounding."""
+@pytest.mark.parametrize("batch", [1, 16])
+def test_model_decode_with_the_front_on_gpu(monkeypatch, batch):
+    """The medium hybrid's decode step (batch 1 or 16, random weights) with the front kernel after every KDA layer's
+    decode kernel and the MLA layer's decode projections (`decoder.FRONT_AFTER_MLA`) against the same step without
+    it: next-token logits to bf16 rounding."""
     from dayzero.model import decoder
     from medium_prefix_cases import prefilled_medium_prefix
 
-    run, args = prefilled_medium_prefix(9, num_blocks=4)
+    run, args = prefilled_medium_prefix(9, num_blocks=batch + 2, batch=batch)
     monkeypatch.setattr(moe_front, "choose", lambda *a, impl=None: "reference")
     plain, _ = run(*args, decode=True)
     calls = []
@@ -59,7 +59,7 @@ def test_model_decode_with_the_front_on_gpu(monkeypatch):
     a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
     assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
     # the front making the router's choice too (`decoder.FRONT_SELECT`, counters in the cache): the same logits to
-    # bf16 rounding, the counters left at zero
+    # bf16 rounding, the counters left at zero (batch 16: no choice made in the front, the same step)
     monkeypatch.setattr(decoder, "FRONT_SELECT", True)
     choosing, after = run(*args, decode=True)
     c = np.asarray(choosing, np.float64)
