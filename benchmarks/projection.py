@@ -3,7 +3,7 @@ the residual add, plus one XLA fusion adding its partial sums where K is split) 
 (`projection.reference`), at the medium hybrid's KDA layer shapes.
 
     python3 benchmarks/projection.py [--results benchmarks/RESULTS.md] [--batches 1,16] \
-        [--tiles 128x64s3p1024k8w2,64x128s4p1k1] [--xla-configs]
+        [--tiles 128x64s3p1024k8w2,64x128s4p1k1] [--xla-configs] [--joined-weights]
 
 Per layer: the input RMSNorm and the six input projections (q|k|v and f_a|g_a|b, 2048 -> 6144 + 272), then o_proj
 (2048 -> 2048) with the residual add, `LAYERS` layers with their own weights chained in one jitted call (o_proj
@@ -13,6 +13,9 @@ measured in the same run. Tiles are written `<block_n>x<step_k>s<stages>p<min_pr
 both calls, or `<input tiles>/<o_proj tiles>`; each variant's kernels are also timed apart (`top_us`: the input
 projections' kernel is decode_projection, o_proj's decode_projection_one_weight). `--xla-configs` prints (and
 records) the tiles XLA's autotuner chose for the XLA variant's GEMM fusions, read from its compiled HLO.
+`--joined-weights`: each input group's weights stored side by side as one weight (q|k|v [2048, 6144], f_a|g_a|b
+[2048, 272]), as a load-time join would hold them: the kernel then runs two weights (two branches of its program
+plan) instead of six, the same bytes.
 """
 
 from __future__ import annotations
@@ -47,16 +50,19 @@ def parse_tiles(text: str) -> projection.ProjectionTiles:
                                       k_slices=int(ks), num_warps=int(w or 4))
 
 
-def layer_weights(cfg, key) -> list[dict]:
-    """Per layer: the input norm weight, the two input groups and o_proj, bf16 like the model's Dense kernels."""
+def layer_weights(cfg, key, joined: bool = False) -> list[dict]:
+    """Per layer: the input norm weight, the two input groups and o_proj, bf16 like the model's Dense kernels
+    (`joined`: each group's weights as one array, side by side)."""
     d, dim, hd, heads = cfg.hidden_size, cfg.kda_dim, cfg.kda_head_dim, cfg.kda_num_heads
     layers = []
     for layer in range(LAYERS):
         k = jax.random.fold_in(key, layer)
         w = lambda i, n, rows=d: (jax.random.normal(jax.random.fold_in(k, i), (rows, n), jnp.float32)
                                   * 0.02).astype(jnp.bfloat16)
-        layers.append({"norm": jnp.ones((d,), jnp.float32), "qkv": (w(0, dim), w(1, dim), w(2, dim)),
-                       "fgb": (w(3, hd), w(4, hd), w(5, heads)), "o": w(6, d, rows=dim)})
+        qkv, fgb = (w(0, dim), w(1, dim), w(2, dim)), (w(3, hd), w(4, hd), w(5, heads))
+        if joined:
+            qkv, fgb = (jnp.concatenate(qkv, axis=1),), (jnp.concatenate(fgb, axis=1),)
+        layers.append({"norm": jnp.ones((d,), jnp.float32), "qkv": qkv, "fgb": fgb, "o": w(6, d, rows=dim)})
     return layers
 
 
@@ -104,11 +110,13 @@ def main(argv=None) -> int:
     parser.add_argument("--tiles", default="128x64s3p1024k8w2,128x64s3p1024k8,256x64s3p1024k8w2,128x32s4p1024k8w2,"
                                            "128x128s4p512k4")
     parser.add_argument("--preset", default="medium_hybrid")
+    parser.add_argument("--joined-weights", action="store_true",
+                        help="each input group's weights as one array (two kernel branches instead of six)")
     parser.add_argument("--xla-configs", action="store_true",
                         help="print and record the XLA variant's GEMM tile configs (from its compiled HLO)")
     args = parser.parse_args(argv)
     cfg = get_preset(args.preset)
-    layers = layer_weights(cfg, jax.random.key(0))
+    layers = layer_weights(cfg, jax.random.key(0), joined=args.joined_weights)
     weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(layers[0]))
     copy_bw = hbm_copy_bandwidth()
     res = {"hbm_copy_TBps": round(copy_bw / 1e12, 3), "layer_weight_MB": round(weight_bytes / 1e6, 2),
@@ -139,8 +147,9 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     append_line(args.results, f"- {datetime.date.today()} projection.py, {device.device_kind}, commit {git_commit()}, "
                               f"jax {jax.__version__}, {args.preset} KDA layer's projections at decode (input norm + "
-                              f"q|k|v|f_a|g_a|b, o_proj + residual; {LAYERS} layers chained, device time per layer, "
-                              f"roofline the weights at HBM copy bandwidth): {json.dumps(res)}\n")
+                              f"q|k|v|f_a|g_a|b{' joined into two weights' if args.joined_weights else ''}, o_proj + "
+                              f"residual; {LAYERS} layers chained, device time per layer, roofline the weights at HBM "
+                              f"copy bandwidth): {json.dumps(res)}\n")
     return 0
 
 

@@ -207,8 +207,8 @@ def router_cases() -> dict:
 
 
 def projection_cases() -> dict:
-    """The decode projections at the medium hybrid's KDA layer: the input norm + q|k|v|f_a|g_a|b and o_proj with the
-    residual, 1 and 16 rows, bf16, default tiles."""
+    """The decode projections at the medium hybrid's KDA layer: the input norm + q|k|v|f_a|g_a|b (six weights, or
+    each group's joined into one) and o_proj with the residual, 1 and 16 rows, bf16, default tiles."""
     from dayzero.kernels import projection
 
     S = jax.ShapeDtypeStruct
@@ -218,6 +218,10 @@ def projection_cases() -> dict:
     for rows in (1, 16):
         cases[f"inputs M{rows}"] = (lambda x, n, *w: projection.project(x, (w[:3], w[3:]), norm_weight=n, eps=1e-5),
                                     (bf(rows, 2048), S((2048,), jnp.float32), *inputs))
+        # each group's weights joined side by side (q|k|v [2048, 6144], f_a|g_a|b [2048, 272]): two branches
+        cases[f"inputs joined M{rows}"] = (
+            lambda x, n, qkv, fgb: projection.project(x, ((qkv,), (fgb,)), norm_weight=n, eps=1e-5),
+            (bf(rows, 2048), S((2048,), jnp.float32), bf(2048, 6144), bf(2048, 272)))
         cases[f"o_proj M{rows}"] = (lambda o, r, w: projection.project(o, ((w,),), residual=r),
                                     (bf(rows, 2048), bf(rows, 2048), bf(2048, 2048)))
     return cases
