@@ -80,7 +80,12 @@ def chained(project, eps: float, output_project=None):
     def run(layers, x):
         for p in layers:
             qkv, fgb = project(x, (p["qkv"], p["fgb"]), norm_weight=p["norm"], eps=eps)
-            o = qkv[:, :p["o"].shape[0]] + fgb[:, :1]  # the layer's output depends on both groups
+            # the layer's output depends on every column of both groups: a slice would let XLA drop the products
+            # of the columns it does not read (its variant computed only q and f_a's first column before
+            # 2026-12-04, reading half the weights)
+            dim = p["o"].shape[0]
+            o = sum(qkv[:, i * dim:(i + 1) * dim] for i in range(qkv.shape[1] // dim)) + jnp.sum(
+                fgb.astype(jnp.float32), axis=1, keepdims=True).astype(qkv.dtype)
             (x,) = output_project(o, ((p["o"],),), residual=x)
         return x
 

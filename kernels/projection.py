@@ -47,12 +47,12 @@ from . import dispatch, tiles as tiling
 GPU_VERIFIED = True
 MAX_ROWS = 16
 BLOCK_ROWS = 16  # rows per dot (Triton's smallest M)
-# `choose` takes the kernel for calls of at most this many rows. Alone, at 16 rows XLA's split-K GEMM streams the
-# medium hybrid's KDA projections faster (benchmarks/projection.py on the H200, 2026-12-02: 14.0 us per layer against
-# 19.8; at 1 row 26.3 against 20.0), but in the model the kernel saves XLA's finishing reductions and the f_a|g_a|b
-# weight concatenation it makes every step: batch-16 decode 2.830 ms of kernels per token with the kernel and
-# `decode_layer.LOW_RANK_UPS_MIN_ROWS` = 16 against 2.882 with neither (2.854 the kernel alone; decode_profile.py,
-# 2026-12-04, twentieth session).
+# `choose` takes the kernel for calls of at most this many rows. (benchmarks/projection.py's XLA figures before
+# 2026-12-04 computed only part of the layer, XLA dropping the products its chain did not read: its "XLA is faster
+# at 16 rows" did not stand; RESULTS.md's correction line.) In the model the kernel also saves XLA's finishing
+# reductions and the f_a|g_a|b weight concatenation it makes every step: batch-16 decode 2.830 ms of kernels per
+# token with the kernel and `decode_layer.LOW_RANK_UPS_MIN_ROWS` = 16 against 2.882 with neither (2.854 the kernel
+# alone; decode_profile.py, 2026-12-04, twentieth session).
 CHOOSE_MAX_ROWS = 16
 
 
