@@ -74,10 +74,12 @@ def measure(res: dict, batches, contexts, score_names=None, selection_names=None
     def chained(op):
         """op(w, tables[n], ...) CHAIN times in one jit, each w nudged by the previous output (eps = 0 at run time)."""
         def run(eps, w, stacked, *rest):
+            outs = []  # every call's output returned: else XLA's forms might compute only element 0 of the others
             for n in range(CHAIN):
                 out = op(w, stacked[n], *rest)
+                outs.append(out)
                 w = w + eps * out.reshape(-1)[0].astype(jnp.float32)
-            return out
+            return outs
 
         return jax.jit(run)
 

@@ -31,15 +31,17 @@ HIDDEN, EXPERTS, SLICES = 2048, 64, 8
 
 
 def chained(front):
-    """jit(sums [L, S, 1, H], residual [1, H], norm [L, H], router [L, E, H]) -> (x, normed, logits) of the last
-    layer, each layer's residual the previous layer's x."""
+    """jit(sums [L, S, 1, H], residual [1, H], norm [L, H], router [L, E, H]) -> every layer's (x, normed, logits),
+    each layer's residual the previous layer's x. (Every output is returned: with only the last layer's, XLA's form
+    would drop the other layers' norms and logits.)"""
     def run(sums, residual, norm, router):
-        outs = None
+        every = []
         for layer in range(LAYERS):
             update = projection.Partials(sums[layer], None, HIDDEN, 1e-6, "bfloat16")
             outs = front(update, residual, norm[layer], router[layer], eps=1e-5)
             residual = outs[0]
-        return outs
+            every.append(outs)
+        return every
 
     return jax.jit(run)
 

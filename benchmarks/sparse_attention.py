@@ -143,11 +143,13 @@ def measure(quick: bool, res: dict, sweep: bool = True, head_counts=(HEADS, 16),
         reads other requests' blocks and gathers other tokens, as one decode step's layers do: no call finds the
         previous call's bytes in L2)."""
         def run(eps, q, *rest):
+            outs = []  # every call's output returned: else XLA's forms might compute only element 0 of the others
             for n in range(CHAIN):
                 args = tuple(a[n] if i in per_call else a for i, a in enumerate(rest))
                 out = op(q, *args)
+                outs.append(out)
                 q = q + (eps * out.reshape(-1)[0].astype(jnp.float32)).astype(q.dtype)
-            return out
+            return outs
 
         return jax.jit(run)
 
