@@ -7,7 +7,8 @@ the residual add, plus one XLA fusion adding its partial sums where K is split) 
 
 Per layer: the input RMSNorm and the six input projections (q|k|v and f_a|g_a|b, 2048 -> 6144 + 272), then o_proj
 (2048 -> 2048) with the residual add, `LAYERS` layers with their own weights chained in one jitted call (o_proj
-takes the q part of the first call's output, so every layer depends on the one before). Device time per layer from
+takes the sum of the q, k and v parts of the first call's output plus each row's sum of f_a|g_a|b, one small XLA
+fusion in every variant: every product is used, and every layer depends on the one before). Device time per layer from
 a profiler trace of one call after a warm-up; the roofline is the layer's weight bytes at the HBM copy bandwidth
 measured in the same run. Tiles are written `<block_n>x<step_k>s<stages>p<min_programs>k<k_slices>[w<warps>]`, for
 both calls, or `<input tiles>/<o_proj tiles>`; each variant's kernels are also timed apart (`top_us`: the input

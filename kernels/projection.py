@@ -73,9 +73,10 @@ class ProjectionTiles:
 
 # `project`'s tiles when the call names none: calls of several weights (a layer's input projections) and calls of
 # one weight (o_proj) apart, so each can be tuned (benchmarks/projection.py takes a pair, decode_profile.py
-# --projection-tiles sets either). o_proj (2048 -> 2048) in 64-column blocks: 32 x 8 = 256 programs where 128-column
-# blocks made 128, fewer than the H200's SMs; on the H200 (twenty-first session) 5.29 -> 4.45 us per call at 16 rows
-# (projection.py), the batch-16 decode's o_proj calls 0.0868 -> 0.0735 ms per token, batch 1 unchanged (0.060).
+# --projection-tiles sets either; read when `project` first traces a shape, so set them before the model runs).
+# o_proj (2048 -> 2048) in 64-column blocks: 32 x 8 = 256 programs where 128-column blocks made 128, fewer than the
+# H200's SMs; on the H200 (twenty-first session) 5.29 -> 4.45 us per call at 16 rows (projection.py), the batch-16
+# decode's o_proj calls 0.0868 -> 0.0735 ms per token, batch 1 unchanged (0.060).
 TILES = ProjectionTiles()
 ONE_WEIGHT_TILES = ProjectionTiles(block_n=64)
 
