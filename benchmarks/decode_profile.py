@@ -264,8 +264,8 @@ def main(argv=None) -> int:
     extra = use_xla_options(args.xla_option)
     for target, _, text in (pair.partition("=") for pair in args.projection_tiles):
         constant, field = ("ONE_WEIGHT_TILES", target[4:]) if target.startswith("one.") else ("TILES", target)
-        setattr(projection, constant, dataclasses.replace(getattr(projection, constant), **{field: parse_value(text)}))
-        extra[f"projection_{target}"] = parse_value(text)
+        extra[f"projection_{target}"] = value = parse_value(text)
+        setattr(projection, constant, dataclasses.replace(getattr(projection, constant), **{field: value}))
     if args.pallas:
         extra["pallas"] = args.pallas
     tile_options = {}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import re
 import sys
@@ -128,9 +129,8 @@ def main(argv=None) -> int:
     res = {"hbm_copy_TBps": round(copy_bw / 1e12, 3), "layer_weight_MB": round(weight_bytes / 1e6, 2),
            "roofline_us_per_layer": round(weight_bytes / copy_bw * 1e6, 2)}
     variants = [("xla", projection.reference, None)] + [
-        (name, lambda *a, tiles=pair[0], **k: projection.project(*a, tiles=tiles, **k),
-         lambda *a, tiles=pair[1], **k: projection.project(*a, tiles=tiles, **k))
-        for name, pair in ((name, parse_tile_pair(name)) for name in args.tiles.split(","))]
+        (name, *(functools.partial(projection.project, tiles=t) for t in parse_tile_pair(name)))
+        for name in args.tiles.split(",")]
     for batch in (int(b) for b in args.batches.split(",")):
         x = jax.random.normal(jax.random.fold_in(jax.random.key(1), batch), (batch, cfg.hidden_size), jnp.bfloat16)
         row, want = {}, None

@@ -394,8 +394,8 @@ def moe_front_cases() -> dict:
 
 
 CASES = {"indexer": indexer_cases, "kda": kda_cases, "mla_absorb": mla_absorb_cases, "moe_dense": moe_dense_cases,
-         "moe_front": moe_front_cases, "moe_gemv": moe_gemv_cases, "moe_mxfp4": moe_mxfp4_cases, "projection": projection_cases,
-         "router": router_cases, "sparse_mla": sparse_mla_cases, "topk": topk_cases}
+         "moe_front": moe_front_cases, "moe_gemv": moe_gemv_cases, "moe_mxfp4": moe_mxfp4_cases,
+         "projection": projection_cases, "router": router_cases, "sparse_mla": sparse_mla_cases, "topk": topk_cases}
 
 
 def main(argv=None) -> int:

@@ -82,8 +82,7 @@ class DecoderLayer(nn.Module):
         router_weight = self.mlp.variables["params"]["gate"]["weight"]
         norm_weight = self.post_attention_layernorm.variables["params"]["weight"]
         front = moe_front.by_kind(kind)
-        one_row = residual.shape[0] == 1  # the front kernel makes the router's choice for one token only
-        select = self.mlp.front_select() if FRONT_SELECT and one_row and "moe_turns" in cache else None
+        select = self.mlp.front_select(residual.shape[0]) if FRONT_SELECT and "moe_turns" in cache else None
         if select is None:
             x, normed, logits = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps)
             y, workspace = self.mlp(normed[:, None], workspace, logits=logits)

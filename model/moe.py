@@ -340,11 +340,14 @@ class MoE(nn.Module):
             return params["shared_experts"]["gate_proj"]["kernel"].shape[1] // params["experts"]["w_gate"].shape[2]
         return 0
 
-    def front_select(self) -> tuple[Any, jax.Array | None] | None:
-        """For a one-token call whose router would run `kernels.router.select_and_schedule`: (the choice as
+    def front_select(self, n_tokens: int) -> tuple[Any, jax.Array | None] | None:
+        """For a call of `n_tokens` tokens: where it is one token whose router would run
+        `kernels.router.select_and_schedule` (the front kernel chooses for one token only), (the choice as
         `kernels.moe_front.Select`, the correction bias [E] float32 or None) for the front kernel to make, then
         handed back as `chosen`; else None."""
         cfg = self.config
+        if n_tokens != 1:
+            return None
         parts = self._shared_parts(1)
         if self.mesh is not None or not parts or select_route(cfg, 1, parts)[0] != "schedule":
             return None

@@ -17,8 +17,9 @@ from dayzero.serving import Engine, EngineConfig, SamplingParams  # noqa: E402
 
 def test_timed_generate_repeats_after_a_warm_up_and_counts_compilations():
     model = Model.random(tiny(), dtype="float32", seed=0)
-    engine = Engine(model, None, EngineConfig(max_num_seqs=2, max_model_len=128, max_prefill_tokens=64,
-                                              max_prefill_rows=2, prefill_len_buckets=(64,), block_buckets=(2,)))
+    config = EngineConfig(max_num_seqs=2, max_model_len=128, max_prefill_tokens=64, max_prefill_rows=2,
+                          prefill_len_buckets=(64,), block_buckets=(2,))
+    engine = Engine(model, None, config)
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     runs = serving_benchmark.timed_generate(engine, prompts, params, repeats=3)
@@ -28,8 +29,7 @@ def test_timed_generate_repeats_after_a_warm_up_and_counts_compilations():
         assert compiled == 0  # every shape was compiled by the warm-up generate
     assert [o.token_ids for o in runs[0][0]] == [o.token_ids for o in runs[2][0]]  # greedy: the same tokens
     # with the warm-up skipped (an engine whose first generate does nothing), the first timed run compiles
-    fresh = Engine(model, None, EngineConfig(max_num_seqs=2, max_model_len=128, max_prefill_tokens=64,
-                                             max_prefill_rows=2, prefill_len_buckets=(64,), block_buckets=(2,)))
+    fresh = Engine(model, None, config)
 
     class SkipsFirst:
         calls = 0

@@ -348,7 +348,8 @@ def reference(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, con
         streams.append(y.reshape(batch, 1, heads, head_dim))
         states.append(st)
     q, k, v = streams
-    raw = (fgb[:, :low_rank] @ f_b).astype(act).astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    f_up, g_up = low_rank_ups(fgb, f_b, g_b)
+    raw = f_up.astype(jnp.float32) + dt_bias.astype(jnp.float32)
     g = kda_reference.log_decay(raw.reshape(batch, 1, heads, head_dim), a_log.astype(jnp.float32)[:, None],
                                 lower_bound)
     beta = jax.nn.sigmoid(fgb[:, None, 2 * low_rank:].astype(jnp.float32))
@@ -356,7 +357,7 @@ def reference(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, con
                                                  output_final_state=True, use_qk_l2norm_in_kernel=True,
                                                  lengths=lengths)
     o = o.astype(act).astype(jnp.float32)[:, 0]
-    gate = (fgb[:, low_rank:2 * low_rank] @ g_b).astype(act).astype(jnp.float32).reshape(batch, heads, head_dim)
+    gate = g_up.astype(jnp.float32).reshape(batch, heads, head_dim)
     normed = o * jax.lax.rsqrt(jnp.mean(o * o, axis=-1, keepdims=True) + eps)
     out = norm_weight.astype(jnp.float32) * normed * jax.nn.sigmoid(gate)
     conv_cache = conv_cache.at[layer, slots].set(jnp.stack(states, axis=1).astype(conv_cache.dtype))
