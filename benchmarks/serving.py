@@ -1,12 +1,13 @@
 """Serving benchmark: the medium hybrid preset (random weights, bf16) through dayzero's Engine on one GPU.
 
 Measures TTFT at prompts of 2K and 32K tokens, ITL and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens,
-64 new tokens each), every shape compiled before it is timed, and the bandwidth floor of a batch-1 decode step
-(active params in bf16 at 4.0 TB/s). Each batch size's generate is timed `--repeats` times: its ITL is the median
+64 new tokens each), every shape compiled before it is timed, and the bandwidth floors of a batch-1 and a batch-16
+decode step (the weights each reads in bf16 at 4.0 TB/s: `decode_step_parameters`). Each batch size's generate is timed `--repeats` times: its ITL is the median
 over the runs (each run's ITL the median of its requests' mean ITLs; one host stall in a 64-token run moves a
 single request's mean by as much as the stall / 63), and the runs' ITLs are reported too; a compilation during a
 timed run is named in the output (`compiled_while_timed`). With `--peer SCRIPT` it runs the peer stack's anchor script
-(../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same run and reports it beside ours;
+(../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same run and reports it beside ours, with
+the peer's batch-16 ITL over ours and over the batch-16 floor (the most any bf16 engine could reach against it);
 with `--trace-batches 1,16` those batches' generate runs once more under the profiler (GPU busy and idle time).
 Prints a table and appends one dated line to the results file.
 """
@@ -24,7 +25,7 @@ import jax
 import numpy as np
 
 from dayzero.model import Model
-from dayzero.model.presets import active_parameters, get_preset
+from dayzero.model.presets import decode_step_parameters, get_preset
 from dayzero.serving import Engine, EngineConfig, SamplingParams
 
 from gpu_trace import busy_summary, gpu_kernels, traced_events  # benchmarks/gpu_trace.py
@@ -52,6 +53,16 @@ def timed_generate(engine: Engine, prompts, params, repeats: int = 1):
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
         runs.append((outs, time.perf_counter() - start, engine.num_compilations - compiled))
     return runs
+
+
+def peer_ratios(ours: dict, peer: dict) -> dict:
+    """The peer's batch-16 ITL over ours and over the batch-16 bandwidth floor ({} without a peer figure): the second
+    bounds the first for any bf16 engine, so a peer that runs fast makes a ratio target out of reach in that run."""
+    theirs = peer.get("hf_B16_P1024_itl_ms")
+    if not theirs:
+        return {}
+    return {"itl_B16_peer_over_ours": round(theirs / ours["itl_B16_ms"], 1),
+            "itl_B16_peer_over_floor": round(theirs / ours["bandwidth_floor_b16_ms"], 1)}
 
 
 def run_peer(script: str, timeout_s: float) -> dict:
@@ -89,7 +100,8 @@ def main(argv=None) -> int:
     jax.block_until_ready(model.params)
     print(f"medium hybrid: {model.num_params() / 1e9:.2f} B params on {device.device_kind}, "
           f"ready in {time.perf_counter() - t0:.1f} s")
-    floor_ms = active_parameters(config) * 2 / 4.0e12 * 1e3
+    # the weights a step of 1 / 16 tokens reads, in bf16 at 4.0 TB/s (the anchors' convention)
+    floor_ms = {batch: decode_step_parameters(config, batch) * 2 / 4.0e12 * 1e3 for batch in (1, 16)}
     engine = Engine(model, None, EngineConfig(
         max_num_seqs=64, max_model_len=args.long_prompt + 256, max_prefill_tokens=4096, max_prefill_rows=16,
         prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0,
@@ -128,7 +140,8 @@ def main(argv=None) -> int:
             print(f"batch {batch} traced: {json.dumps(traces[batch])}")
     if traces:
         res["traced"] = traces
-    res["bandwidth_floor_b1_ms"] = round(floor_ms, 3)
+    res["bandwidth_floor_b1_ms"] = round(floor_ms[1], 3)
+    res["bandwidth_floor_b16_ms"] = round(floor_ms[16], 3)
     res["compilations"] = engine.num_compilations
     if compiled_while_timed:
         res["compiled_while_timed"] = compiled_while_timed
@@ -141,13 +154,19 @@ def main(argv=None) -> int:
             ("ITL batch 16 (ms)", res["itl_B16_ms"], peer.get("hf_B16_P1024_itl_ms")),
             ("ITL batch 64 (ms)", res["itl_B64_ms"], None),
             (f"TTFT {args.long_prompt // 1024}K (ms)", res[f"ttft_P{args.long_prompt}_ms"], None),
-            ("bandwidth floor batch 1 (ms)", res["bandwidth_floor_b1_ms"], peer.get("roofline_bf16_b1_ms"))]
+            ("bandwidth floor batch 1 (ms)", res["bandwidth_floor_b1_ms"], peer.get("roofline_bf16_b1_ms")),
+            ("bandwidth floor batch 16 (ms)", res["bandwidth_floor_b16_ms"], None)]
     for name, ours, theirs in rows:
         print(f"| {name} | {ours} | {theirs if theirs is not None else '-'} |")
+    ratios = peer_ratios(res, peer)
+    if ratios:
+        print(f"batch 16: the peer's ITL is {ratios['itl_B16_peer_over_ours']}x ours and "
+              f"{ratios['itl_B16_peer_over_floor']}x the batch-16 bandwidth floor (the most a bf16 engine could reach)")
     line = (f"- {datetime.date.today()} serving.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}"
             f" (kernels: {kernel_choice()}; {args.decode_steps} decode steps per dispatch, overlapped: "
             f"{not args.no_overlap_decode}): dayzero {json.dumps(res)}; "
-            f"peer transformers+fla same run {json.dumps(peer) if peer else 'not run'}\n")
+            f"peer transformers+fla same run {json.dumps(peer) if peer else 'not run'}"
+            f"{'; ratios ' + json.dumps(ratios) if ratios else ''}\n")
     append_line(args.results, line)
     return 0
 

@@ -361,6 +361,8 @@ def moe_gemv_cases() -> dict:
             ("deepseek", (256, 8, 7168, 2048), 16, "2", tiles(rows=2)),
             ("deepseek", (256, 8, 7168, 2048), 64, "4", tiles(rows=4)),
             ("deepseek", (256, 8, 7168, 2048), 64, "4a", tiles(rows=4, adaptive=True)),
+            ("deepseek", (256, 8, 7168, 2048), 64, "2a s3", tiles(rows=2, block_n=32, max_groups=16, adaptive=True,
+                                                                   num_stages=3)),
             ("medium", (64, 6, 2048, 768), 1, "1", tiles(rows=1))):
 
         def fn(x, ids, w, g, u, d, gs, us, ds, gemv_tiles=gemv_tiles):

@@ -48,7 +48,8 @@ class GemvTiles:
     program, up to `max_groups` MX blocks of K per loop step; K is split over up to `split_k` programs, as far as
     needed for `min_programs` programs per kernel. `adaptive`: each tile multiplies its blocks into only as many rows
     as it holds (1, 2 or 4 of `rows`), so a tall tile costs a short one's instructions where its expert has fewer
-    tokens."""
+    tokens. `num_stages`: Triton's software pipelining of the K loop's loads (1: none; each step loads, then
+    multiplies, and other programs on the SM hide the wait)."""
 
     rows: int = 1
     block_n: int = 32
@@ -57,8 +58,11 @@ class GemvTiles:
     num_warps: int = 4
     min_programs: int = 2048
     adaptive: bool = False
+    num_stages: int = 1
 
     def __post_init__(self):
+        if self.num_stages < 1:
+            raise ValueError(f"GemvTiles.num_stages must be at least 1, got {self.num_stages}")
         if self.rows not in ROWS:
             raise ValueError(f"GemvTiles.rows must be one of {ROWS}, got {self.rows}")
         for name in ("block_n", "max_groups", "num_warps"):
@@ -285,7 +289,7 @@ def partial_products(tile_expert, src_of_row, words, factor, weights, tiles: Gem
         kernel,
         out_shape=jax.ShapeDtypeStruct((split, n_rows, len(weights), n_out), jnp.float32),
         grid=grid + (split,),
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name=f"moe_gemv_{'gate_up' if len(weights) == 2 else 'down'}_r{tiles.rows}{'a' * tiles.adaptive}",
     )(tile_expert, src_of_row, factor, words, *[a for w in weights for a in w])

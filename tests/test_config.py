@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from dayzero.model import ConfigError, ModelConfig
-from dayzero.model.presets import PRESETS, active_parameters, get_preset, parameter_table
+from dayzero.model.presets import PRESETS, active_parameters, decode_step_parameters, get_preset, parameter_table
 
 # Field values as Moonshot publishes them for Kimi-Linear-48B-A3B-Instruct.
 KIMI_LINEAR_48B = {
@@ -135,6 +135,12 @@ def test_presets():
     total = sum(c for c, _ in parameter_table(medium).values())
     assert 5.0e9 < total < 5.1e9  # the anchors' 5.04 B
     assert 0.93e9 < active_parameters(medium) < 0.95e9  # 0.94 B active per token
+    assert abs(decode_step_parameters(medium, 1) - active_parameters(medium)) < 1.0  # one token: its own experts
+    steps = [decode_step_parameters(medium, b) for b in (1, 16, 64, 4096)]
+    assert 4.0e9 < steps[1] < 4.2e9  # ~51 of 64 experts chosen by 16 tokens x top-6
+    assert steps == sorted(steps) and abs(steps[-1] - total) < 1.0  # every expert, at a batch that large
+    with pytest.raises(ValueError, match="batch"):
+        decode_step_parameters(medium, 0)
     k3 = get_preset("k3_3t")
     table = parameter_table(k3)
     assert 2.9e12 < sum(c for c, _ in table.values()) < 3.2e12

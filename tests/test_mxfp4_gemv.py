@@ -52,6 +52,8 @@ def test_splits_and_programs():
         gemv.GemvTiles(rows=3)
     with pytest.raises(ValueError, match="block_n"):
         gemv.GemvTiles(block_n=24)
+    with pytest.raises(ValueError, match="num_stages"):
+        gemv.GemvTiles(num_stages=0)
 
 
 def test_activation_words_order_and_scale(seed):

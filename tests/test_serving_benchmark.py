@@ -41,3 +41,11 @@ def test_timed_generate_repeats_after_a_warm_up_and_counts_compilations():
 
     runs = serving_benchmark.timed_generate(SkipsFirst(), prompts, params, repeats=2)
     assert runs[0][2] > 0 and runs[1][2] == 0
+
+
+def test_peer_ratios_bound_the_ratio_by_the_batch16_floor():
+    ours = {"itl_B16_ms": 2.845, "bandwidth_floor_b16_ms": 2.052}
+    ratios = serving_benchmark.peer_ratios(ours, {"hf_B16_P1024_itl_ms": 44.03})
+    assert ratios == {"itl_B16_peer_over_ours": 15.5, "itl_B16_peer_over_floor": 21.5}
+    assert serving_benchmark.peer_ratios(ours, {}) == {}  # no peer run, or it failed
+    assert serving_benchmark.peer_ratios(ours, {"error": "timed out"}) == {}

@@ -113,15 +113,17 @@ def test_decode_tile_variants(seed, name, shape, n_tokens, fmt):
     _check_tiles(seed, shape, n_tokens, fmt, DECODE_VARIANTS[name], name)
 
 
-@pytest.mark.parametrize("shape, n_tokens, rows, adaptive", [
-    ((64, 6, 2048, 768), 1, 1, False), ((64, 6, 2048, 768), 16, 2, False), ((64, 6, 2048, 768), 77, 4, False),
-    ((256, 8, 7168, 2048), 1, 1, False), ((256, 8, 7168, 2048), 16, 1, False), ((256, 8, 7168, 2048), 5, 2, False),
-    ((256, 8, 7168, 2048), 64, 4, False), ((256, 8, 7168, 2048), 64, 4, True), ((64, 6, 2048, 768), 16, 4, True)])
-def test_gemv_decode_kernels(seed, shape, n_tokens, rows, adaptive):
+@pytest.mark.parametrize("shape, n_tokens, rows, adaptive, stages", [
+    ((64, 6, 2048, 768), 1, 1, False, 1), ((64, 6, 2048, 768), 16, 2, False, 1), ((64, 6, 2048, 768), 77, 4, False, 1),
+    ((256, 8, 7168, 2048), 1, 1, False, 1), ((256, 8, 7168, 2048), 16, 1, False, 1),
+    ((256, 8, 7168, 2048), 5, 2, False, 1), ((256, 8, 7168, 2048), 64, 4, False, 1),
+    ((256, 8, 7168, 2048), 64, 4, True, 1), ((64, 6, 2048, 768), 16, 4, True, 1),
+    ((256, 8, 7168, 2048), 64, 2, True, 3), ((64, 6, 2048, 768), 1, 1, False, 2)])
+def test_gemv_decode_kernels(seed, shape, n_tokens, rows, adaptive, stages):
     """The CUDA-core decode kernels (moe_mxfp4_gemv: inline PTX, fp16 block sums) against the reference; `adaptive`:
-    4-row tiles that multiply only their real rows."""
-    tiles = moe_mxfp4_gemv.GemvTiles(rows=rows, adaptive=adaptive)
-    _check_tiles(seed, shape, n_tokens, "mxfp4", tiles, f"gemv rows={rows} adaptive={adaptive}")
+    4-row tiles that multiply only their real rows; `stages`: the K loop's loads software-pipelined."""
+    tiles = moe_mxfp4_gemv.GemvTiles(rows=rows, adaptive=adaptive, num_stages=stages)
+    _check_tiles(seed, shape, n_tokens, "mxfp4", tiles, f"gemv rows={rows} adaptive={adaptive} stages={stages}")
 
 
 def test_gemv_skewed_loads(seed):
