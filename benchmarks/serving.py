@@ -1,15 +1,15 @@
 """Serving benchmark: the medium hybrid preset (random weights, bf16) through dayzero's Engine on one GPU.
 
-Measures TTFT at prompts of 2K and 32K tokens, ITL and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens,
-64 new tokens each), every shape compiled before it is timed, and the bandwidth floors of a batch-1 and a batch-16
-decode step (the weights each reads in bf16 at 4.0 TB/s: `decode_step_parameters`). Each batch size's generate is
-timed `--repeats` times: its ITL is the median over the runs (each run's ITL the median of its requests' mean ITLs;
-one host stall in a 64-token run moves a single request's mean by as much as the stall / 63), and the runs' ITLs are
-reported too; a compilation during a timed run is named in the output (`compiled_while_timed`). With `--peer SCRIPT` it runs the peer stack's anchor script
-(../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same run and reports it beside ours, with
-the peer's batch-16 ITL over ours and over the batch-16 floor (the most any bf16 engine could reach against it);
-with `--trace-batches 1,16` those batches' generate runs once more under the profiler (GPU busy and idle time).
-Prints a table and appends one dated line to the results file.
+Measures TTFT at prompts of 2K and 32K tokens, ITL and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens, 64 new
+tokens each), every shape compiled before it is timed, and the bandwidth floors of a batch-1 and a batch-16 decode
+step (the weights each reads in bf16 at 4.0 TB/s: `decode_step_parameters`). Each batch size's generate is timed
+`--repeats` times: its ITL is the median over the runs (each run's ITL the median of its requests' mean ITLs; one
+host stall in a 64-token run moves a single request's mean by as much as the stall / 63), and the runs' ITLs are
+reported too; a compilation during a timed run is named in the output (`compiled_while_timed`). With `--peer SCRIPT`
+it runs the peer stack's anchor script (../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same
+run and reports it beside ours, with the peer's batch-16 ITL over ours and over the batch-16 floor (the most any
+bf16 engine could reach against it); with `--trace-batches 1,16` those batches' generate runs once more under the
+profiler (GPU busy and idle time). Prints a table and appends one dated line to the results file.
 """
 
 from __future__ import annotations
