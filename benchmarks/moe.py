@@ -514,8 +514,8 @@ def main(argv=None) -> int:
                         help="also sweep the fused kernel's tiles, comma-separated: all / split_k (1 token: every "
                              "tile, or the split-K ones), decode16 (16 tokens); gemv: the decode kernels' tiles at "
                              "each token count up to 64; dense: the bf16 dense-expert kernels' tiles (GPU time) "
-                             "at each token count up to 16; dense16: the batch-16 epilogue tiles (DENSE16_SWEEP) and the "
-                             "HBM read bandwidth; mlp: the one-kernel MLP's tiles (MLP_SWEEP) likewise")
+                             "at each token count up to 16; dense16: the batch-16 epilogue tiles (DENSE16_SWEEP); "
+                             "mlp: the one-kernel MLP's tiles (MLP_SWEEP) likewise")
     parser.add_argument("--shared-parts", type=int, default=0,
                         help="dense / mlp sweeps: a shared MLP of this many x the experts' width in the same kernels")
     parser.add_argument("--dense-only", action="store_true", help="time the bf16 variants alone (no MXFP4 / FP8)")

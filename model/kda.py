@@ -171,17 +171,19 @@ class KimiDeltaAttention(nn.Module):
         projected = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps,
                             finish=not PROJECTION_PARTIALS)
         qkv, fgb = projected if len(projected) == 2 else (projected[0], None)
+        f_b, g_b = weight(self.f_b_proj), weight(self.g_b_proj)
         ups = None
         if 0 < decode_layer.LOW_RANK_UPS_MIN_ROWS <= rows.shape[0]:  # f_b's and g_b's products by XLA, all rows
             if fgb is None:  # the six side by side
                 qkv = projection.finished(qkv)
+                ups = decode_layer.low_rank_ups(qkv, f_b, g_b, after_qkv=True)
             else:
                 fgb = projection.finished(fgb)
-            ups = decode_layer.low_rank_ups(qkv if fgb is None else fgb, weight(self.f_b_proj), weight(self.g_b_proj))
+                ups = decode_layer.low_rank_ups(fgb, f_b, g_b)
         fits = turns is not None and turns.shape[1] >= rows.shape[0]  # else: the XLA scatter, the counters untouched
         o, conv_cache, state_pool, *counters = decode_layer.decode_step(
             qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
-            weight(self.f_b_proj), self.A_log, self.dt_bias, weight(self.g_b_proj), weight(self.o_norm, "weight"),
+            f_b, self.A_log, self.dt_bias, g_b, weight(self.o_norm, "weight"),
             conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=cfg.rms_norm_eps,
             lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
             value_split=decode_layer.value_split(rows.shape[0], cfg.kda_head_dim), turns=turns if fits else None,

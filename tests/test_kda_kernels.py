@@ -303,7 +303,7 @@ def test_decode_layer_takes_low_rank_ups(seed, split):
     outs = [projection.finished(o) for o in (got[0], own[0])]
     assert _rel_err(outs[0], outs[1]) < 1e-2 and _rel_err(outs[0], ref[0]) < 1e-2
     both = jnp.concatenate(args[:2], axis=1)
-    for a, b in zip(decode_layer.low_rank_ups(both, args[3], args[6]), ups):
+    for a, b in zip(decode_layer.low_rank_ups(both, args[3], args[6], after_qkv=True), ups):
         assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     with pytest.raises(ValueError, match="low_rank_ups"):
         decode_layer.decode_step(*args, **options, low_rank_ups=(ups[0][:3], ups[1]))
@@ -605,7 +605,7 @@ def test_model_decode_of_sixteen_rows_with_low_rank_ups(seed, monkeypatch):
     monkeypatch.setattr(projection, "choose", lambda *a, impl=None: chosen(*a, impl="interpret"))
     ups_made = []
     made = decode_layer.low_rank_ups
-    monkeypatch.setattr(decode_layer, "low_rank_ups", lambda *a: ups_made.append(a[0].shape) or made(*a))
+    monkeypatch.setattr(decode_layer, "low_rank_ups", lambda *a, **k: ups_made.append(a[0].shape) or made(*a, **k))
     monkeypatch.setattr(decode_layer, "LOW_RANK_UPS_MIN_ROWS", 16)
     given, given_cache = step(*args, decode=True)
     assert len(ups_made) == sum(t == "kda" for t in cfg.layer_types) and ups_made[0][0] == rows

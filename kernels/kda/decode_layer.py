@@ -317,12 +317,14 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     return (o, conv_cache, state_pool) if turns is None else (o, conv_cache, state_pool, turns)
 
 
-def low_rank_ups(fgb: jax.Array, f_b: jax.Array, g_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def low_rank_ups(fgb: jax.Array, f_b: jax.Array, g_b: jax.Array,
+                 after_qkv: bool = False) -> tuple[jax.Array, jax.Array]:
     """`decode_step(low_rank_ups=)`'s operands: (f_a @ f_b, g_a @ g_b) [B, H * K] in fgb's dtype, from a finished
-    f_a|g_a|b output fgb [B, 2R + H] (or the six projections side by side, q|k|v first) and f_b, g_b [R, H * K]; two
-    small XLA matmuls over all rows, as the reference makes them."""
+    f_a|g_a|b output fgb [B, 2R + H] (`after_qkv`: the six projections side by side, q|k|v first, as `decode_step`
+    takes them with fgb None) and f_b, g_b [R, H * K]; two small XLA matmuls over all rows, as the reference makes
+    them."""
     low_rank, dim = f_b.shape
-    start = 3 * dim if fgb.shape[1] > 3 * dim else 0
+    start = 3 * dim if after_qkv else 0
     fa, ga = fgb[:, start:start + low_rank], fgb[:, start + low_rank:start + 2 * low_rank]
     return (fa @ f_b).astype(fgb.dtype), (ga @ g_b).astype(fgb.dtype)
 
