@@ -259,23 +259,39 @@ GEMV_SWEEP = {  # label: GemvTiles, swept by --sweep gemv at each token count (t
     "r2a_bn32_g16_w4_s2": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 8, 4, adaptive=True, num_stages=2),
     "r2a_bn32_g16_w4_s3": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 8, 4, adaptive=True, num_stages=3),
     "r2a_bn32_g8_w4_s3": moe_mxfp4_gemv.GemvTiles(2, 32, 8, 8, 4, adaptive=True, num_stages=3),
+    # "_k": the activations packed by each program (GemvTiles.pack_in_kernel), no XLA pass around the kernels
+    "r1_bn16_g16_w4_k": moe_mxfp4_gemv.GemvTiles(1, 16, 16, 8, 4, pack_in_kernel=True),
+    "r1_bn32_g16_w4_k": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 4, pack_in_kernel=True),
+    "r1_bn16_g32_w4_k": moe_mxfp4_gemv.GemvTiles(1, 16, 32, 8, 4, pack_in_kernel=True),
+    "r1_bn16_g16_w8_k": moe_mxfp4_gemv.GemvTiles(1, 16, 16, 8, 8, pack_in_kernel=True),
+    "r2a_bn32_g16_w4_k": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 8, 4, adaptive=True, pack_in_kernel=True),
+    "r2a_bn64_g16_w4_k": moe_mxfp4_gemv.GemvTiles(2, 64, 16, 8, 4, adaptive=True, pack_in_kernel=True),
+    "r1_bn8_g32_w4_k": moe_mxfp4_gemv.GemvTiles(1, 8, 32, 8, 4, pack_in_kernel=True),
+    "r1_bn32_g32_w4_k": moe_mxfp4_gemv.GemvTiles(1, 32, 32, 8, 4, pack_in_kernel=True),
 }
 
 
-def gemv_sweep(layer, name, n_tokens: int, impl) -> dict:
-    """The decode kernels' layer call over GEMV_SWEEP's tiles at `n_tokens` tokens (us); rows-2/4 tiles only where
-    experts average more than one row."""
+def gemv_sweep(layer, name, n_tokens: int, impl, labels: tuple[str, ...] | None = None) -> dict:
+    """The decode kernels' layer call over GEMV_SWEEP's tiles (those named in `labels`, default all) at `n_tokens`
+    tokens: chained time (us) and, on a GPU, the layer call's GPU time from a trace (`<label>_device`, us);
+    rows-2/4 tiles only where experts average more than one row."""
     n_experts, top_k, hidden, _ = SHAPES[name]
     ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
     x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
     out = {}
     for label, tiles in GEMV_SWEEP.items():
-        if tiles.rows > 1 and n_tokens * top_k < n_experts // 2:
+        if (tiles.rows > 1 and n_tokens * top_k < n_experts // 2) or (labels and label not in labels):
             continue
-        t = attempt(label, lambda tiles=tiles: per_call(lambda x, i, e: x + jnp.asarray(1e-3, x.dtype) * (
-            moe_mxfp4_gemv.grouped_swiglu(x, ids, w, e, tiles=tiles, interpret=impl == "interpret")), x, 20,
-            layer[0])[0])
+
+        def call(x, e, tiles=tiles):
+            return moe_mxfp4_gemv.grouped_swiglu(x, ids, w, e, tiles=tiles, interpret=impl == "interpret")
+
+        t = attempt(label, lambda: per_call(lambda x, i, e: x + jnp.asarray(1e-3, x.dtype) * call(x, e), x, 20,
+                                            layer[0])[0])
         out[label] = None if t is None else round(t * 1e6, 2)
+        if t is not None:
+            device = traced_device_time(call, x, layer[0], impl == "interpret")[0]
+            out[f"{label}_device"] = None if device is None else round(device * 1e6, 2)
     return out
 
 
@@ -478,7 +494,8 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
         for which in args.sweep.split(",") if args.sweep else ():
             if which == "gemv":
                 for n in [t for t in tokens if t <= 64] or [1]:
-                    results[f"{name}_sweep_gemv_T{n}_us"] = r = gemv_sweep(layer, name, n, args.impl)
+                    results[f"{name}_sweep_gemv_T{n}_us"] = r = gemv_sweep(
+                        layer, name, n, args.impl, tuple(args.sweep_labels.split(",")) if args.sweep_labels else None)
                     print(f"tile sweep (gemv), {n} token(s) (us):", r)
                 continue
             if which == "dense":
@@ -516,6 +533,7 @@ def main(argv=None) -> int:
                              "each token count up to 64; dense: the bf16 dense-expert kernels' tiles (GPU time) "
                              "at each token count up to 16; dense16: the batch-16 epilogue tiles (DENSE16_SWEEP); "
                              "mlp: the one-kernel MLP's tiles (MLP_SWEEP) likewise")
+    parser.add_argument("--sweep-labels", help="--sweep gemv: only these GEMV_SWEEP labels (comma-separated)")
     parser.add_argument("--shared-parts", type=int, default=0,
                         help="dense / mlp sweeps: a shared MLP of this many x the experts' width in the same kernels")
     parser.add_argument("--dense-only", action="store_true", help="time the bf16 variants alone (no MXFP4 / FP8)")

@@ -350,20 +350,21 @@ def moe_mxfp4_cases() -> dict:
 
 def moe_gemv_cases() -> dict:
     """The MXFP4 decode kernels (CUDA-core products, kernels/moe_mxfp4_gemv.py) at the DeepSeek-size layer (256
-    experts, top-8, 7168 x 2048) and the medium hybrid's (64, top-6, 2048 x 768): 1 token; 16 and 64 tokens with 2- and
+    experts, top-8, 7168 x 2048) and the medium hybrid's (64, top-6, 2048 x 768): 1 token (`tiles_for`'s tiles, the
+    activations packed in the kernels); 16 and 64 tokens with 2- and
     4-row tiles, and 4-row tiles that multiply only their real rows ("4a": `GemvTiles.adaptive`)."""
     from dayzero.kernels import moe_mxfp4_gemv, mxfp4
 
     tiles = moe_mxfp4_gemv.GemvTiles
     cases = {}
     for label, shape, n_tokens, rows, gemv_tiles in (
-            ("deepseek", (256, 8, 7168, 2048), 1, "1", tiles(rows=1)),
+            ("deepseek", (256, 8, 7168, 2048), 1, "1 (default: packed in-kernel)", moe_mxfp4_gemv.tiles_for(8, 256)),
             ("deepseek", (256, 8, 7168, 2048), 16, "2", tiles(rows=2)),
             ("deepseek", (256, 8, 7168, 2048), 64, "4", tiles(rows=4)),
             ("deepseek", (256, 8, 7168, 2048), 64, "4a", tiles(rows=4, adaptive=True)),
             ("deepseek", (256, 8, 7168, 2048), 64, "2a s3", tiles(rows=2, block_n=32, max_groups=16, adaptive=True,
                                                                    num_stages=3)),
-            ("medium", (64, 6, 2048, 768), 1, "1", tiles(rows=1))):
+            ("medium", (64, 6, 2048, 768), 1, "1 (default: packed in-kernel)", moe_mxfp4_gemv.tiles_for(6, 64))):
 
         def fn(x, ids, w, g, u, d, gs, us, ds, gemv_tiles=gemv_tiles):
             ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds)

@@ -8,15 +8,22 @@ them in registers:
 
 - a thread holds one MX block (16 bytes: 32 weights, one E8M0 scale) of one weight row per item; the E2M1 nibbles
   become fp16 bit patterns (E2M1 * 2^-14) in PTX, four bytes at a time, and `fma.rn.f16x2` multiplies them into the
-  rows' activations (pre-packed as fp16 pairs in the order the conversion yields, `activation_words`), summing the
-  block's 32 products in fp16 (16 per lane); the block sum goes to float32, times 2^(s - 127), into a float32
-  accumulator. Activations are scaled per row by a power of two to a maximum in [2^13, 2^14), so products stay
-  normal fp16 numbers (|product| < 6, a block sum < 96) and the factor is undone on the float32 result.
+  rows' activations (fp16 pairs in the order the conversion yields, `_word_elements`), summing the block's 32
+  products in fp16 (16 per lane); the block sum goes to float32, times the row's factor (2^(s - 127) times the
+  activations' scale), into a float32 accumulator. Activations are scaled by a power of two to a maximum in
+  [2^13, 2^14), so products stay normal fp16 numbers (|product| < 6, a block sum < 96): with
+  `GemvTiles.pack_in_kernel` each program scales and packs every MX block of its own K slice from the raw rows
+  (no XLA pass before the kernels), and where its programs are 32 columns wide (one MX block of h each) the gate/up
+  kernel writes h already packed for the down kernel; otherwise XLA packs the rows first, one scale per row
+  (`row_scaled_words`).
 - `rows` (1, 2 or 4) token rows of one expert share each converted block (tiles of `moe_tiles.schedule` with
   block_m = rows; with `GemvTiles.adaptive` a tile multiplies only the rows it holds); accumulator column r of each
   item holds row r (pack semantics of the inline asm, below).
-- grid (tiles, weight-row blocks, K splits): every program writes float32 partial sums for its rows; small XLA
-  passes add the splits at the pairs' rows, apply SwiGLU (gate/up) or weight and combine the pairs (down).
+- grid (tiles, weight-row blocks, K splits). The gate/up kernel writes h = silu(gate) * up (the activations'
+  dtype) at the tile's rows: directly with one K split, else its splits add into float32 sums by atomics and the
+  last program of each weight-row block (a turn counter, `atomics.take_turn`) applies SwiGLU. The down kernel adds
+  weight * (h @ down) into each token's float32 sums by atomics. What is left outside the kernels: the zeroed
+  buffers, the schedule (static at one token) and the final cast.
 
 In interpret mode (and on platforms without inline PTX) the same kernel runs a jnp form of the block products
 (float32 sums), so CPU tests check the indexing, schedule and epilogues; the fp16 arithmetic is checked on a GPU
@@ -33,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from . import dispatch, moe_tiles, tiles as tiling
+from . import atomics, dispatch, moe_tiles, tiles as tiling
 from .mxfp4 import BLOCK, ExpertWeights, pow2, scale_value
 
 _BYTES = BLOCK // 2  # bytes per MX block
@@ -49,7 +56,9 @@ class GemvTiles:
     needed for `min_programs` programs per kernel. `adaptive`: each tile multiplies its blocks into only as many rows
     as it holds (1, 2 or 4 of `rows`), so a tall tile costs a short one's instructions where its expert has fewer
     tokens. `num_stages`: Triton's software pipelining of the K loop's loads (1: none; each step loads, then
-    multiplies, and other programs on the SM hide the wait)."""
+    multiplies, and other programs on the SM hide the wait). `pack_in_kernel`: each program scales (per MX block)
+    and packs its own K slice of the raw activations, so no XLA pass runs between the routing and the two kernels;
+    else XLA packs each kernel's input rows first (one scale per row: a reduction and a transpose fusion each)."""
 
     rows: int = 1
     block_n: int = 32
@@ -59,6 +68,7 @@ class GemvTiles:
     min_programs: int = 2048
     adaptive: bool = False
     num_stages: int = 1
+    pack_in_kernel: bool = False
 
     def __post_init__(self):
         if self.num_stages < 1:
@@ -89,14 +99,21 @@ def rows_per_active_expert(n_pairs: int, n_experts: int) -> float:
 
 def tiles_for(n_pairs: int, n_experts: int) -> GemvTiles:
     """Tiles for a layer call of `n_pairs` token-expert pairs: 1-row tiles where active experts have about one row
-    (one token's experts; `rows_per_active_expert`), else 2-row tiles that multiply a single-row tile's blocks once
-    (`adaptive`); 16 MX blocks per K step, 16 weight rows per program for one token's experts, else 32. H200
-    (benchmarks/moe.py --sweep gemv, 2026-12-02), DeepSeek-size layer: 16 tokens 794 us (adaptive 2-row tiles)
-    against 824 (1-row) and 877 (2-row), 970 us with 8 blocks per step; 32 / 64 tokens 1333 / 2224 us against
-    1436 / 2373 (2-row) and 1501 / 2757 (1-row); adaptive 4-row tiles slower (1613 / 2462); 1 token 84 us with 16
-    weight rows against 98 with 32."""
+    (`rows_per_active_expert`), else 2-row tiles that multiply a single-row tile's blocks once (`adaptive`); 32
+    weight rows per program, 16 MX blocks per K step. Up to 16 pairs (one or two tokens' experts) each program packs
+    its own activations (`pack_in_kernel`; the gate/up kernel then writes h packed for the down kernel); larger
+    calls take XLA's packed rows.
+
+    H200, benchmarks/moe.py --sweep gemv, GPU time of the layer call (2026-12-04, DeepSeek-size / medium layer at
+    one token): these tiles 69.2 / 10.7 us; 16 weight rows x 32 blocks per step 68.7 / 11.7 (h not packed by the
+    gate/up kernel: its programs are 16 columns wide); 32 x 32 73.5 / 10.9 (the gate/up kernel at 203 registers;
+    before h was packed there 68.0 / 11.1); XLA's packing 74.2 / 16.8. At 16 and 64 tokens in-kernel packing loses
+    (DeepSeek-size 827 / 2445 us against 754 / 2162 with adaptive 2-row tiles: each program's packing, ~15% more
+    instructions, costs more than XLA's passes). Earlier (2026-12-02, chained time): 16 tokens 794 us with adaptive
+    2-row tiles against 824 (1-row) and 877 (2-row), 970 with 8 blocks per step; 32 / 64 tokens 1333 / 2224 us
+    against 1436 / 2373 (2-row) and 1501 / 2757 (1-row); adaptive 4-row tiles slower (1613 / 2462)."""
     if rows_per_active_expert(n_pairs, n_experts) <= 1.1:
-        return GemvTiles(rows=1, block_n=16 if n_pairs <= 16 else 32, max_groups=16)
+        return GemvTiles(rows=1, block_n=32, max_groups=16, pack_in_kernel=n_pairs <= 16)
     return GemvTiles(rows=2, block_n=32, max_groups=16, adaptive=True)
 
 
@@ -111,22 +128,68 @@ def choose(n_pairs: int, n_experts: int, fmt: str) -> GemvTiles | None:
 # ------------------------------------------------------------------------------------------------ activations
 
 
-def activation_words(v: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """v [N, K] -> (words uint32 [N, G, 16], factor float32 [N]) with G = ceil(K / 32).
+def _word_elements(n_blocks: int) -> jax.Array:
+    """int32 [n_blocks, 16]: the offset (from the first of n_blocks consecutive MX blocks) of the element that lane 0
+    of each block's word w holds; lane 1 holds the element two further on. Word 4j + 2p + b packs the elements
+    8j + 4b + p (lane 0) and 8j + 4b + 2 + p (lane 1): the order in which the PTX conversion of the block's weight
+    bytes 4j..4j+3 (byte i: elements 2i, 2i + 1) yields its fp16 pairs."""
+    w = jax.lax.broadcasted_iota(jnp.int32, (n_blocks, 16), 1)
+    g = jax.lax.broadcasted_iota(jnp.int32, (n_blocks, 16), 0)
+    return g * BLOCK + 8 * (w >> 2) + 4 * (w & 1) + ((w >> 1) & 1)
 
-    Each row is scaled by a power of two to a maximum in [2^13, 2^14) and rounded to fp16; `factor` undoes the
-    scaling. Word 4j + m of block g packs two fp16 (low half first) in the order the PTX conversion of the block's
-    word j (bytes 4j..4j+3; byte i holds elements 2i, 2i+1) yields them: m = 0: elements (8j, 8j+2), 1: (8j+4,
-    8j+6), 2: (8j+1, 8j+3), 3: (8j+5, 8j+7) (offsets in the block)."""
+
+def _exponent(peak: jax.Array) -> jax.Array:
+    """frexp's exponent of float32 `peak` (>= 0), clipped to [-100, 100] (zero: -100)."""
+    return jnp.clip(((jax.lax.bitcast_convert_type(peak, jnp.int32) >> 23) & 0xFF) - 126, -100, 100)
+
+
+def _pack_words(lane0: jax.Array, lane1: jax.Array, e: jax.Array) -> jax.Array:
+    """Activations in word order (lane0 / lane1 float32 [..., 16], `_word_elements`) times 2^(14 - e) (e
+    broadcastable to [..., 1]), rounded to fp16, two per word (lane 0 low) -> uint32 [..., 16]."""
+    up = pow2(_TOP - e)
+
+    def half(v):
+        return jax.lax.bitcast_convert_type((v * up).astype(jnp.float16), jnp.int16).astype(jnp.int32) & 0xFFFF
+
+    return jax.lax.bitcast_convert_type(half(lane0) | (half(lane1) << 16), jnp.uint32)
+
+
+def _halves_order(n: int) -> jax.Array:
+    """int32 [n] (n a multiple of 32): where element c of each block goes in the block's 32 halves in word order
+    (half 2w + lane of word w; the inverse of `_word_elements`)."""
+    c = jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+    return (c & ~31) + 2 * (4 * ((c >> 3) & 3) + 2 * (c & 1) + ((c >> 2) & 1)) + ((c >> 1) & 1)
+
+
+def _block_words(lane0: jax.Array, lane1: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One MX block's activations in word order (lane0 / lane1 float32 [..., 16]) -> (words uint32 [..., 16],
+    factor float32 [...]): the block scaled by a power of two to a maximum in [2^13, 2^14) (`_pack_words`); `factor`
+    undoes the scaling. Plain jnp: the kernels run it on their own K slices (`GemvTiles.pack_in_kernel`)."""
+    e = _exponent(jnp.maximum(jnp.max(jnp.abs(lane0), axis=-1), jnp.max(jnp.abs(lane1), axis=-1)))
+    return _pack_words(lane0, lane1, e[..., None]), pow2(e - _TOP)
+
+
+def _lanes(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """v [N, K] -> its MX blocks in word order (lane 0, lane 1), float32 [N, G, 16] each (K zero-padded)."""
     n, k = v.shape
     groups = -(-k // BLOCK)
     v = jnp.pad(v.astype(jnp.float32), ((0, 0), (0, groups * BLOCK - k)))
-    _, e = jnp.frexp(jnp.max(jnp.abs(v), axis=1))
-    e = jnp.clip(e.astype(jnp.int32), -100, 100)
-    h = (v * pow2(_TOP - e)[:, None]).astype(jnp.float16)
-    # element 8j + 4b + 2 lane + parity -> word 4j + 2 parity + b, half `lane`
-    h = h.reshape(n, groups, 4, 2, 2, 2).transpose(0, 1, 2, 5, 3, 4).reshape(n, groups, 16, 2)
-    return jax.lax.bitcast_convert_type(h, jnp.uint32), pow2(e - _TOP)
+    elements = _word_elements(groups)
+    return v[:, elements], v[:, elements + 2]
+
+
+def block_scaled_words(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """v [N, K] -> (words uint32 [N, G, 16], factor float32 [N, G]), G = ceil(K / 32): each MX block scaled on its
+    own, what the kernels pack from their K slices with `GemvTiles.pack_in_kernel` (in XLA here, for tests)."""
+    return _block_words(*_lanes(v))
+
+
+def row_scaled_words(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """v [N, K] -> (words uint32 [N, G, 16], factor float32 [N]): each row scaled by one power of two to a maximum
+    in [2^13, 2^14), packed by XLA for the kernels without `GemvTiles.pack_in_kernel`."""
+    lane0, lane1 = _lanes(v)
+    e = _exponent(jnp.max(jnp.abs(v.astype(jnp.float32)), axis=1))
+    return _pack_words(lane0, lane1, e[:, None, None]), pow2(e - _TOP)
 
 
 def _unpack_words(words):
@@ -153,9 +216,10 @@ def _conversion(word: str, low: tuple[str, str], high: tuple[str, str]) -> list[
 
 # One MX block of one weight row against `rows` activation rows, for the inline asm (pack = 16 elements of every
 # operand per instance): $0..$15 the accumulators (tied to the inputs $16..$31; column r < rows gets row r's block
-# product times the scale factor), $32..$35 the block's 16 bytes, then 16 activation words per row, then the scale
-# factor (16 copies of one value). Per four bytes: the E2M1 -> fp16 conversion of moe_mxfp4 (low and high nibbles,
-# two fp16 per register, `_conversion`), then one fp16x2 product per row and register.
+# product times row r's factor), $32..$35 the block's 16 bytes, then 16 activation words per row, then each row's
+# factor (the weight block's scale times the activation block's, 16 copies of one value per row). Per four bytes: the
+# E2M1 -> fp16 conversion of moe_mxfp4 (low and high nibbles, two fp16 per register, `_conversion`), then one fp16x2
+# product per row and register.
 @functools.cache
 def _block_ptx(rows: int) -> str:
     x0 = 36  # first activation operand
@@ -171,21 +235,22 @@ def _block_ptx(rows: int) -> str:
                       f"fma.rn.f16x2 a{r}, h1, {xs[3]}, a{r};"]
     for r in range(rows):
         lines += [f"mov.b32 {{u, v}}, a{r};", "cvt.f32.f16 e, u;", "cvt.f32.f16 f, v;", "add.f32 e, e, f;",
-                  f"fma.rn.f32 ${r}, e, ${fac}, ${r};"]
+                  f"fma.rn.f32 ${r}, e, ${fac + 16 * r}, ${r};"]
     lines.append("}")
     return "\n".join(lines)
 
 
 def _constraints(rows: int) -> str:
-    return ",".join(["=f"] * 16 + [str(i) for i in range(16)] + ["r"] * 4 + ["r"] * (16 * rows) + ["f"] * 16)
+    return ",".join(["=f"] * 16 + [str(i) for i in range(16)] + ["r"] * 4 + ["r"] * (16 * rows) + ["f"] * (16 * rows))
 
 
-def _block_products(acc, w, xs, fac, asm: bool):
+def _block_products(acc, w, xs, facs, asm: bool):
     """acc f32 [bn, gk, 16] + (block products of the weight bytes w uint8 [bn, gk, 16] with each activation row
-    xs[r] uint32 [gk, 16], times fac f32 [bn, gk]) in column r."""
+    xs[r] uint32 [gk, 16], times facs[r] f32 [bn, gk]) in column r."""
     shape = w.shape
     if asm:
-        args = [acc, w] + [jnp.broadcast_to(x[None], shape) for x in xs] + [jnp.broadcast_to(fac[:, :, None], shape)]
+        args = ([acc, w] + [jnp.broadcast_to(x[None], shape) for x in xs]
+                + [jnp.broadcast_to(f[:, :, None], shape) for f in facs])
         return pltriton.elementwise_inline_asm(_block_ptx(len(xs)), args=args, constraints=_constraints(len(xs)),
                                                pack=16, result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)]
                                                )[0]
@@ -193,7 +258,7 @@ def _block_products(acc, w, xs, fac, asm: bool):
 
     lo, hi = (a.astype(jnp.float32) for a in _nibbles_to_f16(w))
     col = jax.lax.broadcasted_iota(jnp.int32, shape, 2)
-    for r, x in enumerate(xs):
+    for r, (x, fac) in enumerate(zip(xs, facs)):
         xe, xo = (a.astype(jnp.float32)[None] for a in _unpack_words(x))
         dot = jnp.sum(lo * xe + hi * xo, axis=2) * fac  # [bn, gk]
         acc = acc + jnp.where(col == r, dot[:, :, None], 0.0)
@@ -203,51 +268,133 @@ def _block_products(acc, w, xs, fac, asm: bool):
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _kernel(tile_ref, src_ref, factor_ref, x_ref, *refs, rows, widths, bn, gk, k_steps, n_valid, asm):
-    *w_refs, o_ref = refs
+def _activation_block(x_ref, row, ok, g0, gk: int, k_valid: int):
+    """Row `row` of the raw activations x_ref [X, K] (any float dtype) over MX blocks g0 .. g0 + gk, packed in the
+    kernel (`_block_words`): (words uint32 [gk, 16], factor float32 [gk]); zeros where `ok` is false (a padding row)
+    and past K."""
+    elements = g0 * BLOCK + _word_elements(gk)
+    row = jnp.minimum(row, x_ref.shape[0] - 1)
+    lanes = []
+    for element in (elements, elements + 2):
+        v = x_ref[row, jnp.minimum(element, k_valid - 1)].astype(jnp.float32)
+        lanes.append(jnp.where(ok & (element < k_valid), v, 0.0))
+    return _block_words(*lanes)
+
+
+def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps, split, n_valid, k_valid, n_src,
+            top_k, x_form, h_form, h_dtype, asm, interpret):
+    """One program: `rows` token rows of one expert (tile t) x `bn` weight rows (block j) x one K split (q).
+
+    The activations (`x_form`): "raw" rows x_ref [X, K] that each program packs; "rows", XLA's `row_scaled_words`
+    (x_ref the words [X, G, 16], then their factors [X]); "halves", the gate/up kernel's packed h (x_ref int16
+    [X, G * 32], each block's fp16 halves in word order, then the blocks' factors [X, G]).
+    role "gate_up": x_ref [T, D] the tokens, src_ref [R] each row's token (T: padding); writes h = silu(gate) * up
+    (rounded to `h_dtype`) at the tile's rows, as values [R, I] (`h_form` "values") or packed like "halves" input
+    (`h_form` "halves", bn = 32: a program's columns are one MX block of h): directly with one K split, else through
+    float32 atomics into acc [R, 2, I'] and a turn counter per (tile, block) whose last program finishes the block.
+    role "down": x_ref = h [R, I] (row r reads its own row), src_ref [R] each row's pair (P: padding); adds
+    weight * down(h) into the tokens' sums [T + rows, D'] float32 by atomics (pair p: token p // top_k)."""
+    if x_form != "raw":
+        factor_ref, *refs = refs
+    if role == "gate_up":
+        w_refs = refs[:4]
+        outs = refs[4 + 2 * (split > 1):]
+        n_h = 2 if h_form == "halves" else 1
+        h_refs, finish_refs = outs[:n_h], outs[n_h:]
+    else:
+        pair_weight_ref, *w_refs = refs[:3]
+        sums_ref = refs[-1]
     n_proj = len(w_refs) // 2
     t, j, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert = tile_ref[t]
     c0 = j * bn
     cmask = c0 + jnp.arange(bn, dtype=jnp.int32) < n_valid
     src = [src_ref[t * rows + r] for r in range(rows)]
+    real = [s < n_src for s in src]
 
     def products(width):
-        """The K loop over the tile's first `width` rows; stores their partial sums."""
-        def load(kk):
-            groups = pl.ds((q * k_steps + kk) * gk, gk)
-            ws = tuple(pltriton.load(w_refs[2 * i].at[expert, pl.ds(c0, bn), groups, :], mask=cmask[:, None, None],
-                                     other=0) for i in range(n_proj))
-            ss = tuple(pltriton.load(w_refs[2 * i + 1].at[expert, pl.ds(c0, bn), groups], mask=cmask[:, None],
-                                     other=0) for i in range(n_proj))
-            return ws, ss, tuple(x_ref[s, groups, :] for s in src[:width])
+        """The K loop over the tile's first `width` rows -> their sums [width][n_proj] float32 [bn]."""
+        x_rows = src[:width] if role == "gate_up" else [t * rows + r for r in range(width)]
 
         def step(kk, accs):
-            ws, ss, xs = load(kk)  # no loads carried ahead: a carried uint8 tile is unpacked byte by byte
+            g0 = (q * k_steps + kk) * gk
+            groups = pl.ds(g0, gk)
+            ws = [pltriton.load(w_refs[2 * i].at[expert, pl.ds(c0, bn), groups, :], mask=cmask[:, None, None],
+                                other=0) for i in range(n_proj)]
+            ss = [pltriton.load(w_refs[2 * i + 1].at[expert, pl.ds(c0, bn), groups], mask=cmask[:, None], other=0)
+                  for i in range(n_proj)]
+            if x_form == "rows":  # XLA's words; the rows' factors applied after the loop
+                xs, factors = [x_ref[row, groups, :] for row in x_rows], None
+            elif x_form == "halves":  # the gate/up kernel's words, two halves each; its blocks' factors
+                half = (g0 * BLOCK + 2 * jax.lax.broadcasted_iota(jnp.int32, (gk, 16), 0) * 16
+                        + 2 * jax.lax.broadcasted_iota(jnp.int32, (gk, 16), 1))
+                xs = [jax.lax.bitcast_convert_type((x_ref[row, half].astype(jnp.int32) & 0xFFFF)
+                                                   | (x_ref[row, half + 1].astype(jnp.int32) << 16), jnp.uint32)
+                      for row in x_rows]
+                factors = [factor_ref[row, groups][None, :] for row in x_rows]
+            else:
+                blocks = [_activation_block(x_ref, row, ok, g0, gk, k_valid) for row, ok in zip(x_rows, real)]
+                xs, factors = [words for words, _ in blocks], [f[None, :] for _, f in blocks]
             out = []
             for acc, w, s in zip(accs, ws, ss):
-                out.append(_block_products(acc, w, xs, scale_value(s.astype(jnp.int32)), asm))
+                scale = scale_value(s.astype(jnp.int32))
+                facs = [scale] * width if x_form == "rows" else [scale * f for f in factors]
+                out.append(_block_products(acc, w, xs, facs, asm))
             return tuple(out)
 
         zeros = tuple(jnp.zeros((bn, gk, _BYTES), jnp.float32) for _ in range(n_proj))
         accs = jax.lax.fori_loop(0, k_steps, step, zeros)
         col = jax.lax.broadcasted_iota(jnp.int32, (bn, gk, _BYTES), 2)
-        for r in range(width):
-            f = factor_ref[src[r]] * _UNIT
-            for i, acc in enumerate(accs):
-                y = jnp.sum(jnp.sum(jnp.where(col == r, acc, 0.0), axis=2), axis=1) * f
-                # a traced projection index (a bare int trips masked-store discharge in interpret mode)
-                pltriton.store(o_ref.at[q, t * rows + r, jnp.int32(i), pl.ds(c0, bn)], y, mask=cmask)
+        units = [_UNIT * factor_ref[row] if x_form == "rows" else _UNIT for row in x_rows]
+        return [[jnp.sum(jnp.sum(jnp.where(col == r, acc, 0.0), axis=2), axis=1) * units[r] for acc in accs]
+                for r in range(width)]
 
+    def gate_up(width):
+        sums = products(width)
+
+        def write_hidden(r, g, u):
+            h = (g / (1.0 + jnp.exp(-g)) * u).astype(h_dtype)
+            if h_form == "values":
+                pltriton.store(h_refs[0].at[t * rows + r, pl.ds(c0, bn)], h, mask=cmask)
+                return
+            # one MX block of h (columns past I are zeros): its fp16 halves in word order, and its factor
+            h = h.astype(jnp.float32)
+            e = _exponent(jnp.max(jnp.abs(h)))
+            halves = jax.lax.bitcast_convert_type((h * pow2(_TOP - e)).astype(jnp.float16), jnp.int16)
+            h_refs[0][t * rows + r, c0 + _halves_order(bn)] = halves
+            h_refs[1][t * rows + r, j] = pow2(e - _TOP)
+
+        if split == 1:
+            for r, (g, u) in enumerate(sums):
+                write_hidden(r, g, u)
+            return
+        acc_ref, turns_ref = finish_refs
+        for r, row_sums in enumerate(sums):
+            for i, y in enumerate(row_sums):  # traced indices (bare ints trip interpret-mode discharge)
+                atomics.add_relaxed(acc_ref, (t * rows + r, jnp.int32(i), pl.ds(c0, bn)), y)
+        turn = atomics.take_turn(turns_ref, (t, j), interpret=interpret)
+
+        @pl.when(turn == split - 1)
+        def _():  # the last of the block's K splits: every split's sums are in acc
+            for r in range(width):
+                write_hidden(r, acc_ref[t * rows + r, 0, pl.ds(c0, bn)], acc_ref[t * rows + r, 1, pl.ds(c0, bn)])
+
+    def down(width):
+        for r, (y,) in enumerate(products(width)):
+            pair = jnp.minimum(src[r], n_src - 1)
+            # padding rows: masked on the GPU; in interpret mode (no masked atomics) into scratch rows past the tokens
+            token = jnp.where(real[r], pair // top_k, sums_ref.shape[0] - rows + r)
+            atomics.add_relaxed(sums_ref, (token, pl.ds(c0, bn)), y * pair_weight_ref[pair],
+                                mask=None if interpret else cmask & real[r])
+
+    body = gate_up if role == "gate_up" else down
     if len(widths) == 1:
-        pl.when(expert >= 0)(lambda: products(rows))
+        pl.when(expert >= 0)(lambda: body(rows))
         return
-    # the tile's real rows (padding rows read the activations' last, zero row), then the narrowest products covering
-    # them: each program's branch is uniform
-    pad = x_ref.shape[0] - 1
-    real = sum((s < pad).astype(jnp.int32) for s in src)
+    # the tile's real rows, then the narrowest products covering them: each program's branch is uniform
+    n_real = sum(ok.astype(jnp.int32) for ok in real)
     for lower, width in zip((0,) + widths[:-1], widths):
-        pl.when((expert >= 0) & (real > lower) & (real <= width))(functools.partial(products, width))
+        pl.when((expert >= 0) & (n_real > lower) & (n_real <= width))(functools.partial(body, width))
 
 
 def _k_split(groups: int, tiles: GemvTiles, programs: int) -> tuple[int, int]:
@@ -269,35 +416,92 @@ def _launch(groups: int, tiles: GemvTiles) -> tuple[int, int, int]:
     return max(tiles.block_n, 32 * warps // gk), gk, warps
 
 
-def partial_products(tile_expert, src_of_row, words, factor, weights, tiles: GemvTiles, interpret: bool = False):
-    """Float32 partial sums [S, R, P, N] of the rows' products with P projections.
-
-    tile_expert [R / rows] int32 (-1: skip), src_of_row [R] int32 (row r reads words[src_of_row[r]]), words uint32
-    [X, G, 16] and factor [X] from `activation_words`, weights: P (blocks uint8 [E, N, G, 16], scales uint8
-    [E, N, G]) of one expert layout. S: the K splits (sum them)."""
-    n_rows = src_of_row.shape[0]
+def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, outputs, tiles: GemvTiles,
+          interpret: bool, **static):
+    """One decode kernel over `weights` (P pairs of blocks uint8 [E, N, G, 16] / scales uint8 [E, N, G]) and the
+    activations `x` in `x_form` (`_kernel`: "raw" [X, K]; "rows" / "halves": (words or halves, factors)): `extra`
+    inputs after them, `outputs` a function of (row blocks, K splits, block_n) -> (output shapes, buffers aliased to
+    the outputs)."""
     n_out, groups = weights[0][0].shape[1], weights[0][0].shape[2]
-    if words.shape[1] != groups:
-        raise ValueError(f"activations cover {words.shape[1]} blocks of K, the weights {groups}")
+    packed = x_form != "raw"
+    x_groups = {"raw": lambda: -(-x.shape[1] // BLOCK), "rows": lambda: x[0].shape[1],
+                "halves": lambda: x[0].shape[1] // BLOCK}[x_form]()
+    if x_groups != groups:
+        raise ValueError(f"the activations cover {x_groups} MX blocks of K, the weights {groups}")
     bn, gk, warps = _launch(groups, tiles)
-    grid = (n_rows // tiles.rows, pl.cdiv(n_out, bn))
+    grid = (src_of_row.shape[0] // tiles.rows, pl.cdiv(n_out, bn))
     split = _k_split(groups, tiles, grid[0] * grid[1])[1]
+    out_shapes, aliased = outputs(grid[1], split, bn)  # the aliased buffers are the last outputs
+    n_outputs = len(out_shapes) if isinstance(out_shapes, tuple) else 1
     widths = tuple(w for w in ROWS if w <= tiles.rows) if tiles.adaptive else (tiles.rows,)
-    kernel = functools.partial(_kernel, rows=tiles.rows, widths=widths, bn=bn, gk=gk, k_steps=groups // gk // split,
-                               n_valid=n_out, asm=dispatch.nvidia_ptx(interpret))
+    kernel = functools.partial(_kernel, role=role, rows=tiles.rows, widths=widths, bn=bn, gk=gk,
+                               k_steps=groups // gk // split, split=split, n_valid=n_out,
+                               k_valid=groups * BLOCK if packed else x.shape[1], x_form=x_form,
+                               asm=dispatch.nvidia_ptx(interpret), interpret=interpret, **static)
+    inputs = (tile_expert, src_of_row, *(x if packed else (x,)), *extra, *[a for w in weights for a in w])
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((split, n_rows, len(weights), n_out), jnp.float32),
+        out_shape=out_shapes,
         grid=grid + (split,),
+        input_output_aliases={len(inputs) + i: n_outputs - len(aliased) + i for i in range(len(aliased))},
         compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name=f"moe_gemv_{'gate_up' if len(weights) == 2 else 'down'}_r{tiles.rows}{'a' * tiles.adaptive}",
-    )(tile_expert, src_of_row, factor, words, *[a for w in weights for a in w])
+        name=f"moe_gemv_{role}_r{tiles.rows}{'a' * tiles.adaptive}",
+    )(*inputs, *aliased)
 
 
-def _swiglu(gu: jax.Array) -> jax.Array:
-    g, u = gu[:, 0], gu[:, 1]
-    return g / (1.0 + jnp.exp(-g)) * u
+def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvTiles, n_tokens: int, dtype,
+                interpret: bool = False):
+    """The gate/up kernel: silu(x @ gate) * (x @ up) at each row's token, rounded to `dtype` -> (h, its form for
+    `token_sums`): with `GemvTiles.pack_in_kernel` and 32-column programs, h already packed for the down kernel
+    ((int16 [R, G * 32], float32 [R, G]): each MX block's fp16 halves in word order and its factor, "halves"),
+    else h [R, I] of `dtype` ("raw" for in-kernel packing, to be packed by XLA otherwise).
+
+    tile_expert [R / rows] int32 (-1: skip), token_of_row [R] int32 (T for padding rows, which get zeros), x in
+    `x_form`: the T tokens [T, D] ("raw") or `row_scaled_words` of them with a zero row T appended ("rows"); gate_up:
+    ((blocks, scales) of gate, of up), blocks uint8 [E, I, G, 16], scales uint8 [E, I, G]. Rows of skipped tiles
+    (and, with adaptive tiles, a tile's rows past its real ones) are left unwritten."""
+    n_rows, inter, groups = token_of_row.shape[0], gate_up[0][0].shape[1], gate_up[0][0].shape[2]
+    halves = tiles.pack_in_kernel and _launch(groups, tiles)[0] == BLOCK
+
+    def outputs(blocks_n, split, bn):
+        if halves:
+            h = (jax.ShapeDtypeStruct((n_rows, blocks_n * BLOCK), jnp.int16),
+                 jax.ShapeDtypeStruct((n_rows, blocks_n), jnp.float32))
+        else:
+            h = (jax.ShapeDtypeStruct((n_rows, inter), dtype),)
+        if split == 1:
+            return h, ()
+        acc = jnp.zeros((n_rows, 2, blocks_n * bn), jnp.float32)  # the splits' sums (whole blocks: no masked adds)
+        turns = jnp.zeros((n_rows // tiles.rows, blocks_n), jnp.int32)
+        return h + (jax.ShapeDtypeStruct(acc.shape, acc.dtype), jax.ShapeDtypeStruct(turns.shape, turns.dtype)), (
+            acc, turns)
+
+    out = _call("gate_up", tile_expert, token_of_row, x, x_form, (), gate_up, outputs, tiles, interpret,
+                n_src=n_tokens, top_k=1, h_form="halves" if halves else "values", h_dtype=jnp.dtype(dtype))
+    if halves:
+        return (out[0], out[1]), "halves"
+    return out[0], "raw"
+
+
+def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: int, n_tokens: int, down,
+               tiles: GemvTiles, interpret: bool = False) -> jax.Array:
+    """The down kernel: [T, D] float32, each token's sum over its pairs of weight * (h @ down) (float32 atomics:
+    the order of the adds varies from run to run).
+
+    pair_of_row [R] int32 (P for padding rows), h in `h_form` (`hidden_rows`' result, or "rows": its
+    `row_scaled_words`), pair_weights [P] float32 (pair p is token p // top_k's), down: ((blocks uint8 [E, D, G, 16],
+    scales uint8 [E, D, G]),)."""
+    hidden = down[0][0].shape[1]
+    n_pairs = pair_weights.shape[0]
+
+    def outputs(blocks_n, split, bn):
+        sums = jnp.zeros((n_tokens + tiles.rows, blocks_n * bn), jnp.float32)  # scratch rows, whole blocks
+        return jax.ShapeDtypeStruct(sums.shape, sums.dtype), (sums,)
+
+    sums = _call("down", tile_expert, pair_of_row, h, h_form, (pair_weights.astype(jnp.float32),), down, outputs,
+                 tiles, interpret, n_src=n_pairs, top_k=top_k, h_form="values", h_dtype=None)
+    return sums[:n_tokens, :hidden]
 
 
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ew: ExpertWeights,
@@ -310,13 +514,15 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     n_experts = n_experts or ew.gate.shape[0]
     tiles = tiles or tiles_for(topk_ids.size, n_experts)
     sched = moe_tiles.schedule(topk_ids, n_experts, tiles.rows)
-    pairs_rows = sched.row_of_pair.reshape(-1)
-    xw, xf = activation_words(jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)]))  # row T: padding rows
-    gate_up = ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales))
-    gu = partial_products(sched.tile_expert, sched.token_of_row, xw, xf, gate_up, tiles, interpret)
-    h = _swiglu(jnp.sum(gu[:, pairs_rows], axis=0)).astype(x.dtype)  # [P, I]
-    hw, hf = activation_words(jnp.concatenate([h, jnp.zeros((1, h.shape[1]), h.dtype)]))  # row P: padding rows
-    down = partial_products(sched.tile_expert, sched.pair_of_row(), hw, hf, ((ew.down, ew.down_scales),), tiles,
-                            interpret)
-    y = jnp.sum(down[:, pairs_rows, 0], axis=0).reshape(*topk_ids.shape, -1)[..., :x.shape[1]]
-    return moe_tiles.weighted_sum(y, topk_weights).astype(x.dtype)
+    n_tokens = x.shape[0]
+    if tiles.pack_in_kernel:
+        xs = x, "raw"
+    else:
+        xs = row_scaled_words(jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])), "rows"
+    h, h_form = hidden_rows(sched.tile_expert, sched.token_of_row, *xs,
+                            ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales)), tiles, n_tokens, x.dtype, interpret)
+    if not tiles.pack_in_kernel:
+        h, h_form = row_scaled_words(h), "rows"
+    sums = token_sums(sched.tile_expert, sched.pair_of_row(), h, h_form, topk_weights.reshape(-1),
+                      topk_ids.shape[1], n_tokens, ((ew.down, ew.down_scales),), tiles, interpret)
+    return sums.astype(x.dtype)

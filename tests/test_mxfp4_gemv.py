@@ -13,26 +13,78 @@ import pytest
 
 from mxfp4_cases import oracle, packed_experts, rel_err, routing
 from triton_lowering import lower_for_cuda
-from dayzero.kernels import moe, moe_mxfp4, moe_mxfp4_gemv as gemv, mxfp4
+from dayzero.kernels import moe, moe_mxfp4, moe_mxfp4_gemv as gemv, moe_tiles, mxfp4
 
 E, D, I = 6, 72, 40  # 72: a padded, odd number of K blocks; 40: a masked block of weight rows
 SMALL = dict(block_n=16, max_groups=2, split_k=2, min_programs=64)  # several row blocks, K steps and splits
 
 
-@pytest.mark.parametrize("rows,adaptive", [(1, False), (2, False), (4, False), (4, True)])
+@pytest.mark.parametrize("rows,adaptive,in_kernel", [(1, False, True), (1, False, False), (2, False, False),
+                                                     (4, False, True), (4, True, False), (4, True, True)])
 @pytest.mark.parametrize("kind,n_tokens,top_k", [("random", 1, 2), ("random", 5, 2), ("one_expert_takes_all", 7, 2),
                                                  ("empty_experts", 4, 2), ("single_last", 3, 1)])
-def test_layer_matches_oracle(seed, rows, adaptive, kind, n_tokens, top_k):
-    """Every tile height, and 4-row tiles that multiply only their real rows (`adaptive`: 1, 2 or 4 of them)."""
+def test_layer_matches_oracle(seed, rows, adaptive, in_kernel, kind, n_tokens, top_k):
+    """Every tile height, 4-row tiles that multiply only their real rows (`adaptive`: 1, 2 or 4 of them), the
+    activations packed by each program or by XLA (`in_kernel`)."""
     rng = np.random.default_rng(seed)
     ew = packed_experts(rng, E, D, I)
     x = rng.standard_normal((n_tokens, D)).astype(np.float32)
     ids, w = routing(rng, kind, n_tokens, E, top_k)
-    tiles = gemv.GemvTiles(rows=rows, adaptive=adaptive, **SMALL)
+    tiles = gemv.GemvTiles(rows=rows, adaptive=adaptive, pack_in_kernel=in_kernel, **SMALL)
     got = gemv.grouped_swiglu(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), ew, tiles=tiles, interpret=True)
     assert got.shape == x.shape and got.dtype == jnp.float32
     err = rel_err(got, oracle(x, ids, w, ew))
     assert err < 2e-3, f"rows={rows} adaptive={adaptive} {kind} T={n_tokens}: {err:.2e} (seed={seed})"
+
+
+@pytest.mark.parametrize("rows,adaptive,in_kernel,kind,block_n", [
+    (1, False, True, "random", 16), (1, False, True, "random", 32), (1, False, False, "random", 16),
+    (2, True, False, "one_expert_takes_all", 16), (4, True, True, "empty_experts", 16)])
+def test_split_k_finish(seed, rows, adaptive, in_kernel, kind, block_n):
+    """K split over several programs in both kernels: gate/up's splits meet in float32 atomics and the last program
+    of each weight-row block (a turn counter) applies SwiGLU (with 32-column programs and in-kernel packing, writing
+    h packed for the down kernel); down's splits add into the tokens' sums."""
+    hidden, inter = 256, 128
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, E, hidden, inter)
+    tiles = gemv.GemvTiles(rows=rows, adaptive=adaptive, block_n=block_n, max_groups=2, split_k=4,
+                           min_programs=512, pack_in_kernel=in_kernel)
+    n_tokens, top_k = 5, 2
+    tiles_max = moe_tiles.max_tiles(n_tokens * top_k, E, rows)
+    assert gemv._launch(8, tiles)[0] == block_n
+    assert gemv._k_split(8, tiles, tiles_max * inter // block_n)[1] == 4  # gate/up: 8 blocks of K in 4 splits
+    assert gemv._k_split(4, tiles, tiles_max * hidden // block_n)[1] == 2  # down: 4 blocks in 2
+    x = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
+    ids, w = routing(rng, kind, n_tokens, E, top_k)
+    got = gemv.grouped_swiglu(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), ew, tiles=tiles, interpret=True)
+    err = rel_err(got, oracle(x, ids, w, ew))
+    assert err < 2e-3, f"rows={rows} {kind}: {err:.2e} (seed={seed})"
+
+
+def test_hidden_halves_match_packing(seed):
+    """With in-kernel packing and 32-column programs the gate/up kernel writes h packed (each MX block's fp16 halves
+    in word order, its factor): bit for bit what packing its h values gives (`block_scaled_words`), a partial last
+    block included (I = 40)."""
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, E, D, I)
+    n_tokens = 3
+    x = jnp.asarray(rng.standard_normal((n_tokens, D)).astype(np.float32))
+    ids, _ = routing(rng, "random", n_tokens, E, 2)
+    sched = moe_tiles.schedule(jnp.asarray(ids), E, 1)
+    gate_up = ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales))
+    tiles = gemv.GemvTiles(block_n=32, max_groups=2, pack_in_kernel=True)
+    (halves, factors), form = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, x, "raw", gate_up, tiles,
+                                               n_tokens, jnp.float32, interpret=True)
+    assert form == "halves" and halves.dtype == jnp.int16 and halves.shape[1] == 64 and factors.shape[1] == 2
+    h, form = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, x, "raw", gate_up,
+                               gemv.GemvTiles(block_n=32, max_groups=2), n_tokens, jnp.float32, interpret=True)
+    assert form == "raw" and h.shape[1] == I
+    real = np.asarray(sched.token_of_row) < n_tokens
+    want_words, want_factors = (np.asarray(a)[real] for a in gemv.block_scaled_words(h))
+    halves = np.asarray(halves)[real].view(np.uint16).astype(np.uint32).reshape(-1, 2, 16, 2)
+    np.testing.assert_array_equal(halves[..., 0] | (halves[..., 1] << 16), want_words)
+    np.testing.assert_array_equal(np.asarray(factors)[real], want_factors)
+    assert np.abs(np.asarray(h)[real]).max() > 0
 
 
 def test_splits_and_programs():
@@ -57,22 +109,37 @@ def test_splits_and_programs():
 
 
 def test_activation_words_order_and_scale(seed):
-    """Word 4j + m of a block holds the fp16 pair the PTX conversion of the block's word j pairs it with, each row
-    scaled to a maximum in [2^13, 2^14), the factor undoing it; _unpack_words gives back each byte's two elements."""
+    """Word 4j + m of a block holds the fp16 pair the PTX conversion of the block's word j pairs it with, each MX
+    block scaled to a maximum in [2^13, 2^14) (what the kernels pack in place), its factor undoing it;
+    _unpack_words gives back each byte's two elements. Blocks of very different magnitude in one row keep their
+    own scale."""
     rng = np.random.default_rng(seed)
     v = (rng.standard_normal((3, 70)) * np.array([[1e-3], [1.0], [300.0]])).astype(np.float32)
-    words, factor = gemv.activation_words(jnp.asarray(v))
-    assert words.shape == (3, 3, 16) and words.dtype == jnp.uint32
+    v[1, 32:64] *= 1e-6  # a block far below the rest of its row: still ~11 bits, not fp16 subnormals
+    words, factor = gemv.block_scaled_words(jnp.asarray(v))
+    assert words.shape == (3, 3, 16) and words.dtype == jnp.uint32 and factor.shape == (3, 3)
     even, odd = (np.asarray(a, np.float64) for a in gemv._unpack_words(words))
     scaled = np.zeros((3, 96))
     scaled[:, :70] = v
-    want = scaled / np.asarray(factor)[:, None]
-    assert np.all(np.abs(want).max(axis=1) < 2 ** 14) and np.all(np.abs(want).max(axis=1) >= 2 ** 13)
+    want = scaled / np.repeat(np.asarray(factor, np.float64), 32, axis=1)
+    peaks = np.abs(want).reshape(3, 3, 32).max(axis=2)
+    assert np.all(peaks < 2 ** 14) and np.all(peaks >= 2 ** 13), peaks
     np.testing.assert_allclose(even.reshape(3, -1), want[:, 0::2], rtol=2 ** -11)
     np.testing.assert_allclose(odd.reshape(3, -1), want[:, 1::2], rtol=2 ** -11)
     h = np.asarray(jax.lax.bitcast_convert_type(words, jnp.float16), np.float64)  # [3, G, 16, 2]
     for j, m, lane, element in ((0, 0, 1, 2), (0, 1, 0, 4), (1, 2, 0, 9), (3, 3, 1, 31)):
         np.testing.assert_allclose(h[:, 1, 4 * j + m, lane], want[:, 32 + element], rtol=2 ** -11)
+    zero, _ = gemv.block_scaled_words(jnp.zeros((1, 32)))
+    assert not np.any(np.asarray(zero))
+    # XLA's form for the kernels that take packed rows: the same words, one factor per row (the row's maximum)
+    row_words, row_factor = gemv.row_scaled_words(jnp.asarray(v))
+    assert row_factor.shape == (3,)
+    want = scaled / np.asarray(row_factor, np.float64)[:, None]
+    peaks = np.abs(want).max(axis=1)
+    assert np.all(peaks < 2 ** 14) and np.all(peaks >= 2 ** 13), peaks
+    even, odd = (np.asarray(a, np.float64) for a in gemv._unpack_words(row_words))
+    np.testing.assert_allclose(even.reshape(3, -1), want[:, 0::2], rtol=2 ** -11, atol=2 ** -24)
+    np.testing.assert_allclose(odd.reshape(3, -1), want[:, 1::2], rtol=2 ** -11, atol=2 ** -24)
 
 
 def _f16(bits: int) -> float:
@@ -140,29 +207,30 @@ def run_block_ptx(ptx: str, operands: dict[int, int]) -> dict[int, int]:
 @pytest.mark.parametrize("rows", gemv.ROWS)
 def test_block_ptx_matches_jnp(seed, rows):
     """The inline PTX (the GPU path) on one MX block: every nibble value, rows of activations from
-    `activation_words`; column r < rows gets the jnp form's block product (fp16 sums: to ~1e-3 of the block's
+    `block_scaled_words`; column r < rows gets the jnp form's block product (fp16 sums: to ~1e-3 of the block's
     magnitude), the other columns keep the accumulator bit for bit."""
     rng = np.random.default_rng(seed)
     ptx = gemv._block_ptx(rows)
-    assert gemv._constraints(rows).count(",") + 1 == 16 + 16 + 4 + 16 * rows + 16
+    assert gemv._constraints(rows).count(",") + 1 == 16 + 16 + 4 + 16 * rows + 16 * rows
     for trial in range(4):
         block = np.arange(16, dtype=np.uint8) * 17 if trial == 0 else rng.integers(0, 256, 16, dtype=np.uint8)
-        words, _ = gemv.activation_words(jnp.asarray(rng.standard_normal((rows, 32)).astype(np.float32)))
+        words, _ = gemv.block_scaled_words(jnp.asarray(rng.standard_normal((rows, 32)).astype(np.float32)))
         words = np.asarray(words)[:, 0]  # [rows, 16]
         acc = rng.standard_normal(16).astype(np.float32)
-        fac = np.float32(2.0 ** rng.integers(-8, 8))
+        facs = (2.0 ** rng.integers(-8, 8, rows)).astype(np.float32)  # each row's own factor
         operands = {k: _f32_bits(acc[k]) for k in range(16)}
         operands.update({32 + j: int.from_bytes(bytes(block[4 * j:4 * j + 4]), "little") for j in range(4)})
         operands.update({36 + 16 * r + i: int(words[r, i]) for r in range(rows) for i in range(16)})
-        operands.update({36 + 16 * rows + i: _f32_bits(fac) for i in range(16)})
+        operands.update({36 + 16 * rows + 16 * r + i: _f32_bits(facs[r]) for r in range(rows) for i in range(16)})
         out = run_block_ptx(ptx, operands)
         got = np.array([_f32(out[k]) for k in range(16)], np.float32)
+        fac_list = [jnp.full((1, 1), f) for f in facs]
         want = np.asarray(gemv._block_products(jnp.asarray(acc)[None, None], jnp.asarray(block)[None, None],
                                                [jnp.asarray(words[r])[None] for r in range(rows)],
-                                               jnp.full((1, 1), fac), asm=False))[0, 0]
+                                               fac_list, asm=False))[0, 0]
         magnitude = np.asarray(gemv._block_products(  # the sum of |products|, what fp16 rounding scales with
             jnp.zeros((1, 1, 16)), jnp.asarray(block & 0x77)[None, None],
-            [jnp.asarray(words[r] & 0x7FFF7FFF)[None] for r in range(rows)], jnp.full((1, 1), fac), asm=False))[0, 0]
+            [jnp.asarray(words[r] & 0x7FFF7FFF)[None] for r in range(rows)], fac_list, asm=False))[0, 0]
         assert np.all(np.abs(got[:rows] - want[:rows]) <= 2e-3 * magnitude[:rows] + 1e-6), (got, want, magnitude)
         assert np.array_equal(got[rows:].view(np.uint32), acc[rows:].view(np.uint32))
 
@@ -181,7 +249,8 @@ def test_dispatch(monkeypatch):
     """`choose` takes MXFP4 calls whose active experts average up to MAX_ROWS_PER_EXPERT rows; moe_mxfp4's
     grouped_swiglu (and so the model's MoE layers) runs these kernels for them, with tiles as tall as an active
     expert's rows on average, and the MMA kernels for the rest."""
-    assert gemv.tiles_for(8, 256) == gemv.GemvTiles(rows=1, block_n=16, max_groups=16)  # one token
+    assert gemv.tiles_for(8, 256) == gemv.GemvTiles(rows=1, block_n=32, max_groups=16, pack_in_kernel=True)
+    assert gemv.tiles_for(32, 256) == gemv.GemvTiles(rows=1, block_n=32, max_groups=16)  # 4 tokens: XLA packs
     assert gemv.tiles_for(128, 256) == gemv.GemvTiles(rows=2, block_n=32, max_groups=16, adaptive=True)
     assert gemv.tiles_for(512, 256).rows == 2
     assert gemv.rows_per_active_expert(8, 256) == pytest.approx(1.014, abs=1e-3)
@@ -210,7 +279,7 @@ def test_lowers_to_triton(shape, n_tokens, rows):
     s = jax.ShapeDtypeStruct
     ew = _expert_specs(n_experts, hidden, inter)
     args = (s((n_tokens, hidden), jnp.bfloat16), s((n_tokens, top_k), jnp.int32), s((n_tokens, top_k), jnp.float32))
-    tiles = gemv.GemvTiles(rows=rows)
+    tiles = gemv.GemvTiles(rows=rows, pack_in_kernel=rows == 1)  # both ways of packing the activations
     text = lower_for_cuda(lambda x, i, w, ew: gemv.grouped_swiglu(x, i, w, ew, tiles=tiles), *args, ew)
     assert text.count("__gpu$xla.gpu.triton") == 2
     assert "fma.rn.f16x2" in text

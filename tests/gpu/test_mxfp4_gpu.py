@@ -113,17 +113,22 @@ def test_decode_tile_variants(seed, name, shape, n_tokens, fmt):
     _check_tiles(seed, shape, n_tokens, fmt, DECODE_VARIANTS[name], name)
 
 
-@pytest.mark.parametrize("shape, n_tokens, rows, adaptive, stages", [
-    ((64, 6, 2048, 768), 1, 1, False, 1), ((64, 6, 2048, 768), 16, 2, False, 1), ((64, 6, 2048, 768), 77, 4, False, 1),
-    ((256, 8, 7168, 2048), 1, 1, False, 1), ((256, 8, 7168, 2048), 16, 1, False, 1),
-    ((256, 8, 7168, 2048), 5, 2, False, 1), ((256, 8, 7168, 2048), 64, 4, False, 1),
-    ((256, 8, 7168, 2048), 64, 4, True, 1), ((64, 6, 2048, 768), 16, 4, True, 1),
-    ((256, 8, 7168, 2048), 64, 2, True, 3), ((64, 6, 2048, 768), 1, 1, False, 2)])
-def test_gemv_decode_kernels(seed, shape, n_tokens, rows, adaptive, stages):
+@pytest.mark.parametrize("shape, n_tokens, rows, adaptive, stages, in_kernel", [
+    ((64, 6, 2048, 768), 1, 1, False, 1, False), ((64, 6, 2048, 768), 1, 1, False, 1, True),
+    ((64, 6, 2048, 768), 16, 2, False, 1, False), ((64, 6, 2048, 768), 77, 4, False, 1, False),
+    ((64, 6, 2048, 768), 77, 4, True, 1, True),
+    ((256, 8, 7168, 2048), 1, 1, False, 1, False), ((256, 8, 7168, 2048), 1, 1, False, 1, True),
+    ((256, 8, 7168, 2048), 16, 1, False, 1, False), ((256, 8, 7168, 2048), 16, 2, True, 1, True),
+    ((256, 8, 7168, 2048), 5, 2, False, 1, False), ((256, 8, 7168, 2048), 64, 4, False, 1, False),
+    ((256, 8, 7168, 2048), 64, 4, True, 1, False), ((64, 6, 2048, 768), 16, 4, True, 1, False),
+    ((256, 8, 7168, 2048), 64, 2, True, 3, False), ((64, 6, 2048, 768), 1, 1, False, 2, True)])
+def test_gemv_decode_kernels(seed, shape, n_tokens, rows, adaptive, stages, in_kernel):
     """The CUDA-core decode kernels (moe_mxfp4_gemv: inline PTX, fp16 block sums) against the reference; `adaptive`:
-    4-row tiles that multiply only their real rows; `stages`: the K loop's loads software-pipelined."""
-    tiles = moe_mxfp4_gemv.GemvTiles(rows=rows, adaptive=adaptive, num_stages=stages)
-    _check_tiles(seed, shape, n_tokens, "mxfp4", tiles, f"gemv rows={rows} adaptive={adaptive} stages={stages}")
+    4-row tiles that multiply only their real rows; `stages`: the K loop's loads software-pipelined; `in_kernel`:
+    the activations packed by each program (per MX block) instead of by XLA."""
+    tiles = moe_mxfp4_gemv.GemvTiles(rows=rows, adaptive=adaptive, num_stages=stages, pack_in_kernel=in_kernel)
+    _check_tiles(seed, shape, n_tokens, "mxfp4", tiles,
+                 f"gemv rows={rows} adaptive={adaptive} stages={stages} in_kernel={in_kernel}")
 
 
 def test_gemv_skewed_loads(seed):
@@ -134,10 +139,13 @@ def test_gemv_skewed_loads(seed):
         top_k = 1 if kind == "single_last" else 2
         ids, w = _device_routing(jax.random.fold_in(key, 1), 9, 64, top_k, kind)
         x = jax.random.normal(jax.random.fold_in(key, 2), (9, 2048), jnp.bfloat16)
+        want, _ = _reference(x.astype(jnp.float32), ids, w, ew)
         for rows in moe_mxfp4_gemv.ROWS:
-            got, _ = _packed(x, ids, w, ew, tiles=moe_mxfp4_gemv.GemvTiles(rows=rows), impl="pallas")
-            want, _ = _reference(x.astype(jnp.float32), ids, w, ew)
-            assert rel_err(got, want) < 2e-2, f"{kind} rows={rows}: {rel_err(got, want):.2e} (seed={seed})"
+            for in_kernel in (False, True):
+                tiles = moe_mxfp4_gemv.GemvTiles(rows=rows, pack_in_kernel=in_kernel)
+                got, _ = _packed(x, ids, w, ew, tiles=tiles, impl="pallas")
+                assert rel_err(got, want) < 2e-2, (f"{kind} rows={rows} in_kernel={in_kernel}: "
+                                                   f"{rel_err(got, want):.2e} (seed={seed})")
 
 
 @pytest.mark.parametrize("fmt,tol", [("float8_e4m3fn", 4e-3), ("bfloat16", 2e-2)])
