@@ -131,6 +131,17 @@ def test_gemv_decode_kernels(seed, shape, n_tokens, rows, adaptive, stages, in_k
                  f"gemv rows={rows} adaptive={adaptive} stages={stages} in_kernel={in_kernel}")
 
 
+@pytest.mark.parametrize("shape, n_tokens", [((256, 8, 7168, 2048), 1), ((256, 8, 7168, 2048), 2),
+                                             ((64, 6, 2048, 768), 1), ((64, 6, 2048, 768), 2)])
+def test_gemv_default_tiles(seed, shape, n_tokens):
+    """The decode kernels with `tiles_for`'s tiles (what the model runs): at one or two tokens the activations packed
+    by each program and h written packed by the gate/up kernel."""
+    n_experts, top_k = shape[:2]
+    tiles = moe_mxfp4_gemv.tiles_for(n_tokens * top_k, n_experts)
+    assert tiles.pack_in_kernel
+    _check_tiles(seed, shape, n_tokens, "mxfp4", tiles, f"gemv default {tiles}")
+
+
 def test_gemv_skewed_loads(seed):
     """bf16 activations, empty experts and one expert taking every token, through the decode kernels."""
     key = jax.random.key(seed)
