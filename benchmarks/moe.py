@@ -494,8 +494,7 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
         for which in args.sweep.split(",") if args.sweep else ():
             if which == "gemv":
                 for n in [t for t in tokens if t <= 64] or [1]:
-                    results[f"{name}_sweep_gemv_T{n}_us"] = r = gemv_sweep(
-                        layer, name, n, args.impl, tuple(args.sweep_labels.split(",")) if args.sweep_labels else None)
+                    results[f"{name}_sweep_gemv_T{n}_us"] = r = gemv_sweep(layer, name, n, args.impl, args.sweep_labels)
                     print(f"tile sweep (gemv), {n} token(s) (us):", r)
                 continue
             if which == "dense":
@@ -533,7 +532,8 @@ def main(argv=None) -> int:
                              "each token count up to 64; dense: the bf16 dense-expert kernels' tiles (GPU time) "
                              "at each token count up to 16; dense16: the batch-16 epilogue tiles (DENSE16_SWEEP); "
                              "mlp: the one-kernel MLP's tiles (MLP_SWEEP) likewise")
-    parser.add_argument("--sweep-labels", help="--sweep gemv: only these GEMV_SWEEP labels (comma-separated)")
+    parser.add_argument("--sweep-labels", type=lambda text: tuple(text.split(",")),
+                        help="--sweep gemv: only these GEMV_SWEEP labels (comma-separated)")
     parser.add_argument("--shared-parts", type=int, default=0,
                         help="dense / mlp sweeps: a shared MLP of this many x the experts' width in the same kernels")
     parser.add_argument("--dense-only", action="store_true", help="time the bf16 variants alone (no MXFP4 / FP8)")

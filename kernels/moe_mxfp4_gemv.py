@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from . import atomics, dispatch, moe_tiles, tiles as tiling
+from .moe_dense_fused import add_to_tokens
 from .mxfp4 import BLOCK, ExpertWeights, pow2, scale_value
 
 _BYTES = BLOCK // 2  # bytes per MX block
@@ -143,15 +144,21 @@ def _exponent(peak: jax.Array) -> jax.Array:
     return jnp.clip(((jax.lax.bitcast_convert_type(peak, jnp.int32) >> 23) & 0xFF) - 126, -100, 100)
 
 
+def _fp16_halves(v: jax.Array, e: jax.Array) -> jax.Array:
+    """float32 v times 2^(14 - e) (e broadcastable to v), rounded to fp16 -> its bits, int16."""
+    return jax.lax.bitcast_convert_type((v * pow2(_TOP - e)).astype(jnp.float16), jnp.int16)
+
+
+def _join_halves(lane0: jax.Array, lane1: jax.Array) -> jax.Array:
+    """Two int16 fp16 bit patterns per word (lane 0 low) -> uint32."""
+    return jax.lax.bitcast_convert_type((lane0.astype(jnp.int32) & 0xFFFF) | (lane1.astype(jnp.int32) << 16),
+                                        jnp.uint32)
+
+
 def _pack_words(lane0: jax.Array, lane1: jax.Array, e: jax.Array) -> jax.Array:
     """Activations in word order (lane0 / lane1 float32 [..., 16], `_word_elements`) times 2^(14 - e) (e
     broadcastable to [..., 1]), rounded to fp16, two per word (lane 0 low) -> uint32 [..., 16]."""
-    up = pow2(_TOP - e)
-
-    def half(v):
-        return jax.lax.bitcast_convert_type((v * up).astype(jnp.float16), jnp.int16).astype(jnp.int32) & 0xFFFF
-
-    return jax.lax.bitcast_convert_type(half(lane0) | (half(lane1) << 16), jnp.uint32)
+    return _join_halves(_fp16_halves(lane0, e), _fp16_halves(lane1, e))
 
 
 def _halves_order(n: int) -> jax.Array:
@@ -282,7 +289,7 @@ def _activation_block(x_ref, row, ok, g0, gk: int, k_valid: int):
 
 
 def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps, split, n_valid, k_valid, n_src,
-            top_k, x_form, h_form, h_dtype, asm, interpret):
+            top_k, n_tokens, x_form, h_form, h_dtype, asm, interpret):
     """One program: `rows` token rows of one expert (tile t) x `bn` weight rows (block j) x one K split (q).
 
     The activations (`x_form`): "raw" rows x_ref [X, K] that each program packs; "rows", XLA's `row_scaled_words`
@@ -293,7 +300,8 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     (`h_form` "halves", bn = 32: a program's columns are one MX block of h): directly with one K split, else through
     float32 atomics into acc [R, 2, I'] and a turn counter per (tile, block) whose last program finishes the block.
     role "down": x_ref = h [R, I] (row r reads its own row), src_ref [R] each row's pair (P: padding); adds
-    weight * down(h) into the tokens' sums [T + rows, D'] float32 by atomics (pair p: token p // top_k)."""
+    weight * down(h) into the tokens' flat sums [(T + 1) * D'] float32 (`moe_dense_fused.add_to_tokens`; D' the
+    weight rows in whole blocks) by atomics (pair p: token p // top_k)."""
     if x_form != "raw":
         factor_ref, *refs = refs
     if role == "gate_up":
@@ -326,11 +334,9 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             if x_form == "rows":  # XLA's words; the rows' factors applied after the loop
                 xs, factors = [x_ref[row, groups, :] for row in x_rows], None
             elif x_form == "halves":  # the gate/up kernel's words, two halves each; its blocks' factors
-                half = (g0 * BLOCK + 2 * jax.lax.broadcasted_iota(jnp.int32, (gk, 16), 0) * 16
-                        + 2 * jax.lax.broadcasted_iota(jnp.int32, (gk, 16), 1))
-                xs = [jax.lax.bitcast_convert_type((x_ref[row, half].astype(jnp.int32) & 0xFFFF)
-                                                   | (x_ref[row, half + 1].astype(jnp.int32) << 16), jnp.uint32)
-                      for row in x_rows]
+                block = g0 + jax.lax.broadcasted_iota(jnp.int32, (gk, 16), 0)
+                half = block * BLOCK + 2 * jax.lax.broadcasted_iota(jnp.int32, (gk, 16), 1)  # word w: 2w, 2w + 1
+                xs = [_join_halves(x_ref[row, half], x_ref[row, half + 1]) for row in x_rows]
                 factors = [factor_ref[row, groups][None, :] for row in x_rows]
             else:
                 blocks = [_activation_block(x_ref, row, ok, g0, gk, k_valid) for row, ok in zip(x_rows, real)]
@@ -360,8 +366,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             # one MX block of h (columns past I are zeros): its fp16 halves in word order, and its factor
             h = h.astype(jnp.float32)
             e = _exponent(jnp.max(jnp.abs(h)))
-            halves = jax.lax.bitcast_convert_type((h * pow2(_TOP - e)).astype(jnp.float16), jnp.int16)
-            h_refs[0][t * rows + r, c0 + _halves_order(bn)] = halves
+            h_refs[0][t * rows + r, c0 + _halves_order(bn)] = _fp16_halves(h, e)
             h_refs[1][t * rows + r, j] = pow2(e - _TOP)
 
         if split == 1:
@@ -382,10 +387,9 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     def down(width):
         for r, (y,) in enumerate(products(width)):
             pair = jnp.minimum(src[r], n_src - 1)
-            # padding rows: masked on the GPU; in interpret mode (no masked atomics) into scratch rows past the tokens
-            token = jnp.where(real[r], pair // top_k, sums_ref.shape[0] - rows + r)
-            atomics.add_relaxed(sums_ref, (token, pl.ds(c0, bn)), y * pair_weight_ref[pair],
-                                mask=None if interpret else cmask & real[r])
+            token = jnp.where(real[r], pair // top_k, n_tokens)  # T: a padding row, which adds nothing
+            add_to_tokens(sums_ref, token[None], (y * pair_weight_ref[pair])[None], c0, n_tokens=n_tokens,
+                          n_dim=sums_ref.shape[0] // (n_tokens + 1), masked=not interpret)
 
     body = gate_up if role == "gate_up" else down
     if len(widths) == 1:
@@ -424,8 +428,10 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
     the outputs)."""
     n_out, groups = weights[0][0].shape[1], weights[0][0].shape[2]
     packed = x_form != "raw"
-    x_groups = {"raw": lambda: -(-x.shape[1] // BLOCK), "rows": lambda: x[0].shape[1],
-                "halves": lambda: x[0].shape[1] // BLOCK}[x_form]()
+    if x_form == "raw":
+        x_groups = -(-x.shape[1] // BLOCK)
+    else:
+        x_groups = x[0].shape[1] if x_form == "rows" else x[0].shape[1] // BLOCK
     if x_groups != groups:
         raise ValueError(f"the activations cover {x_groups} MX blocks of K, the weights {groups}")
     bn, gk, warps = _launch(groups, tiles)
@@ -478,7 +484,8 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
             acc, turns)
 
     out = _call("gate_up", tile_expert, token_of_row, x, x_form, (), gate_up, outputs, tiles, interpret,
-                n_src=n_tokens, top_k=1, h_form="halves" if halves else "values", h_dtype=jnp.dtype(dtype))
+                n_src=n_tokens, top_k=1, n_tokens=n_tokens, h_form="halves" if halves else "values",
+                h_dtype=jnp.dtype(dtype))
     if halves:
         return (out[0], out[1]), "halves"
     return out[0], "raw"
@@ -496,12 +503,14 @@ def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: in
     n_pairs = pair_weights.shape[0]
 
     def outputs(blocks_n, split, bn):
-        sums = jnp.zeros((n_tokens + tiles.rows, blocks_n * bn), jnp.float32)  # scratch rows, whole blocks
+        # rows of whole weight-row blocks (no masked columns), one scratch row (interpret mode's padding rows)
+        sums = jnp.zeros(((n_tokens + 1) * blocks_n * bn,), jnp.float32)
         return jax.ShapeDtypeStruct(sums.shape, sums.dtype), (sums,)
 
     sums = _call("down", tile_expert, pair_of_row, h, h_form, (pair_weights.astype(jnp.float32),), down, outputs,
-                 tiles, interpret, n_src=n_pairs, top_k=top_k, h_form="values", h_dtype=None)
-    return sums[:n_tokens, :hidden]
+                 tiles, interpret, n_src=n_pairs, top_k=top_k, n_tokens=n_tokens, h_form="values", h_dtype=None)
+    width = sums.shape[0] // (n_tokens + 1)
+    return sums[:n_tokens * width].reshape(n_tokens, width)[:, :hidden]
 
 
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ew: ExpertWeights,
