@@ -268,12 +268,18 @@ GEMV_SWEEP = {  # label: GemvTiles, swept by --sweep gemv at each token count (t
     "r2a_bn64_g16_w4_k": moe_mxfp4_gemv.GemvTiles(2, 64, 16, 8, 4, adaptive=True, pack_in_kernel=True),
     "r1_bn8_g32_w4_k": moe_mxfp4_gemv.GemvTiles(1, 8, 32, 8, 4, pack_in_kernel=True),
     "r1_bn32_g32_w4_k": moe_mxfp4_gemv.GemvTiles(1, 32, 32, 8, 4, pack_in_kernel=True),
+    "r1_bn32_g16_w4_k_x1": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 1, 4, pack_in_kernel=True),  # K never split
+    "r1_bn32_g16_w4_k_m512": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 4, 512, pack_in_kernel=True),  # K split to 512
+    "r1_bn32_g16_w8_k": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 8, pack_in_kernel=True),
+    "r1_bn32_g8_w4_k": moe_mxfp4_gemv.GemvTiles(1, 32, 8, 8, 4, pack_in_kernel=True),
+    "r1_bn32_g32_w8_k": moe_mxfp4_gemv.GemvTiles(1, 32, 32, 8, 8, pack_in_kernel=True),
 }
 
 
 def gemv_sweep(layer, name, n_tokens: int, impl, labels: tuple[str, ...] | None = None) -> dict:
     """The decode kernels' layer call over GEMV_SWEEP's tiles (those named in `labels`, default all) at `n_tokens`
-    tokens: chained time (us) and, on a GPU, the layer call's GPU time from a trace (`<label>_device`, us);
+    tokens: chained time (us) and, on a GPU, the layer call's GPU time from a trace (`<label>_device`, us) and its
+    MoE kernels' (`<label>_kernels`);
     rows-2/4 tiles only where experts average more than one row."""
     n_experts, top_k, hidden, _ = SHAPES[name]
     ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
@@ -290,8 +296,9 @@ def gemv_sweep(layer, name, n_tokens: int, impl, labels: tuple[str, ...] | None 
                                             layer[0])[0])
         out[label] = None if t is None else round(t * 1e6, 2)
         if t is not None:
-            device = traced_device_time(call, x, layer[0], impl == "interpret")[0]
+            device, _, top = traced_device_time(call, x, layer[0], impl == "interpret")
             out[f"{label}_device"] = None if device is None else round(device * 1e6, 2)
+            out[f"{label}_kernels"] = {k: round(v, 2) for k, v in top.items() if k.startswith("moe_")}
     return out
 
 

@@ -102,19 +102,26 @@ def tiles_for(n_pairs: int, n_experts: int) -> GemvTiles:
     """Tiles for a layer call of `n_pairs` token-expert pairs: 1-row tiles where active experts have about one row
     (`rows_per_active_expert`), else 2-row tiles that multiply a single-row tile's blocks once (`adaptive`); 32
     weight rows per program, 16 MX blocks per K step. Up to 16 pairs (one or two tokens' experts) each program packs
-    its own activations (`pack_in_kernel`; the gate/up kernel then writes h packed for the down kernel); larger
-    calls take XLA's packed rows.
+    its own activations (`pack_in_kernel`; the gate/up kernel then writes h packed for the down kernel) and K is
+    split only as far as 512 programs need (the DeepSeek-size gate/up kernel's 512 programs run unsplit, under one
+    wave at the 79 registers of the GPU build; the medium layer's 144 split in 4); larger calls take XLA's packed rows.
 
-    H200, benchmarks/moe.py --sweep gemv, GPU time of the layer call (2026-12-04, DeepSeek-size / medium layer at
-    one token): these tiles 69.2 / 10.7 us; 16 weight rows x 32 blocks per step 68.7 / 11.7 (h not packed by the
-    gate/up kernel: its programs are 16 columns wide); 32 x 32 73.5 / 10.9 (the gate/up kernel at 203 registers;
-    before h was packed there 68.0 / 11.1); XLA's packing 74.2 / 16.8. At 16 and 64 tokens in-kernel packing loses
-    (DeepSeek-size 827 / 2445 us against 754 / 2162 with adaptive 2-row tiles: each program's packing, ~15% more
-    instructions, costs more than XLA's passes). Earlier (2026-12-02, chained time): 16 tokens 794 us with adaptive
-    2-row tiles against 824 (1-row) and 877 (2-row), 970 with 8 blocks per step; 32 / 64 tokens 1333 / 2224 us
-    against 1436 / 2373 (2-row) and 1501 / 2757 (1-row); adaptive 4-row tiles slower (1613 / 2462)."""
+    H200, benchmarks/moe.py, GPU time of the layer call (2026-12-04, DeepSeek-size / medium layer at one token):
+    these tiles 67.65 / 10.63 us (2 tokens 123.4 / 15.9); in the sweep before them, K split for 2048 programs 69.3 us
+    (gate/up 46.6, down 20.8) against 66.9 (44.3 / 20.9) unsplit; more loads in flight per program did not help (8
+    blocks per step with two or four steps' loads issued together: gate/up 52 us; 16 blocks, two steps: 46.8; the
+    next step's activations loaded ahead: 46.0). Earlier the same day (split for 2048): 32 x 16 69.2 / 10.7 us; 16
+    weight rows x 32 blocks per step 68.7 / 11.7 (h not packed by the gate/up kernel: its programs are 16 columns
+    wide); 32 x 32 73.5 / 10.9 (the gate/up kernel at 203 registers; before h was packed there 68.0 / 11.1); XLA's
+    packing 74.2 / 16.8. At 16 and 64 tokens in-kernel packing loses (DeepSeek-size 827 / 2445 us against 754 /
+    2162 with adaptive 2-row tiles: each program's packing, ~15% more instructions, costs more than XLA's passes).
+    Earlier (2026-12-02, chained time): 16 tokens 794 us with adaptive 2-row tiles against 824 (1-row) and 877
+    (2-row), 970 with 8 blocks per step; 32 / 64 tokens 1333 / 2224 us against 1436 / 2373 (2-row) and 1501 / 2757
+    (1-row); adaptive 4-row tiles slower (1613 / 2462)."""
     if rows_per_active_expert(n_pairs, n_experts) <= 1.1:
-        return GemvTiles(rows=1, block_n=32, max_groups=16, pack_in_kernel=n_pairs <= 16)
+        if n_pairs <= 16:  # K split only where fewer than 512 programs would run (under one wave)
+            return GemvTiles(rows=1, block_n=32, max_groups=16, min_programs=512, pack_in_kernel=True)
+        return GemvTiles(rows=1, block_n=32, max_groups=16)
     return GemvTiles(rows=2, block_n=32, max_groups=16, adaptive=True)
 
 

@@ -249,7 +249,11 @@ def test_dispatch(monkeypatch):
     """`choose` takes MXFP4 calls whose active experts average up to MAX_ROWS_PER_EXPERT rows; moe_mxfp4's
     grouped_swiglu (and so the model's MoE layers) runs these kernels for them, with tiles as tall as an active
     expert's rows on average, and the MMA kernels for the rest."""
-    assert gemv.tiles_for(8, 256) == gemv.GemvTiles(rows=1, block_n=32, max_groups=16, pack_in_kernel=True)
+    assert gemv.tiles_for(8, 256) == gemv.GemvTiles(rows=1, block_n=32, max_groups=16, min_programs=512,
+                                                    pack_in_kernel=True)
+    one_token = gemv.tiles_for(8, 256)
+    assert gemv._k_split(224, one_token, 8 * 2048 // 32)[1] == 1  # DeepSeek-size gate/up: 512 programs, K unsplit
+    assert gemv._k_split(64, one_token, 6 * 768 // 32)[1] == 4  # the medium layer's 144 programs: K in 4
     assert gemv.tiles_for(32, 256) == gemv.GemvTiles(rows=1, block_n=32, max_groups=16)  # 4 tokens: XLA packs
     assert gemv.tiles_for(128, 256) == gemv.GemvTiles(rows=2, block_n=32, max_groups=16, adaptive=True)
     assert gemv.tiles_for(512, 256).rows == 2
