@@ -6,8 +6,8 @@ weights resident in L2: how much of a kernel's time is its own issue work and ho
 "distinct": the token's top-k experts are k different experts (what a decode step reads, all from HBM); "same": all
 k pairs go to one expert, so k tiles read the same weights (15.6 MB of gate/up at the DeepSeek size: after the first
 tile, L2 hits). Each with `tiles_for`'s tiles ("default") and with K never split ("unsplit"). GPU time of the layer
-call and of each MoE kernel from a trace of 10 chained calls (benchmarks/gpu_trace.py); printed, not appended to
-RESULTS.md (a diagnostic, not a target).
+call and of each MoE kernel from a trace of 10 chained calls (moe.py's `traced_device_time`); printed, not appended
+to RESULTS.md (a diagnostic, not a target).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-
-SHAPES = {"deepseek": (256, 8, 7168, 2048), "medium": (64, 6, 2048, 768)}
 
 
 def main(argv=None) -> int:
@@ -26,7 +24,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from gpu_trace import device_us_per_call
+    from moe import SHAPES, traced_device_time  # benchmarks/moe.py
 
     from dayzero.kernels import moe_mxfp4_gemv as gemv, mxfp4
 
@@ -40,14 +38,12 @@ def main(argv=None) -> int:
         default = gemv.tiles_for(top_k, n_experts)
         for routing, ids in routings.items():
             for label, tiles in (("default", default), ("unsplit", dataclasses.replace(default, split_k=1))):
-                def chained(x, e, ids=ids, tiles=tiles):
-                    for _ in range(10):
-                        x = x + jnp.asarray(1e-3, x.dtype) * gemv.grouped_swiglu(x, ids, w, e, tiles=tiles)
-                    return x
+                def layer(x, e, ids=ids, tiles=tiles):
+                    return gemv.grouped_swiglu(x, ids, w, e, tiles=tiles)
 
-                total, top = device_us_per_call(jax.jit(chained), x, ew, calls=10, top=6)
+                total, _, top = traced_device_time(layer, x, ew, interpret=False)
                 kernels = {k: round(v, 2) for k, v in top.items() if k.startswith("moe")}
-                print(f"{name} {routing} {label}: layer {total:.2f} us, kernels {kernels}", flush=True)
+                print(f"{name} {routing} {label}: layer {total * 1e6:.2f} us, kernels {kernels}", flush=True)
     return 0
 
 

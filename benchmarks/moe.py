@@ -279,8 +279,7 @@ GEMV_SWEEP = {  # label: GemvTiles, swept by --sweep gemv at each token count (t
 def gemv_sweep(layer, name, n_tokens: int, impl, labels: tuple[str, ...] | None = None) -> dict:
     """The decode kernels' layer call over GEMV_SWEEP's tiles (those named in `labels`, default all) at `n_tokens`
     tokens: chained time (us) and, on a GPU, the layer call's GPU time from a trace (`<label>_device`, us) and its
-    MoE kernels' (`<label>_kernels`);
-    rows-2/4 tiles only where experts average more than one row."""
+    MoE kernels' (`<label>_kernels`); rows-2/4 tiles only where experts average more than one row."""
     n_experts, top_k, hidden, _ = SHAPES[name]
     ids, w = routing(jax.random.key(n_tokens), n_tokens, n_experts, top_k)
     x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
