@@ -1,7 +1,8 @@
 """Where a decode dispatch's GPU time goes, by model op: the engine's jitted decode (4 steps per dispatch) profiled
 with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized HLO names in its metadata.
 
-    python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--engine serving] [--top 25]
+    python3 benchmarks/decode_profile.py [--preset medium_hybrid] [--batches 1,16] [--experts bf16|mxfp4]
+                                         [--engine serving] [--top 25]
                                          [--xla-option NAME=VALUE] [--pallas router] [--dump PREFIX]
                                          [--dense-fused-prologues] [--shared-apart] [--dense-epilogue-min-pairs N]
                                          [--router-dot] [--dense-pair-partials] [--dense-tiles FIELD=VALUE]
@@ -182,7 +183,9 @@ def module_constant(text: str) -> tuple[object, str, object]:
 
 def run(args, hlo_folder: str) -> dict:
     """Profiles each batch size of `args`; prints its table and returns the per-token summary by batch size."""
-    model = Model.random(get_preset(args.preset), dtype="bfloat16", seed=0)
+    config = get_preset(args.preset)
+    model = Model.random(config.replace(quant_method="mxfp4") if args.experts == "mxfp4" else config,
+                         dtype="bfloat16", seed=0)
     summary = {}
     for batch in (int(b) for b in args.batches.split(",")):
         engine = engine_for(model, args.engine, batch)
@@ -226,6 +229,8 @@ def main(argv=None) -> int:
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     parser.add_argument("--preset", default="medium_hybrid")
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
+                        help="the routed experts' format (mxfp4: random packed experts, the MXFP4 kernels)")
     parser.add_argument("--engine", choices=("serving", "small"), default="serving")
     parser.add_argument("--context", type=int, default=200, help="position of the decoded tokens (< 256)")
     parser.add_argument("--top", type=int, default=25)
@@ -289,9 +294,9 @@ def main(argv=None) -> int:
         summary = run(args, hlo_folder)
     device = jax.devices()[0]
     append_line(args.results, f"- {datetime.date.today()} decode_profile.py, {device.device_kind}, commit "
-                              f"{git_commit()}, jax {jax.__version__}, {args.preset} (random bf16), engine options "
-                              f"'{args.engine}', XLA options added {extra or 'none'}, {STEPS} steps per dispatch "
-                              f"at position {args.context}, per token: "
+                              f"{git_commit()}, jax {jax.__version__}, {args.preset} (random, routed experts "
+                              f"{args.experts}), engine options '{args.engine}', XLA options added "
+                              f"{extra or 'none'}, {STEPS} steps per dispatch at position {args.context}, per token: "
                               f"{json.dumps(summary)}\n")
     return 0
 

@@ -1,8 +1,12 @@
 """Serving benchmark: the medium hybrid preset (random weights, bf16) through dayzero's Engine on one GPU.
 
+    python3 benchmarks/serving.py [--experts bf16|mxfp4] [--peer SCRIPT] [--long-prompt N] [--repeats N]
+                                  [--trace-batches 1,16]
+
 Measures TTFT at prompts of 2K and 32K tokens, ITL and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens, 64 new
 tokens each), every shape compiled before it is timed, and the bandwidth floors of a batch-1 and a batch-16 decode
-step (the weights each reads in bf16 at 4.0 TB/s: `decode_step_parameters`). Each batch size's generate is timed
+step (the weights each reads at 4.0 TB/s: `decode_step_bytes`; `--experts mxfp4` gives the model random packed MXFP4
+routed experts, run by the MXFP4 kernels, and the floors count them at 4.25 bits). Each batch size's generate is timed
 `--repeats` times: its ITL is the median over the runs (each run's ITL the median of its requests' mean ITLs; one
 host stall in a 64-token run moves a single request's mean by as much as the stall / 63), and the runs' ITLs are
 reported too; a compilation during a timed run is named in the output (`compiled_while_timed`). With `--peer SCRIPT`
@@ -25,7 +29,7 @@ import jax
 import numpy as np
 
 from dayzero.model import Model
-from dayzero.model.presets import decode_step_parameters, get_preset
+from dayzero.model.presets import decode_step_bytes, get_preset
 from dayzero.serving import Engine, EngineConfig, SamplingParams
 
 from gpu_trace import busy_summary, gpu_kernels, traced_events  # benchmarks/gpu_trace.py
@@ -57,7 +61,8 @@ def timed_generate(engine: Engine, prompts, params, repeats: int = 1):
 
 def peer_ratios(ours: dict, peer: dict) -> dict:
     """The peer's batch-16 ITL over ours and over the batch-16 bandwidth floor ({} without a peer figure): the second
-    bounds the first for any bf16 engine, so a peer that runs fast makes a ratio target out of reach in that run."""
+    bounds the first for any engine reading these weights, so a peer that runs fast makes a ratio target out of reach
+    in that run."""
     theirs = peer.get("hf_B16_P1024_itl_ms")
     if not theirs:
         return {}
@@ -84,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--peer", help="path of the peer anchor script to run in the same process tree")
     parser.add_argument("--peer-timeout", type=float, default=900, help="seconds the peer script may run")
     parser.add_argument("--long-prompt", type=int, default=32768)
+    parser.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
+                        help="the routed experts' format (mxfp4: random packed experts, the MXFP4 kernels)")
     parser.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps,
                         help="decode steps per dispatch (the engine option)")
     parser.add_argument("--no-overlap-decode", action="store_true",
@@ -95,13 +102,16 @@ def main(argv=None) -> int:
     args.trace_batches = {int(b) for b in args.trace_batches.split(",") if b}
     device = jax.devices()[0]
     config = get_preset("medium_hybrid")
+    if args.experts == "mxfp4":
+        config = config.replace(quant_method="mxfp4")
     t0 = time.perf_counter()
     model = Model.random(config, dtype="bfloat16", seed=0)
     jax.block_until_ready(model.params)
-    print(f"medium hybrid: {model.num_params() / 1e9:.2f} B params on {device.device_kind}, "
-          f"ready in {time.perf_counter() - t0:.1f} s")
-    # the weights a step of 1 / 16 tokens reads, in bf16 at 4.0 TB/s (the anchors' convention)
-    floor_ms = {batch: decode_step_parameters(config, batch) * 2 / 4.0e12 * 1e3 for batch in (1, 16)}
+    print(f"medium hybrid (routed experts {args.experts}): {model.num_params() / 1e9:.2f} B params on "
+          f"{device.device_kind}, ready in {time.perf_counter() - t0:.1f} s")
+    # the weights a step of 1 / 16 tokens reads (bf16, the experts MXFP4 with --experts mxfp4) at 4.0 TB/s (the
+    # anchors' convention)
+    floor_ms = {batch: decode_step_bytes(config, batch) / 4.0e12 * 1e3 for batch in (1, 16)}
     engine = Engine(model, None, EngineConfig(
         max_num_seqs=64, max_model_len=args.long_prompt + 256, max_prefill_tokens=4096, max_prefill_rows=16,
         prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0,
@@ -161,10 +171,11 @@ def main(argv=None) -> int:
     ratios = peer_ratios(res, peer)
     if ratios:
         print(f"batch 16: the peer's ITL is {ratios['itl_B16_peer_over_ours']}x ours and "
-              f"{ratios['itl_B16_peer_over_floor']}x the batch-16 bandwidth floor (the most a bf16 engine could reach)")
+              f"{ratios['itl_B16_peer_over_floor']}x the batch-16 bandwidth floor (the most an engine reading these "
+              f"weights could reach)")
     line = (f"- {datetime.date.today()} serving.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}"
-            f" (kernels: {kernel_choice()}; {args.decode_steps} decode steps per dispatch, overlapped: "
-            f"{not args.no_overlap_decode}): dayzero {json.dumps(res)}; "
+            f" (routed experts {args.experts}; kernels: {kernel_choice()}; {args.decode_steps} decode steps per "
+            f"dispatch, overlapped: {not args.no_overlap_decode}): dayzero {json.dumps(res)}; "
             f"peer transformers+fla same run {json.dumps(peer) if peer else 'not run'}"
             f"{'; ratios ' + json.dumps(ratios) if ratios else ''}\n")
     append_line(args.results, line)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from dayzero.kernels import moe as moe_kernels
-from dayzero.kernels import moe_front, moe_workspace, mxfp4
+from dayzero.kernels import moe_front, moe_workspace, mxfp4, projection
 from dayzero.kernels import router as router_kernel
 from dayzero.kernels.moe_workspace import Workspace
 
@@ -24,6 +24,16 @@ from .mla import dense
 # 2026-12-01) batch-1 decode went from 1.88-1.95 to 1.71 ms per token with them; batch 16 measured 3.62 ms against
 # 3.54-3.59 without (not an A/B run in one process), so larger batches keep XLA's GEMMs.
 SHARED_GROUPED_MAX_TOKENS = 8
+# Token counts up to which the shared experts, where they run apart from the routed experts (MXFP4 experts; bf16
+# ones past SHARED_IN_ROUTED_MAX_TOKENS), take the decode projection kernel (`kernels.projection`) for gate|up and
+# for down (`MLP.projection_max_tokens`), with SHARED_PROJECTION_TILES (gate|up, down): one medium-hybrid shared
+# expert (2048 x 768) is 12 column blocks of 128, so both split K for a few hundred programs. On the H200 (medium
+# hybrid with MXFP4 experts, benchmarks/decode_profile.py --experts mxfp4, 2026-12-04): batch 1 1.014 ms of kernels
+# per token against 1.062 through the grouped kernels (the shared expert 8.3 against 11.5 us per layer); at batch 16
+# 2.278 against 2.263 with XLA's GEMMs, so 16 tokens keep those. 32-column blocks: 1.043 at batch 1. 0: off.
+SHARED_PROJECTION_MAX_TOKENS = 8
+SHARED_PROJECTION_TILES = (projection.ProjectionTiles(block_n=64, k_slices=16),
+                           projection.ProjectionTiles(block_n=64, step_k=32, k_slices=8))
 # Whether decode-sized calls run the shared experts inside the routed experts' grouped kernels (bf16 experts on one
 # device: `kernels.moe.routed_and_shared`, the shared MLP as extra experts), one set of kernels for both instead of
 # two. On the H200 (medium hybrid, benchmarks/decode_profile.py, 2026-12-01, eleventh session): batch 1 1.472 ms of
@@ -48,18 +58,27 @@ REDUCE_LOGITS_MAX_TOKENS = 16
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)). Calls of at most `grouped_max_tokens` tokens run
-    through the grouped expert kernels as one expert where dispatch picks them (`swiglu_as_one_expert`; 0: never)."""
+    """SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)). Calls of at most `projection_max_tokens` tokens run
+    gate|up and down through the decode projection kernel where dispatch picks it and it takes the shapes
+    (`swiglu_projected`); else calls of at most `grouped_max_tokens` through the grouped expert kernels as one expert
+    (`swiglu_as_one_expert`); 0: never."""
 
     intermediate_size: int
     hidden_size: int
     dtype: jnp.dtype
     grouped_max_tokens: int = 0
+    projection_max_tokens: int = 0
 
     @nn.compact
     def __call__(self, x):
-        if (self.grouped_max_tokens and not self.is_initializing()
-                and math.prod(x.shape[:-1]) <= self.grouped_max_tokens):
+        n_tokens = math.prod(x.shape[:-1])
+        if self.projection_max_tokens and not self.is_initializing() and n_tokens <= self.projection_max_tokens:
+            params = self.variables["params"]
+            y = swiglu_projected(x.reshape(-1, x.shape[-1]), params["gate_proj"]["kernel"],
+                                 params["up_proj"]["kernel"], params["down_proj"]["kernel"])
+            if y is not None:
+                return y.reshape(*x.shape[:-1], self.hidden_size)
+        if self.grouped_max_tokens and not self.is_initializing() and n_tokens <= self.grouped_max_tokens:
             params = self.variables["params"]
             y = moe_kernels.swiglu_as_one_expert(x.reshape(-1, x.shape[-1]), params["gate_proj"]["kernel"],
                                                  params["up_proj"]["kernel"], params["down_proj"]["kernel"])
@@ -68,6 +87,27 @@ class MLP(nn.Module):
         gate = dense(self.intermediate_size, self.dtype, name="gate_proj")(x)
         up = dense(self.intermediate_size, self.dtype, name="up_proj")(x)
         return dense(self.hidden_size, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
+
+
+def swiglu_projected(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                     tiles: tuple[projection.ProjectionTiles, projection.ProjectionTiles] | None = None,
+                     impl: str | None = None) -> jax.Array | None:
+    """x [M, H] -> [M, H] of x.dtype: the SwiGLU MLP (w_gate / w_up [H, I], w_down [I, H]) as two decode projection
+    kernel calls, gate|up in one and down in the other, with XLA's silu(gate) * up between (each product rounded to
+    x.dtype, as `MLP`'s dense layers round). `tiles`: (gate|up, down), default `SHARED_PROJECTION_TILES`. None where
+    dispatch does not pick the kernel for either call or it does not take the shapes (`projection.choose`; M a power
+    of two up to 16): the caller then runs its own layers."""
+    rows, hidden = x.shape
+    inter = w_gate.shape[1]
+    kinds = (projection.choose(rows, hidden, (inter, inter), impl=impl),
+             projection.choose(rows, inter, (hidden,), impl=impl))
+    if "reference" in kinds:
+        return None
+    gate_up_tiles, down_tiles = tiles or SHARED_PROJECTION_TILES
+    (gate_up,) = projection.by_kind(kinds[0])(x, ((w_gate, w_up),), tiles=gate_up_tiles)
+    hidden_rows = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    (y,) = projection.by_kind(kinds[1])(hidden_rows, ((w_down,),), tiles=down_tiles)
+    return y
 
 
 def route(logits: jax.Array, bias: jax.Array | None, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
@@ -380,8 +420,10 @@ class MoE(nn.Module):
         y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(flat, ids, weights, workspace)
         y = y.reshape(x.shape)
         if cfg.num_shared_experts:
-            # decode-sized calls on one device through the grouped expert kernels (a mesh shards these weights)
+            # decode-sized calls on one device through the projection or grouped expert kernels (a mesh shards these
+            # weights)
             y = y + MLP(cfg.moe_intermediate_size * cfg.num_shared_experts, cfg.hidden_size, self.dtype,
                         grouped_max_tokens=SHARED_GROUPED_MAX_TOKENS if self.mesh is None else 0,
+                        projection_max_tokens=SHARED_PROJECTION_MAX_TOKENS if self.mesh is None else 0,
                         name="shared_experts")(x)
         return y, workspace

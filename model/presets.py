@@ -125,10 +125,24 @@ def decode_step_parameters(config: ModelConfig, batch: int) -> float:
     """Params a decode step of `batch` tokens reads: everything but the routed experts no token chose, those at their
     expected share under uniform top-k routing (one token leaves an expert out with probability 1 - k / E, `batch`
     tokens with (1 - k / E)^batch). The medium hybrid: 0.94 B at batch 1 (`active_parameters`), 4.1 B at 16."""
+    total, routed_read = _decode_step_split(config, batch)
+    return total + routed_read
+
+
+def decode_step_bytes(config: ModelConfig, batch: int, dtype=jnp.bfloat16) -> float:
+    """Bytes of the weights a decode step of `batch` tokens reads (`decode_step_parameters`' params): dense params in
+    `dtype`, the chosen routed experts in MXFP4 (4.25 bits per weight) when the config's experts are MXFP4."""
+    others, routed_read = _decode_step_split(config, batch)
+    expert_bytes = MXFP4_BITS_PER_WEIGHT / 8 if config.quant_method == "mxfp4" else jnp.dtype(dtype).itemsize
+    return others * jnp.dtype(dtype).itemsize + routed_read * expert_bytes
+
+
+def _decode_step_split(config: ModelConfig, batch: int) -> tuple[float, float]:
+    """(params other than the routed experts, routed-expert params at their chosen share) of a `batch`-token step."""
     if batch < 1:
         raise ValueError(f"decode_step_parameters: batch must be at least 1, got {batch}")
     table = parameter_table(config, experts_mxfp4=False)
     total = sum(c for c, _ in table.values())
     routed = table.get("routed experts", (0, 0))[0]
     chosen = 1.0 - (1.0 - config.num_experts_per_token / max(config.num_experts, 1)) ** batch
-    return total - routed + routed * chosen
+    return total - routed, routed * chosen

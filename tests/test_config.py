@@ -7,7 +7,8 @@ import copy
 import pytest
 
 from dayzero.model import ConfigError, ModelConfig
-from dayzero.model.presets import PRESETS, active_parameters, decode_step_parameters, get_preset, parameter_table
+from dayzero.model.presets import (PRESETS, active_parameters, decode_step_bytes, decode_step_parameters, get_preset,
+                                   parameter_table)
 
 # Field values as Moonshot publishes them for Kimi-Linear-48B-A3B-Instruct.
 KIMI_LINEAR_48B = {
@@ -141,6 +142,13 @@ def test_presets():
     assert steps == sorted(steps) and abs(steps[-1] - total) < 1.0  # every expert, at a batch that large
     with pytest.raises(ValueError, match="batch"):
         decode_step_parameters(medium, 0)
+    packed = medium.replace(quant_method="mxfp4")
+    assert decode_step_parameters(packed, 16) == pytest.approx(steps[1])  # the same weights, packed
+    for batch in (1, 16):
+        bf16, mx = decode_step_bytes(medium, batch), decode_step_bytes(packed, batch)
+        assert bf16 == pytest.approx(2 * decode_step_parameters(medium, batch))
+        routed = parameter_table(medium)["routed experts"][0] * (1 - (1 - 6 / 64) ** batch)
+        assert mx == pytest.approx(bf16 - routed * (2 - 4.25 / 8))  # the chosen experts at 4.25 bits per weight
     k3 = get_preset("k3_3t")
     table = parameter_table(k3)
     assert 2.9e12 < sum(c for c, _ in table.values()) < 3.2e12

@@ -278,3 +278,30 @@ def test_text_prompts_and_stop_strings_with_a_tokenizer(models, tmp_path):
     assert cut.finish_reason == "stop" and cut.token_ids == ref[:n]
     text = tokenizer.decode(ref[:n])
     assert cut.text == text[:text.index(stop)] and stop not in cut.text
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_mxfp4_checkpoint_served_greedy_equals_full_forward(checkpoints, tmp_path, impl):
+    """A kimi_linear checkpoint quantized by dayzero-quantize (routed experts packed MXFP4) served by the engine:
+    greedy tokens equal the same model's full-sequence forwards, with prefix-cache hits; `interpret` runs the
+    experts' Pallas kernels (the decode gemv kernels, the fused prefill kernels) in interpret mode."""
+    from dayzero.model import Model
+    from dayzero.model.config import MXFP4Execution
+    from dayzero.model.quantize import quantize_checkpoint
+
+    quantize_checkpoint(checkpoints["kimi_linear"], str(tmp_path / "mxfp4"))
+    loaded = load_checkpoint(str(tmp_path / "mxfp4"), dtype="float32", progress=False)
+    experts = loaded.params["layers_1"]["mlp"]["experts"]
+    assert experts["w_gate_blocks"].dtype == np.uint8, "the routed experts were not kept packed"
+    model = Model(loaded.config.replace(mxfp4=MXFP4Execution(impl=impl)), loaded.params, loaded.dtype)
+    seed = int(np.random.default_rng().integers(1 << 31))
+    prompts = prompts_with_shared_prefix(seed, 190)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    refs = [full_forward_greedy(model, p, params.max_tokens) for p in prompts]
+    engine = Engine(model, None, config(seed=0))
+    first = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+    second = engine.generate(prompt_token_ids=prompts, sampling_params=params)  # served from the prefix cache
+    for out, again, ref in zip(first, second, refs):
+        assert out.token_ids == ref, f"seed {seed}"
+        assert again.token_ids == ref, f"seed {seed} (prefix-cache hit)"
+    assert [o.num_cached_tokens for o in second[:2]] == [64, 128]

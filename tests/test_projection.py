@@ -226,3 +226,29 @@ def test_mla_decode_with_projection_kernel(seed, monkeypatch, q_lora_rank):
     assert len(calls) == 2 and calls[0]["norm_weight"] is not None and calls[1]["residual"] is not None
     err = np.max(np.abs(np.asarray(fused, np.float32) - np.asarray(plain, np.float32)))
     assert err <= 3e-2 * np.max(np.abs(np.asarray(plain, np.float32)))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 3])
+def test_shared_mlp_through_projection_kernel(seed, monkeypatch, rows):
+    """`model.moe.MLP(projection_max_tokens=...)` (the shared experts where they run apart from the routed ones):
+    gate|up and down as two projection kernel calls (interpret mode, the model's SHARED_PROJECTION_TILES, K split)
+    give the XLA layers' output to bf16 rounding; rows the kernel does not take (3) keep XLA's layers."""
+    from dayzero.model import moe
+
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+    plain_mlp = moe.MLP(128, 256, jnp.bfloat16)
+    params = jax.tree.map(lambda p: (p * 2.5).astype(jnp.bfloat16), plain_mlp.init(jax.random.key(seed % 1000), x))
+    plain = plain_mlp.apply(params, x)
+    calls = []
+    project = projection.project
+    monkeypatch.setattr(projection, "choose", lambda rows, k, widths, impl=None:
+                        "interpret" if projection.supported(rows, k, widths) else "reference")
+    monkeypatch.setattr(projection, "project", lambda *a, **k: calls.append(k) or project(*a, **k))
+    fused = moe.MLP(128, 256, jnp.bfloat16, projection_max_tokens=16).apply(params, x)
+    assert len(calls) == (0 if rows == 3 else 2)
+    assert all(call["tiles"] in moe.SHARED_PROJECTION_TILES for call in calls)
+    err = np.max(np.abs(np.asarray(fused, np.float32) - np.asarray(plain, np.float32)))
+    assert err <= 2e-2 * np.max(np.abs(np.asarray(plain, np.float32))), err
+    if rows == 3:
+        assert err == 0.0

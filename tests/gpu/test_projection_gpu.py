@@ -110,3 +110,23 @@ def test_model_kda_decode_with_projection_kernel(seed, monkeypatch):
         for got, want in zip(outs[kind], outs["reference"]):
             got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
             assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want)), kind
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_shared_expert_through_projection_kernel(seed, rows):
+    """The medium hybrid's shared expert (2048 x 768 SwiGLU) as two projection kernel calls (`moe.swiglu_projected`,
+    SHARED_PROJECTION_TILES) against the same roundings with float32 products."""
+    from dayzero.model import moe
+
+    cfg = medium_hybrid()
+    d, inter = cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts
+    key = jax.random.key(seed)
+    w = lambda i, k, n: (jax.random.normal(jax.random.fold_in(key, i), (k, n)) * 0.02).astype(jnp.bfloat16)
+    x = jax.random.normal(jax.random.fold_in(key, 99), (rows, d), jnp.bfloat16)
+    gate, up, down = w(0, d, inter), w(1, d, inter), w(2, inter, d)
+    got = jax.jit(lambda *a: moe.swiglu_projected(*a, impl="pallas"))(x, gate, up, down)
+    gate_up = _want(x, ((gate, up),), None, 0.0, None)[0].astype(jnp.bfloat16)
+    hidden = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    want = _want(hidden, ((down,),), None, 0.0, None)[0]
+    err = np.max(np.abs(np.asarray(got, np.float32) - np.asarray(want)))
+    assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
