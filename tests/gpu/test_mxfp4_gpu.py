@@ -232,3 +232,29 @@ def test_mxfp4_model_kernels_match_dense_experts(seed):
             execution = MXFP4Execution(mode=mode, impl="pallas")
             got = np.asarray(Model(config.replace(mxfp4=execution), model.params, model.dtype)(ids))
             assert rel_err(got, dense) < 2e-3, f"{mode}: {rel_err(got, dense):.2e} (seed={seed})"
+
+
+def test_mxfp4_engine_greedy_is_the_forward_top_token(seed):
+    """The serving engine over the tiny hybrid with MXFP4 experts on the GPU (float32; the Pallas MXFP4 kernels: the
+    decode kernels for decode steps, the fused MMA kernels for the prefills): every greedy token is the top logit of
+    a full forward over the prompt and the tokens before it, to the kernels' rounding (near ties within 1e-3 of the
+    logits' scale either way). The DSA indexer keeps every key (see the test above)."""
+    from dayzero.model import Model
+    from dayzero.model.config import MXFP4Execution
+    from dayzero.model.presets import tiny
+    from dayzero.serving import Engine, EngineConfig, SamplingParams
+
+    config = tiny().replace(quant_method="mxfp4", index_topk=512, mxfp4=MXFP4Execution(impl="pallas"))
+    model = Model.random(config, dtype="float32", seed=seed % 1000)
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (37, 5, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine = Engine(model, None, EngineConfig(max_num_seqs=4, max_model_len=160, enable_prefix_caching=False))
+    with jax.default_matmul_precision("highest"):
+        outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        for prompt, out in zip(prompts, outs):
+            assert len(out.token_ids) == params.max_tokens
+            logits = np.asarray(model(np.asarray([prompt + out.token_ids[:-1]])))[0, len(prompt) - 1:]
+            chosen = logits[np.arange(params.max_tokens), out.token_ids]
+            margin = 1e-3 * np.max(np.abs(logits))
+            assert np.all(chosen >= logits.max(-1) - margin), (seed, chosen - logits.max(-1))
