@@ -1,4 +1,4 @@
-"""Serving benchmark: the medium hybrid preset (random weights, bf16) through dayzero's Engine on one GPU.
+"""Serving benchmark: the medium hybrid preset (random weights: bf16, or MXFP4 routed experts) through dayzero's Engine.
 
     python3 benchmarks/serving.py [--experts bf16|mxfp4] [--peer SCRIPT] [--long-prompt N] [--repeats N]
                                   [--trace-batches 1,16]

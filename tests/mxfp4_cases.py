@@ -1,5 +1,6 @@
 """Shared MoE test cases (CPU interpret tests and tests/gpu): random packed MXFP4 experts, routings, and float64
-numpy oracles of the routed SwiGLU experts (dense or MXFP4 weights)."""
+numpy oracles of the routed SwiGLU experts (dense or MXFP4 weights), and a check of served greedy tokens against
+full forwards that allows the kernel paths' near ties."""
 
 from __future__ import annotations
 
@@ -79,3 +80,11 @@ def oracle(x, ids, weights, ew: mxfp4.ExpertWeights) -> np.ndarray:
 def rel_err(actual, expected) -> float:
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))
+
+
+def assert_forward_top_tokens(model, prompt, tokens, rel_margin):
+    """Each of `tokens` (greedy after `prompt`) is the top logit of a full forward over the prompt and the tokens
+    before it, within `rel_margin` of the logits' largest magnitude (near ties between kernel paths)."""
+    logits = np.asarray(model(np.asarray([prompt + tokens[:-1]])))[0, len(prompt) - 1:]
+    chosen = logits[np.arange(len(tokens)), tokens]
+    assert np.all(chosen >= logits.max(-1) - rel_margin * np.max(np.abs(logits))), chosen - logits.max(-1)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mxfp4_cases import ROUTINGS, converted, oracle, packed_experts, rel_err, routing
+from mxfp4_cases import ROUTINGS, assert_forward_top_tokens, converted, oracle, packed_experts, rel_err, routing
 from dayzero.kernels import moe, moe_mxfp4, moe_mxfp4_gemv, moe_workspace, mxfp4
 
 pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices()),
@@ -254,7 +254,4 @@ def test_mxfp4_engine_greedy_is_the_forward_top_token(seed):
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
         for prompt, out in zip(prompts, outs):
             assert len(out.token_ids) == params.max_tokens
-            logits = np.asarray(model(np.asarray([prompt + out.token_ids[:-1]])))[0, len(prompt) - 1:]
-            chosen = logits[np.arange(params.max_tokens), out.token_ids]
-            margin = 1e-3 * np.max(np.abs(logits))
-            assert np.all(chosen >= logits.max(-1) - margin), (seed, chosen - logits.max(-1))
+            assert_forward_top_tokens(model, prompt, out.token_ids, 1e-3)
