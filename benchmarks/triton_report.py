@@ -351,8 +351,8 @@ def moe_mxfp4_cases() -> dict:
 def moe_gemv_cases() -> dict:
     """The MXFP4 decode kernels (CUDA-core products, kernels/moe_mxfp4_gemv.py) at the DeepSeek-size layer (256
     experts, top-8, 7168 x 2048) and the medium hybrid's (64, top-6, 2048 x 768): 1 token (`tiles_for`'s tiles, the
-    activations packed in the kernels); 16 and 64 tokens with 2- and
-    4-row tiles, and 4-row tiles that multiply only their real rows ("4a": `GemvTiles.adaptive`)."""
+    activations packed in the kernels); 16 and 64 tokens with 2- and 4-row tiles, and 4-row tiles that multiply only
+    their real rows ("4a": `GemvTiles.adaptive`)."""
     from dayzero.kernels import moe_mxfp4_gemv, mxfp4
 
     tiles = moe_mxfp4_gemv.GemvTiles

@@ -72,18 +72,15 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         n_tokens = math.prod(x.shape[:-1])
-        if self.projection_max_tokens and not self.is_initializing() and n_tokens <= self.projection_max_tokens:
-            params = self.variables["params"]
-            y = swiglu_projected(x.reshape(-1, x.shape[-1]), params["gate_proj"]["kernel"],
-                                 params["up_proj"]["kernel"], params["down_proj"]["kernel"])
-            if y is not None:
-                return y.reshape(*x.shape[:-1], self.hidden_size)
-        if self.grouped_max_tokens and not self.is_initializing() and n_tokens <= self.grouped_max_tokens:
-            params = self.variables["params"]
-            y = moe_kernels.swiglu_as_one_expert(x.reshape(-1, x.shape[-1]), params["gate_proj"]["kernel"],
-                                                 params["up_proj"]["kernel"], params["down_proj"]["kernel"])
-            if y is not None:
-                return y.reshape(*x.shape[:-1], self.hidden_size)
+        kernel_paths = ((self.projection_max_tokens, swiglu_projected),
+                        (self.grouped_max_tokens, moe_kernels.swiglu_as_one_expert))
+        for max_tokens, path in kernel_paths:  # the first that takes the call, else XLA's layers below
+            if max_tokens and not self.is_initializing() and n_tokens <= max_tokens:
+                params = self.variables["params"]
+                weights = (params[name]["kernel"] for name in ("gate_proj", "up_proj", "down_proj"))
+                y = path(x.reshape(-1, x.shape[-1]), *weights)
+                if y is not None:
+                    return y.reshape(*x.shape[:-1], self.hidden_size)
         gate = dense(self.intermediate_size, self.dtype, name="gate_proj")(x)
         up = dense(self.intermediate_size, self.dtype, name="up_proj")(x)
         return dense(self.hidden_size, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)

@@ -140,7 +140,7 @@ def decode_step_bytes(config: ModelConfig, batch: int, dtype=jnp.bfloat16) -> fl
 def _decode_step_split(config: ModelConfig, batch: int) -> tuple[float, float]:
     """(params other than the routed experts, routed-expert params at their chosen share) of a `batch`-token step."""
     if batch < 1:
-        raise ValueError(f"decode_step_parameters: batch must be at least 1, got {batch}")
+        raise ValueError(f"a decode step's batch must be at least 1, got {batch}")
     table = parameter_table(config, experts_mxfp4=False)
     total = sum(c for c, _ in table.values())
     routed = table.get("routed experts", (0, 0))[0]
