@@ -1,7 +1,7 @@
 """Serving benchmark: the medium hybrid preset (random weights: bf16, or MXFP4 routed experts) through dayzero's Engine.
 
     python3 benchmarks/serving.py [--experts bf16|mxfp4] [--peer SCRIPT] [--long-prompt N] [--repeats N]
-                                  [--trace-batches 1,16]
+                                  [--trace-batches 1,16] [--xla-option NAME=VALUE]
 
 Measures TTFT at prompts of 2K and 32K tokens, ITL and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens, 64 new
 tokens each), every shape compiled before it is timed, and the bandwidth floors of a batch-1 and a batch-16 decode
@@ -13,7 +13,9 @@ reported too; a compilation during a timed run is named in the output (`compiled
 it runs the peer stack's anchor script (../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same
 run and reports it beside ours, with the peer's batch-16 ITL over ours and over the batch-16 floor (the most any
 bf16 engine could reach against it); with `--trace-batches 1,16` those batches' generate runs once more under the
-profiler (GPU busy and idle time). Prints a table and appends one dated line to the results file.
+profiler (GPU busy and idle time); `--xla-option` adds an XLA compile option to the model's GPU functions for the
+run (as decode_profile.py's does), named in the results line. Prints a table and appends one dated line to the
+results file.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dayzero.model import Model
 from dayzero.model.presets import decode_step_bytes, get_preset
 from dayzero.serving import Engine, EngineConfig, SamplingParams
 
+from decode_profile import use_xla_options  # benchmarks/decode_profile.py
 from gpu_trace import busy_summary, gpu_kernels, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 
@@ -98,7 +101,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed generates per batch size (median ITL)")
     parser.add_argument("--trace-batches", default="", help="comma-separated batch sizes whose generate runs once "
                         "more under the profiler: GPU busy time, idle share and kernel time by XLA module")
+    parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="an XLA option added to dayzero's GPU compile options (repeatable), to try one")
     args = parser.parse_args(argv)
+    xla_options = use_xla_options(args.xla_option)
     args.trace_batches = {int(b) for b in args.trace_batches.split(",") if b}
     device = jax.devices()[0]
     config = get_preset("medium_hybrid")
@@ -175,7 +181,8 @@ def main(argv=None) -> int:
               f"weights could reach)")
     line = (f"- {datetime.date.today()} serving.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}"
             f" (routed experts {args.experts}; kernels: {kernel_choice()}; {args.decode_steps} decode steps per "
-            f"dispatch, overlapped: {not args.no_overlap_decode}): dayzero {json.dumps(res)}; "
+            f"dispatch, overlapped: {not args.no_overlap_decode}; XLA options added {xla_options or 'none'}): "
+            f"dayzero {json.dumps(res)}; "
             f"peer transformers+fla same run {json.dumps(peer) if peer else 'not run'}"
             f"{'; ratios ' + json.dumps(ratios) if ratios else ''}\n")
     append_line(args.results, line)

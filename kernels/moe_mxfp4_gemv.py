@@ -20,10 +20,11 @@ them in registers:
   block_m = rows; with `GemvTiles.adaptive` a tile multiplies only the rows it holds); accumulator column r of each
   item holds row r (pack semantics of the inline asm, below).
 - grid (tiles, weight-row blocks, K splits). The gate/up kernel writes h = silu(gate) * up (the activations'
-  dtype) at the tile's rows: directly with one K split, else its splits add into float32 sums by atomics and the
-  last program of each weight-row block (a turn counter, `atomics.take_turn`) applies SwiGLU. The down kernel adds
-  weight * (h @ down) into each token's float32 sums by atomics. What is left outside the kernels: the zeroed
-  buffers, the schedule (static at one token) and the final cast.
+  dtype) at the tile's rows: directly with one K split, else each split stores its float32 sums apart and the last
+  program of each weight-row block (a turn counter, `atomics.take_turn`) adds them up and applies SwiGLU. The down
+  kernel adds weight * (h @ down) into each token's float32 sums by atomics, into zeros that the gate/up kernel
+  wrote (no XLA zero fill between the kernels). What is left outside the kernels: the turn counters' zero fill
+  (split K only), the schedule (static at one token) and the final cast.
 
 In interpret mode (and on platforms without inline PTX) the same kernel runs a jnp form of the block products
 (float32 sums), so CPU tests check the indexing, schedule and epilogues; the fp16 arithmetic is checked on a GPU
@@ -48,6 +49,7 @@ _BYTES = BLOCK // 2  # bytes per MX block
 _UNIT = 2.0 ** 14  # the fp16 bit patterns of E2M1 read as value * 2^-14
 _TOP = 14  # activations are scaled to a row maximum in [2^(_TOP-1), 2^_TOP)
 ROWS = (1, 2, 4)
+_ZERO_PIECE = 1024  # floats per store where the gate/up kernel zeroes the down kernel's sums
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,7 @@ def _activation_block(x_ref, row, ok, g0, gk: int, k_valid: int):
 
 
 def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps, split, n_valid, k_valid, n_src,
-            top_k, n_tokens, x_form, h_form, h_dtype, asm, interpret):
+            top_k, n_tokens, x_form, h_form, h_dtype, asm, interpret, zero_chunk=0, sums_dim=0):
     """One program: `rows` token rows of one expert (tile t) x `bn` weight rows (block j) x one K split (q).
 
     The activations (`x_form`): "raw" rows x_ref [X, K] that each program packs; "rows", XLA's `row_scaled_words`
@@ -304,18 +306,22 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     [X, G * 32], each block's fp16 halves in word order, then the blocks' factors [X, G]).
     role "gate_up": x_ref [T, D] the tokens, src_ref [R] each row's token (T: padding); writes h = silu(gate) * up
     (rounded to `h_dtype`) at the tile's rows, as values [R, I] (`h_form` "values") or packed like "halves" input
-    (`h_form` "halves", bn = 32: a program's columns are one MX block of h): directly with one K split, else through
-    float32 atomics into acc [R, 2, I'] and a turn counter per (tile, block) whose last program finishes the block.
+    (`h_form` "halves", bn = 32: a program's columns are one MX block of h): directly with one K split, else each
+    split stores its float32 sums into partials [S, R, 2, I'] and takes a turn on a counter per (tile, block), whose
+    last program adds the S partials up and finishes the block. With `zero_chunk` > 0 the programs of tile 0 also
+    write zeros over the down kernel's sums (one output of `zero_chunk` floats per (block, split)), so no XLA zero
+    fill runs between the kernels.
     role "down": x_ref = h [R, I] (row r reads its own row), src_ref [R] each row's pair (P: padding); adds
-    weight * down(h) into the tokens' flat sums [(T + 1) * D'] float32 (`moe_dense_fused.add_to_tokens`; D' the
-    weight rows in whole blocks) by atomics (pair p: token p // top_k)."""
+    weight * down(h) into the tokens' flat sums [(T + 1) * D' (+ padding)] float32 (`moe_dense_fused.add_to_tokens`;
+    D' = `sums_dim`, the weight rows in whole blocks) by atomics (pair p: token p // top_k)."""
     if x_form != "raw":
         factor_ref, *refs = refs
     if role == "gate_up":
         w_refs = refs[:4]
-        outs = refs[4 + 2 * (split > 1):]
+        outs = refs[4 + (split > 1):]  # after the turn counters (an aliased input where K is split)
         n_h = 2 if h_form == "halves" else 1
-        h_refs, finish_refs = outs[:n_h], outs[n_h:]
+        h_refs, outs = outs[:n_h], outs[n_h:]
+        zero_ref, finish_refs = (outs[0], outs[1:]) if zero_chunk else (None, outs)
     else:
         pair_weight_ref, *w_refs = refs[:3]
         sums_ref = refs[-1]
@@ -380,23 +386,32 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             for r, (g, u) in enumerate(sums):
                 write_hidden(r, g, u)
             return
-        acc_ref, turns_ref = finish_refs
+        partials_ref, turns_ref = finish_refs
         for r, row_sums in enumerate(sums):
             for i, y in enumerate(row_sums):  # traced indices (bare ints trip interpret-mode discharge)
-                atomics.add_relaxed(acc_ref, (t * rows + r, jnp.int32(i), pl.ds(c0, bn)), y)
+                partials_ref[q, t * rows + r, jnp.int32(i), pl.ds(c0, bn)] = y
         turn = atomics.take_turn(turns_ref, (t, j), interpret=interpret)
 
         @pl.when(turn == split - 1)
-        def _():  # the last of the block's K splits: every split's sums are in acc
+        def _():  # the last of the block's K splits: every split's partial sums are stored
             for r in range(width):
-                write_hidden(r, acc_ref[t * rows + r, 0, pl.ds(c0, bn)], acc_ref[t * rows + r, 1, pl.ds(c0, bn)])
+                g, u = (sum(partials_ref[jnp.int32(s), t * rows + r, jnp.int32(i), pl.ds(c0, bn)]
+                            for s in range(split)) for i in (0, 1))
+                write_hidden(r, g, u)
 
     def down(width):
         for r, (y,) in enumerate(products(width)):
             pair = jnp.minimum(src[r], n_src - 1)
             token = jnp.where(real[r], pair // top_k, n_tokens)  # T: a padding row, which adds nothing
             add_to_tokens(sums_ref, token[None], (y * pair_weight_ref[pair])[None], c0, n_tokens=n_tokens,
-                          n_dim=sums_ref.shape[0] // (n_tokens + 1), masked=not interpret)
+                          n_dim=sums_dim, masked=not interpret)
+
+    if zero_chunk:  # the down kernel's sums, zeroed by tile 0's programs (a chunk per block and split)
+        @pl.when(t == 0)
+        def _():
+            piece = min(zero_chunk, _ZERO_PIECE)
+            for p in range(zero_chunk // piece):
+                zero_ref[pl.ds((j * split + q) * zero_chunk + p * piece, piece)] = jnp.zeros((piece,), jnp.float32)
 
     body = gate_up if role == "gate_up" else down
     if len(widths) == 1:
@@ -432,7 +447,7 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
     """One decode kernel over `weights` (P pairs of blocks uint8 [E, N, G, 16] / scales uint8 [E, N, G]) and the
     activations `x` in `x_form` (`_kernel`: "raw" [X, K]; "rows" / "halves": (words or halves, factors)): `extra`
     inputs after them, `outputs` a function of (row blocks, K splits, block_n) -> (output shapes, buffers aliased to
-    the outputs)."""
+    the last outputs, static kernel arguments that depend on the launch)."""
     n_out, groups = weights[0][0].shape[1], weights[0][0].shape[2]
     packed = x_form != "raw"
     if x_form == "raw":
@@ -444,13 +459,13 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
     bn, gk, warps = _launch(groups, tiles)
     grid = (src_of_row.shape[0] // tiles.rows, pl.cdiv(n_out, bn))
     split = _k_split(groups, tiles, grid[0] * grid[1])[1]
-    out_shapes, aliased = outputs(grid[1], split, bn)  # the aliased buffers are the last outputs
+    out_shapes, aliased, sized = outputs(grid[1], split, bn)  # the aliased buffers are the last outputs
     n_outputs = len(out_shapes) if isinstance(out_shapes, tuple) else 1
     widths = tuple(w for w in ROWS if w <= tiles.rows) if tiles.adaptive else (tiles.rows,)
     kernel = functools.partial(_kernel, role=role, rows=tiles.rows, widths=widths, bn=bn, gk=gk,
                                k_steps=groups // gk // split, split=split, n_valid=n_out,
                                k_valid=groups * BLOCK if packed else x.shape[1], x_form=x_form,
-                               asm=dispatch.nvidia_ptx(interpret), interpret=interpret, **static)
+                               asm=dispatch.nvidia_ptx(interpret), interpret=interpret, **static, **sized)
     inputs = (tile_expert, src_of_row, *(x if packed else (x,)), *extra, *[a for w in weights for a in w])
     return pl.pallas_call(
         kernel,
@@ -464,11 +479,13 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
 
 
 def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvTiles, n_tokens: int, dtype,
-                interpret: bool = False):
+                interpret: bool = False, zeroed: int = 0):
     """The gate/up kernel: silu(x @ gate) * (x @ up) at each row's token, rounded to `dtype` -> (h, its form for
-    `token_sums`): with `GemvTiles.pack_in_kernel` and 32-column programs, h already packed for the down kernel
-    ((int16 [R, G * 32], float32 [R, G]): each MX block's fp16 halves in word order and its factor, "halves"),
-    else h [R, I] of `dtype` ("raw" for in-kernel packing, to be packed by XLA otherwise).
+    `token_sums`, zeros): with `GemvTiles.pack_in_kernel` and 32-column programs, h already packed for the down
+    kernel ((int16 [R, G * 32], float32 [R, G]): each MX block's fp16 halves in word order and its factor, "halves"),
+    else h [R, I] of `dtype` ("raw" for in-kernel packing, to be packed by XLA otherwise). `zeroed` > 0: the kernel
+    also writes a float32 buffer of at least that many zeros (the down kernel's sums, `token_sums(sums=)`), else
+    zeros is None.
 
     tile_expert [R / rows] int32 (-1: skip), token_of_row [R] int32 (T for padding rows, which get zeros), x in
     `x_form`: the T tokens [T, D] ("raw") or `row_scaled_words` of them with a zero row T appended ("rows"); gate_up:
@@ -479,44 +496,64 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
 
     def outputs(blocks_n, split, bn):
         if halves:
-            h = (jax.ShapeDtypeStruct((n_rows, blocks_n * BLOCK), jnp.int16),
-                 jax.ShapeDtypeStruct((n_rows, blocks_n), jnp.float32))
+            shapes = [jax.ShapeDtypeStruct((n_rows, blocks_n * BLOCK), jnp.int16),
+                      jax.ShapeDtypeStruct((n_rows, blocks_n), jnp.float32)]
         else:
-            h = (jax.ShapeDtypeStruct((n_rows, inter), dtype),)
+            shapes = [jax.ShapeDtypeStruct((n_rows, inter), dtype)]
+        chunk = tiling.pow2_at_least(-(-zeroed // (blocks_n * split))) if zeroed else 0
+        if chunk:  # one chunk of zeros per (block, split) of tile 0
+            shapes.append(jax.ShapeDtypeStruct((blocks_n * split * chunk,), jnp.float32))
         if split == 1:
-            return h, ()
-        acc = jnp.zeros((n_rows, 2, blocks_n * bn), jnp.float32)  # the splits' sums (whole blocks: no masked adds)
+            return tuple(shapes), (), dict(zero_chunk=chunk)
+        # each split's sums (whole blocks: no masked stores), then the turn counters, zeroed
         turns = jnp.zeros((n_rows // tiles.rows, blocks_n), jnp.int32)
-        return h + (jax.ShapeDtypeStruct(acc.shape, acc.dtype), jax.ShapeDtypeStruct(turns.shape, turns.dtype)), (
-            acc, turns)
+        shapes += [jax.ShapeDtypeStruct((split, n_rows, 2, blocks_n * bn), jnp.float32),
+                   jax.ShapeDtypeStruct(turns.shape, turns.dtype)]
+        return tuple(shapes), (turns,), dict(zero_chunk=chunk)
 
     out = _call("gate_up", tile_expert, token_of_row, x, x_form, (), gate_up, outputs, tiles, interpret,
                 n_src=n_tokens, top_k=1, n_tokens=n_tokens, h_form="halves" if halves else "values",
                 h_dtype=jnp.dtype(dtype))
+    n_h = 2 if halves else 1
+    zeros = out[n_h] if zeroed else None
     if halves:
-        return (out[0], out[1]), "halves"
-    return out[0], "raw"
+        return (out[0], out[1]), "halves", zeros
+    return out[0], "raw", zeros
+
+
+def sums_size(n_tokens: int, down, tiles: GemvTiles) -> int:
+    """Floats of the down kernel's token sums for `n_tokens` tokens and `down` ((blocks, scales),): (T + 1) rows
+    of the weight rows in whole blocks (`hidden_rows(zeroed=)` writes the zeros)."""
+    blocks, _ = down[0]
+    bn = _launch(blocks.shape[2], tiles)[0]
+    return (n_tokens + 1) * pl.cdiv(blocks.shape[1], bn) * bn
 
 
 def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: int, n_tokens: int, down,
-               tiles: GemvTiles, interpret: bool = False) -> jax.Array:
+               tiles: GemvTiles, interpret: bool = False, sums: jax.Array | None = None) -> jax.Array:
     """The down kernel: [T, D] float32, each token's sum over its pairs of weight * (h @ down) (float32 atomics:
     the order of the adds varies from run to run).
 
     pair_of_row [R] int32 (P for padding rows), h in `h_form` (`hidden_rows`' result, or "rows": its
     `row_scaled_words`), pair_weights [P] float32 (pair p is token p // top_k's), down: ((blocks uint8 [E, D, G, 16],
-    scales uint8 [E, D, G]),)."""
+    scales uint8 [E, D, G]),); sums: float32 zeros of at least `sums_size` floats to add into (`hidden_rows`' zeros),
+    else XLA zeroes a buffer."""
     hidden = down[0][0].shape[1]
     n_pairs = pair_weights.shape[0]
+    size = sums_size(n_tokens, down, tiles)
+    if sums is None:
+        sums = jnp.zeros((size,), jnp.float32)
+    elif sums.shape[0] < size or sums.dtype != jnp.float32:
+        raise ValueError(f"token_sums: the sums buffer holds {sums.shape[0]} {sums.dtype} values, the down kernel "
+                         f"needs {size} float32")
+    width = size // (n_tokens + 1)
 
     def outputs(blocks_n, split, bn):
         # rows of whole weight-row blocks (no masked columns), one scratch row (interpret mode's padding rows)
-        sums = jnp.zeros(((n_tokens + 1) * blocks_n * bn,), jnp.float32)
-        return jax.ShapeDtypeStruct(sums.shape, sums.dtype), (sums,)
+        return jax.ShapeDtypeStruct(sums.shape, sums.dtype), (sums,), dict(sums_dim=width)
 
     sums = _call("down", tile_expert, pair_of_row, h, h_form, (pair_weights.astype(jnp.float32),), down, outputs,
                  tiles, interpret, n_src=n_pairs, top_k=top_k, n_tokens=n_tokens, h_form="values", h_dtype=None)
-    width = sums.shape[0] // (n_tokens + 1)
     return sums[:n_tokens * width].reshape(n_tokens, width)[:, :hidden]
 
 
@@ -535,10 +572,12 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
         xs = x, "raw"
     else:
         xs = row_scaled_words(jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])), "rows"
-    h, h_form = hidden_rows(sched.tile_expert, sched.token_of_row, *xs,
-                            ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales)), tiles, n_tokens, x.dtype, interpret)
+    down = ((ew.down, ew.down_scales),)
+    h, h_form, zeros = hidden_rows(sched.tile_expert, sched.token_of_row, *xs,
+                                   ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales)), tiles, n_tokens, x.dtype,
+                                   interpret, zeroed=sums_size(n_tokens, down, tiles))
     if not tiles.pack_in_kernel:
         h, h_form = row_scaled_words(h), "rows"
     sums = token_sums(sched.tile_expert, sched.pair_of_row(), h, h_form, topk_weights.reshape(-1),
-                      topk_ids.shape[1], n_tokens, ((ew.down, ew.down_scales),), tiles, interpret)
+                      topk_ids.shape[1], n_tokens, down, tiles, interpret, sums=zeros)
     return sums.astype(x.dtype)

@@ -32,12 +32,14 @@ class Schedule(NamedTuple):
     """row_of_pair [T, k] int32: the padded row of each (token, choice); token_of_row [R] int32: the token a row
     reads (T, one past the last token, for padding rows); tile_expert [R / block_m] int32 (or longer: entries past
     R / block_m are never read): each tile's expert or -1;
-    group_sizes [E] int32: pairs per expert."""
+    group_sizes [E] int32: pairs per expert; pair_rows [R] int32 or None: `pair_of_row`, where the schedule made it
+    alongside (the compare schedule: no scatter after it)."""
 
     row_of_pair: jax.Array
     token_of_row: jax.Array
     tile_expert: jax.Array
     group_sizes: jax.Array
+    pair_rows: jax.Array | None = None
 
     def real_rows(self) -> jax.Array:
         """[R] bool: the rows that hold a pair (the rest are padding)."""
@@ -45,6 +47,8 @@ class Schedule(NamedTuple):
 
     def pair_of_row(self) -> jax.Array:
         """[R] int32: the pair each row holds, as an index into row_of_pair's flat order; P for padding rows."""
+        if self.pair_rows is not None:
+            return self.pair_rows
         rows = self.row_of_pair.reshape(-1)
         return jnp.full(self.token_of_row.shape, rows.shape[0], jnp.int32).at[rows].set(
             jnp.arange(rows.shape[0], dtype=jnp.int32))
@@ -90,8 +94,9 @@ def _compare_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Sche
     broadcast-and-reduce passes (each one fusion on a GPU, where the bincount / cumsum form took six):
     1. a pair's rank among its expert's pairs: the earlier pairs of the same expert;
     2. the tiles of lower-numbered experts, which come first: a tile opens at each pair of rank 0, block_m, ...;
-    3. each row's (token, expert), packed in one int32 by matching the row against every pair's row (a row holds at
-       most one pair; no match: a padding row). A tile's expert is that of its first row, which is always a pair."""
+    3. each row's (pair, expert), packed in one int32 by matching the row against every pair's row (a row holds at
+       most one pair; no match: a padding row): the row's token and its pair (`Schedule.pair_rows`, which a scatter
+       makes for the other schedules). A tile's expert is that of its first row, which is always a pair."""
     n_tokens, top_k = topk_ids.shape
     n_pairs = n_tokens * top_k
     flat = topk_ids.reshape(-1).astype(jnp.int32)
@@ -104,13 +109,14 @@ def _compare_schedule(topk_ids: jax.Array, n_experts: int, block_m: int) -> Sche
     n_tiles = max_tiles(n_pairs, n_experts, block_m)
     row = jnp.arange(n_tiles * block_m, dtype=jnp.int32)
     radix = n_experts + 1
-    code = (pair // top_k) * radix + flat + 1  # [P] token and expert of each pair, never 0
+    code = pair * radix + flat + 1  # [P] each pair and its expert, never 0 (< 2^31: P <= COMPARE_MAX_PAIRS)
     packed = jnp.sum(jnp.where(row[:, None] == row_of_pair[None, :], code[None, :], 0), axis=1, dtype=jnp.int32)
-    token_of_row = jnp.where(packed > 0, (packed - 1) // radix, n_tokens)
+    pair_rows = jnp.where(packed > 0, (packed - 1) // radix, n_pairs)
+    token_of_row = jnp.where(packed > 0, pair_rows // top_k, n_tokens)
     tile_expert = jnp.where(packed[::block_m] > 0, (packed[::block_m] - 1) % radix, -1)
     experts = jnp.arange(n_experts, dtype=jnp.int32)
     sizes = jnp.sum(flat[None, :] == experts[:, None], axis=1, dtype=jnp.int32)  # [E] (unused by dense experts)
-    return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, tile_expert, sizes)
+    return Schedule(row_of_pair.reshape(n_tokens, top_k), token_of_row, tile_expert, sizes, pair_rows)
 
 
 def _tile_expert(tile_end: jax.Array, n_tiles: int) -> jax.Array:

@@ -73,12 +73,13 @@ def test_hidden_halves_match_packing(seed):
     sched = moe_tiles.schedule(jnp.asarray(ids), E, 1)
     gate_up = ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales))
     tiles = gemv.GemvTiles(block_n=32, max_groups=2, pack_in_kernel=True)
-    (halves, factors), form = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, x, "raw", gate_up, tiles,
-                                               n_tokens, jnp.float32, interpret=True)
+    (halves, factors), form, zeros = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, x, "raw", gate_up,
+                                                      tiles, n_tokens, jnp.float32, interpret=True, zeroed=100)
     assert form == "halves" and halves.dtype == jnp.int16 and halves.shape[1] == 64 and factors.shape[1] == 2
-    h, form = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, x, "raw", gate_up,
-                               gemv.GemvTiles(block_n=32, max_groups=2), n_tokens, jnp.float32, interpret=True)
-    assert form == "raw" and h.shape[1] == I
+    assert zeros.shape[0] >= 100 and zeros.dtype == jnp.float32 and not np.asarray(zeros).any()
+    h, form, zeros = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, x, "raw", gate_up,
+                                      gemv.GemvTiles(block_n=32, max_groups=2), n_tokens, jnp.float32, interpret=True)
+    assert form == "raw" and h.shape[1] == I and zeros is None
     real = np.asarray(sched.token_of_row) < n_tokens
     want_words, want_factors = (np.asarray(a)[real] for a in gemv.block_scaled_words(h))
     halves = np.asarray(halves)[real].view(np.uint16).astype(np.uint32).reshape(-1, 2, 16, 2)
@@ -287,6 +288,35 @@ def test_lowers_to_triton(shape, n_tokens, rows):
     text = lower_for_cuda(lambda x, i, w, ew: gemv.grouped_swiglu(x, i, w, ew, tiles=tiles), *args, ew)
     assert text.count("__gpu$xla.gpu.triton") == 2
     assert "fma.rn.f16x2" in text
+
+
+@pytest.mark.parametrize("n_tokens", [1, 16])
+def test_no_float_zero_fill_between_kernels(n_tokens):
+    """At the medium layer's decode sizes (one token: K split in the gate/up kernel; 16 tokens: 2-row tiles) no
+    float32 buffer is zeroed outside the kernels: the split sums are stored per split, and the gate/up kernel writes
+    the zeros the down kernel adds into (XLA's zero fills are ~1 us launches each on the GPU). The turn counters
+    (int32) remain. At 16 tokens the schedule has no scatter (a fill and a scatter kernel on the GPU) either."""
+    s = jax.ShapeDtypeStruct
+    ew = _expert_specs(64, 2048, 768)
+    args = (s((n_tokens, 2048), jnp.bfloat16), s((n_tokens, 6), jnp.int32), s((n_tokens, 6), jnp.float32))
+    tiles = gemv.tiles_for(6 * n_tokens, 64)
+    if n_tokens == 1:  # 6 tiles x 24 column blocks: K split in 4 (the partial sums' path)
+        assert gemv._k_split(64, tiles, 6 * 24)[1] == 4
+    text = lower_for_cuda(lambda x, i, w, ew: gemv.grouped_swiglu(x, i, w, ew, tiles=tiles), *args, ew)
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert not re.search(r"constant dense<0\.0+e\+00> : tensor<[0-9x]*f32>", text)
+    if n_tokens > 1:  # the compare schedule gives each row's pair in the pass that finds its token: no scatter
+        assert "stablehlo.scatter" not in text
+
+
+def test_token_sums_rejects_a_short_buffer():
+    rng = np.random.default_rng(0)
+    ew = packed_experts(rng, E, D, I)
+    sched = moe_tiles.schedule(jnp.zeros((1, 2), jnp.int32).at[0, 1].set(1), E, 1)
+    h = jnp.zeros((sched.token_of_row.shape[0], I), jnp.float32)
+    with pytest.raises(ValueError, match="sums buffer"):
+        gemv.token_sums(sched.tile_expert, sched.pair_of_row(), h, "raw", jnp.ones((2,)), 2, 1,
+                        ((ew.down, ew.down_scales),), gemv.GemvTiles(), interpret=True, sums=jnp.zeros((3,)))
 
 
 def test_rejects_other_formats():

@@ -155,14 +155,18 @@ def test_tile_schedule(seed, n_tokens):
     (2, 8, 3, 4, "random"), (16, 64, 6, 16, "random"), (37, 8, 2, 4, "empty_experts"), (50, 8, 1, 16, "single_last"),
     (64, 64, 2, 16, "one_expert_takes_all")])
 def test_compare_schedule_equals_sorted(seed, n_tokens, n_experts, top_k, block_m, kind):
-    """The sort-free schedule of decode-sized calls is the sort-based one, array for array."""
+    """The sort-free schedule of decode-sized calls is the sort-based one, array for array; its pairs' rows, made in
+    the same pass, are the scatter that `Schedule.pair_of_row` makes for the sorted one."""
     rng = np.random.default_rng(seed)
     ids, _ = routing(rng, kind, n_tokens, n_experts, top_k=top_k)
     ids = jnp.asarray(ids)
     got = jax.jit(moe_tiles._compare_schedule, static_argnums=(1, 2))(ids, n_experts, block_m)
     want = jax.jit(moe_tiles._sorted_schedule, static_argnums=(1, 2))(ids, n_experts, block_m)
-    for name, g, w in zip(moe_tiles.Schedule._fields, got, want):
+    assert want.pair_rows is None and got.pair_rows is not None
+    for name, g, w in zip(moe_tiles.Schedule._fields, got[:4], want[:4]):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name} ({kind}, seed={seed})")
+    np.testing.assert_array_equal(np.asarray(got.pair_of_row()), np.asarray(jax.jit(want.pair_of_row)()),
+                                  err_msg=f"pair_of_row ({kind}, seed={seed})")
     assert ids.size <= moe_tiles.COMPARE_MAX_PAIRS  # what schedule() runs for these sizes
 
 
