@@ -530,20 +530,18 @@ def sums_size(n_tokens: int, down, tiles: GemvTiles) -> int:
 
 
 def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: int, n_tokens: int, down,
-               tiles: GemvTiles, interpret: bool = False, sums: jax.Array | None = None) -> jax.Array:
+               tiles: GemvTiles, interpret: bool = False, *, sums: jax.Array) -> jax.Array:
     """The down kernel: [T, D] float32, each token's sum over its pairs of weight * (h @ down) (float32 atomics:
     the order of the adds varies from run to run).
 
     pair_of_row [R] int32 (P for padding rows), h in `h_form` (`hidden_rows`' result, or "rows": its
     `row_scaled_words`), pair_weights [P] float32 (pair p is token p // top_k's), down: ((blocks uint8 [E, D, G, 16],
-    scales uint8 [E, D, G]),); sums: float32 zeros of at least `sums_size` floats to add into (`hidden_rows`' zeros),
-    else XLA zeroes a buffer."""
+    scales uint8 [E, D, G]),); sums: float32 zeros of at least `sums_size` floats to add into (`hidden_rows`'
+    zeros)."""
     hidden = down[0][0].shape[1]
     n_pairs = pair_weights.shape[0]
     size = sums_size(n_tokens, down, tiles)
-    if sums is None:
-        sums = jnp.zeros((size,), jnp.float32)
-    elif sums.shape[0] < size or sums.dtype != jnp.float32:
+    if sums.shape[0] < size or sums.dtype != jnp.float32:
         raise ValueError(f"token_sums: the sums buffer holds {sums.shape[0]} {sums.dtype} values, the down kernel "
                          f"needs {size} float32")
     width = size // (n_tokens + 1)
