@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import dispatch, moe_dense, moe_grouped, moe_mxfp4, moe_tiles, moe_workspace
+from . import dispatch, moe_dense, moe_grouped, moe_mxfp4, moe_mxfp4_gemv, moe_tiles, moe_workspace
 from .moe_mxfp4 import Tiles
 from .moe_workspace import Workspace
 from .mxfp4 import ExpertWeights
@@ -103,15 +103,30 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_ga
     return y.astype(x.dtype)
 
 
+def packed_decode_tiles(n_pairs: int, n_experts: int, fmt: str, workspace: Workspace | None,
+                        impl: str | None = None) -> moe_mxfp4_gemv.GemvTiles | None:
+    """The MXFP4 decode kernels' tiles (`moe_mxfp4_gemv.choose`) where `moe_experts_packed` runs them for a call of
+    `n_pairs` token-expert pairs over experts of format `fmt`: packed MXFP4, no workspace, a kernel platform; else
+    None. A caller that makes their schedule or packed activations ahead (`moe_experts_packed(sched=, x_words=)`)
+    asks this first."""
+    kind = dispatch.choose("moe_mxfp4", ("reference", "pallas"), impl, gpu_verified=PACKED_GPU_VERIFIED)
+    if kind == "reference" or fmt != "mxfp4" or workspace is not None:
+        return None
+    return moe_mxfp4_gemv.choose(n_pairs, n_experts, fmt)
+
+
 def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, experts: ExpertWeights, *,
                        layer: int | jax.Array = 0, workspace: Workspace | None = None,
-                       tiles: Tiles | None = None, impl: str | None = None) -> tuple[jax.Array, Workspace | None]:
+                       tiles: Tiles | None = None, impl: str | None = None, sched: moe_tiles.Schedule | None = None,
+                       x_words: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, Workspace | None]:
     """x [N, H], topk_ids [N, k], topk_weights [N, k] -> ([N, H] of x.dtype, workspace).
 
     MXFP4 `experts` with a `workspace`: the layer's active experts are converted into it (unless resident from an
     earlier call for the same `layer`), then multiplied from it. MXFP4 without one: converted tile by tile in the
-    matmul ("fused"). Converted experts (offline FP8 / BF16): multiplied directly. `layer` names the weights for
-    the workspace's residency tags.
+    matmul ("fused"), or at decode sizes through the CUDA-core kernels (`packed_decode_tiles`), which take the
+    pairs' schedule and x's packed words made ahead (`sched`, `x_words`: `moe_mxfp4_gemv.grouped_swiglu`).
+    Converted experts (offline FP8 / BF16): multiplied directly. `layer` names the weights for the workspace's
+    residency tags.
     """
     kind = dispatch.choose("moe_mxfp4", ("reference", "pallas"), impl, gpu_verified=PACKED_GPU_VERIFIED)
     pallas, interpret = kind != "reference", kind == "interpret"
@@ -126,7 +141,8 @@ def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
         workspace = moe_workspace.fill(workspace, assignment, experts, pallas=pallas, interpret=interpret)
         source, slot_of_expert = moe_workspace.weights(workspace, experts), assignment.slot_of_expert
     if pallas:
-        y = moe_mxfp4.grouped_swiglu(x, topk_ids, topk_weights, source, slot_of_expert, n_experts, tiles, interpret)
+        y = moe_mxfp4.grouped_swiglu(x, topk_ids, topk_weights, source, slot_of_expert, n_experts, tiles, interpret,
+                                     sched=sched, x_words=x_words)
     else:
         y = _packed_reference(x, topk_ids, topk_weights, source, slot_of_expert, n_experts)
     return y, workspace

@@ -19,6 +19,10 @@ steps each waiting on its loads (batch 1 1.540 ms of kernels per token against 1
 power of two up to `MAX_HIDDEN`, E a multiple of `EXPERT_BLOCK`, 16-bit activations (`supported`). `reference` is
 the same in XLA; `choose` picks (dispatch name "moe_front").
 
+With `pack`, the first program of each row also packs its normed row for the MXFP4 decode kernels as
+`moe_mxfp4_gemv.row_scaled_words` does (fp16 halves in word order, one power-of-two factor per row) and the zero
+row they read for padding, so no XLA packing pass runs between the front and those kernels.
+
 With `select` (one row only), the router's choice after the logits (`kernels.router.select_and_schedule` at one
 token) is made in the same launch: every program adds 1 to an int32 counter with an acquire-release atomic once its
 logits are stored, and the program that sees the others all done reads every logit back, chooses the experts
@@ -34,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import atomics, dispatch, projection, router, tiles as tiling
+from . import atomics, dispatch, moe_mxfp4_gemv, projection, router, tiles as tiling
 
 # On by default on CUDA: tests/gpu/test_moe_front_gpu.py passes on the H200 (jax 0.11.2, eighteenth session), and
 # the medium hybrid's batch-1 decode took 1.108 ms of kernels per token with it against 1.133 without (pipelined
@@ -93,30 +97,49 @@ def _check(update, residual, norm_weight, router_weight):
                          f"{hidden} features ([H] and [E, H])")
 
 
+# The factor of the zero row after the packed rows (any value: its words are zeros). Not row_scaled_words' 2^-114
+# for a zero row: the H200 run stored 0 for that constant (twenty-seventh session), and a normal value shows the
+# store happened.
+ZERO_ROW_FACTOR = 1.0
+
+
+def packed_rows(normed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """normed [M, H] -> its words for the MXFP4 decode kernels with a zero row appended (`row_scaled_words`: words
+    uint32 [M + 1, H / 32, 16], factors float32 [M + 1], the zero row's `ZERO_ROW_FACTOR`)."""
+    words, factors = moe_mxfp4_gemv.row_scaled_words(
+        jnp.concatenate([normed, jnp.zeros((1, normed.shape[1]), normed.dtype)]))
+    return words, factors.at[-1].set(ZERO_ROW_FACTOR)
+
+
 def reference(update: projection.Projected | None, residual: jax.Array, norm_weight: jax.Array,
-              router_weight: jax.Array, *, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+              router_weight: jax.Array, *, eps: float, pack: bool = False) -> tuple:
     """XLA: (x [M, H] = residual + the update, finished and rounded as o_proj's projection does; normed [M, H] =
     RMSNorm(x) as `model.norms.RMSNorm`; logits [M, E] float32, the sums of float32 products, as
-    `model.moe.router_logits` computes them for decode-sized calls). `update`: o_proj's `projection.Partials` (no
-    squares), its finished [M, H] of the residual's dtype, or None (x = residual)."""
+    `model.moe.router_logits` computes them for decode-sized calls), with `pack` then normed's words
+    (`packed_rows`). `update`: o_proj's `projection.Partials` (no squares), its finished [M, H] of the residual's
+    dtype, or None (x = residual)."""
     _check(update, residual, norm_weight, router_weight)
     x = residual if update is None else projection.finished(update, residual)
     normed = projection.rms_norm(x, norm_weight, eps)
     logits = jnp.sum(normed[:, None, :].astype(jnp.float32) * router_weight[None].astype(jnp.float32), axis=-1)
-    return x, normed, logits
+    return (x, normed, logits) + ((packed_rows(normed),) if pack else ())
 
 
-def _kernel(*refs, hidden, slices, eps, select, layer, interpret):
+def _kernel(*refs, hidden, slices, eps, pack, select, layer, interpret):
     sums_ref = refs[0] if slices else None
     refs = refs[bool(slices):]
-    if select is not None:  # the bias and the turn counters' input (aliased with their output: unused) come in too
-        (res_ref, norm_ref, w_ref, bias_ref, _, x_out, normed_out, logits_out, ids_out, weights_out,
-         turns_ref) = refs
-    else:
-        res_ref, norm_ref, w_ref, x_out, normed_out, logits_out = refs
+    # with `select` the bias and the turn counters' input (aliased with their output: unused) come in too
+    n_in = 5 if select is not None else 3
+    (res_ref, norm_ref, w_ref, *select_in), refs = refs[:n_in], refs[n_in:]
+    (x_out, normed_out, logits_out), refs = refs[:3], refs[3:]
+    if pack:
+        (halves_out, factor_out), refs = refs[:2], refs[2:]
+    if select is not None:
+        bias_ref, ids_out, weights_out, turns_ref = select_in[0], *refs
     dtype = res_ref.dtype
     e0 = pl.multiple_of(pl.program_id(0) * EXPERT_BLOCK, EXPERT_BLOCK)
-    row, cols = pl.ds(pl.program_id(1), 1), pl.ds(0, hidden)
+    row_id = pl.program_id(1)
+    row, cols = pl.ds(row_id, 1), pl.ds(0, hidden)
     weight = w_ref[pl.ds(e0, EXPERT_BLOCK), cols]  # [EXPERT_BLOCK, H]: first, its read overlaps the rest
     x = res_ref[row, cols].astype(jnp.float32)  # [1, H]
     if slices:
@@ -132,6 +155,17 @@ def _kernel(*refs, hidden, slices, eps, select, layer, interpret):
     def _():
         x_out[row, cols] = x.astype(dtype)
         normed_out[row, cols] = normed
+        if pack:  # the row's words for the MXFP4 decode kernels (`packed_rows`)
+            positions, halves, factor = moe_mxfp4_gemv.row_halves(normed.astype(jnp.float32).reshape(hidden))
+            halves_out[row_id, positions] = halves
+            factor_out[row_id] = factor
+
+    if pack:
+        @pl.when((pl.program_id(0) == 0) & (row_id == 0))
+        def _():  # the zero row after the last
+            last = halves_out.shape[0] - 1
+            halves_out[last, cols] = jnp.zeros((hidden,), jnp.int16)
+            factor_out[last] = jnp.float32(ZERO_ROW_FACTOR)
 
     if select is None:
         return
@@ -152,14 +186,15 @@ def _kernel(*refs, hidden, slices, eps, select, layer, interpret):
         turns_ref[layer, 0] = jnp.int32(0)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "select", "layer", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "pack", "select", "layer", "interpret"))
 def front(update: projection.Projected | None, residual: jax.Array, norm_weight: jax.Array,
-          router_weight: jax.Array, *, eps: float, num_warps: int = NUM_WARPS, select: Select | None = None,
-          bias: jax.Array | None = None, turns: jax.Array | None = None, layer: int = 0,
+          router_weight: jax.Array, *, eps: float, num_warps: int = NUM_WARPS, pack: bool = False,
+          select: Select | None = None, bias: jax.Array | None = None, turns: jax.Array | None = None, layer: int = 0,
           interpret: bool = False) -> tuple[jax.Array, ...]:
     """`reference`'s results in one kernel (see the module docstring): update (o_proj's `projection.Partials`
     [S, M, H] float32 without squares, a finished [M, H], or None), residual [M, H] 16-bit, norm_weight [H], router
-    weight [E, H] -> (x [M, H], normed [M, H], logits [M, E] float32), M the residual's rows. Needs `supported`.
+    weight [E, H] -> (x [M, H], normed [M, H], logits [M, E] float32), M the residual's rows, with `pack` then
+    normed's words for the MXFP4 decode kernels ((words, factors) as `packed_rows` makes them). Needs `supported`.
 
     With `select` (one row; and the correction `bias` [E] or None, and `turns`: int32 [L, C] counters, all zero, of
     which the call uses turns[layer, 0] and leaves it zero; `model.cache`'s "moe_turns"), the last program to finish
@@ -173,6 +208,9 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         raise ValueError(f"moe front kernel: {rows} rows x {hidden} features, {n_experts} experts, {residual.dtype} "
                          f"not supported (1 to {MAX_ROWS} rows, H a power of two up to {MAX_HIDDEN}, E a multiple of "
                          f"{EXPERT_BLOCK}, 16-bit)")
+    if pack and hidden % moe_mxfp4_gemv.BLOCK:
+        raise ValueError(f"moe front kernel: packing takes whole MX blocks of {moe_mxfp4_gemv.BLOCK} features, not "
+                         f"{hidden}")
     if isinstance(update, projection.Partials):
         operands, slices = [update.sums], update.slices
         if slices & (slices - 1):  # a block of the partial sums: a power of two (as kernels.projection splits K)
@@ -183,6 +221,8 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         operands, slices = [], 0
     row = jax.ShapeDtypeStruct((rows, hidden), residual.dtype)
     outputs = [row, row, jax.ShapeDtypeStruct((rows, n_experts), jnp.float32)]
+    if pack:  # the rows' fp16 halves in word order and factors, and a zero row
+        outputs += [jax.ShapeDtypeStruct((rows + 1, hidden), jnp.int16), jax.ShapeDtypeStruct((rows + 1,), jnp.float32)]
     inputs = [*operands, residual, norm_weight, router_weight]
     aliases = {}
     if select is not None:
@@ -201,16 +241,19 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
                     jax.ShapeDtypeStruct(turns.shape, turns.dtype)]
         inputs += [bias, turns]
         aliases = {len(inputs) - 1: len(outputs) - 1}
-    return tuple(pl.pallas_call(
-        functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), select=select, layer=layer,
-                          interpret=interpret),
+    out = pl.pallas_call(
+        functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), pack=pack, select=select,
+                          layer=layer, interpret=interpret),
         grid=(n_experts // EXPERT_BLOCK, rows),
         out_shape=outputs,
         input_output_aliases=aliases,
         compiler_params=tiling.compiler_params(num_warps, 1),
         interpret=interpret,
         name="moe_front",
-    )(*inputs))
+    )(*inputs)
+    if pack:
+        out = [*out[:3], (moe_mxfp4_gemv.halves_as_words(out[3]), out[4]), *out[5:]]
+    return tuple(out)
 
 
 def select_supported(n_experts: int, select: Select) -> bool:

@@ -421,12 +421,15 @@ def expert_rows(p: Plan, ew: ExpertWeights, hidden_dtype, tiles: Tiles, interpre
 
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ew: ExpertWeights,
                    slot_of_expert: jax.Array | None = None, n_experts: int | None = None,
-                   tiles: Tiles | moe_mxfp4_gemv.GemvTiles | None = None, interpret: bool = False) -> jax.Array:
+                   tiles: Tiles | moe_mxfp4_gemv.GemvTiles | None = None, interpret: bool = False, *,
+                   sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None
+                   ) -> jax.Array:
     """Routed SwiGLU experts. x [T, D], topk_ids [T, k] int, topk_weights [T, k] -> [T, D] of x.dtype.
 
     `ew` holds the weights in any format; entry `slot_of_expert[e]` holds expert e (default: entry e). The
     intermediate size must be even. Decode-sized calls on packed MXFP4 experts run the CUDA-core kernels of
-    `moe_mxfp4_gemv` where `moe_mxfp4_gemv.choose` takes them (or `tiles` is a `GemvTiles`).
+    `moe_mxfp4_gemv` where `moe_mxfp4_gemv.choose` takes them (or `tiles` is a `GemvTiles`); `sched` and `x_words`,
+    made ahead for those (`moe_mxfp4_gemv.grouped_swiglu`), are unused by the MMA kernels.
     """
     if ew.intermediate_size % 2:
         raise ValueError(f"the experts' intermediate size ({ew.intermediate_size}) must be even")
@@ -437,7 +440,8 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     if isinstance(tiles, moe_mxfp4_gemv.GemvTiles):
         if slot_of_expert is not None or ew.fmt != "mxfp4":
             raise ValueError("GemvTiles run packed MXFP4 experts, not workspace slots or converted experts")
-        return moe_mxfp4_gemv.grouped_swiglu(x, topk_ids, topk_weights, ew, n_experts, tiles, interpret)
+        return moe_mxfp4_gemv.grouped_swiglu(x, topk_ids, topk_weights, ew, n_experts, tiles, interpret,
+                                             sched=sched, x_words=x_words)
     tiles = tiles or choose_tiles(topk_ids.size, n_experts)
     p = plan(x, topk_ids, ew, slot_of_expert, n_experts, tiles)
     if _split_k(ew, tiles):

@@ -13,9 +13,10 @@ them in registers:
   activations' scale), into a float32 accumulator. Activations are scaled by a power of two to a maximum in
   [2^13, 2^14), so products stay normal fp16 numbers (|product| < 6, a block sum < 96): with
   `GemvTiles.pack_in_kernel` each program scales and packs every MX block of its own K slice from the raw rows
-  (no XLA pass before the kernels), and where its programs are 32 columns wide (one MX block of h each) the gate/up
-  kernel writes h already packed for the down kernel; otherwise XLA packs the rows first, one scale per row
-  (`row_scaled_words`).
+  (no XLA pass before the kernels); otherwise XLA packs the rows first, one scale per row (`row_scaled_words`).
+  Where its programs are 32 columns wide (one MX block of h each) and pack their input or split K, the gate/up
+  kernel writes h already packed for the down kernel (`GemvTiles.pack_hidden`: each block scaled on its own, as
+  words the down kernel loads like XLA's).
 - `rows` (1, 2 or 4) token rows of one expert share each converted block (tiles of `moe_tiles.schedule` with
   block_m = rows; with `GemvTiles.adaptive` a tile multiplies only the rows it holds); accumulator column r of each
   item holds row r (pack semantics of the inline asm, below).
@@ -61,7 +62,15 @@ class GemvTiles:
     tokens. `num_stages`: Triton's software pipelining of the K loop's loads (1: none; each step loads, then
     multiplies, and other programs on the SM hide the wait). `pack_in_kernel`: each program scales (per MX block)
     and packs its own K slice of the raw activations, so no XLA pass runs between the routing and the two kernels;
-    else XLA packs each kernel's input rows first (one scale per row: a reduction and a transpose fusion each)."""
+    else XLA packs each kernel's input rows first (one scale per row: a reduction and a transpose fusion each).
+    `pack_hidden`: where the gate/up kernel's programs are 32 columns wide (`_launch`) and either pack their own
+    input (`pack_in_kernel`) or split K (a block's last program finishes it), each block of h is written packed for
+    the down kernel (fp16 halves in word order and the block's factor), so no packing runs between the kernels; else
+    h goes out as values (packed by the down kernel's programs with `pack_in_kernel`, by XLA without). H200
+    (moe.py, 16 tokens, 2-row tiles, twenty-seventh session): the medium layer (K split in 2) 74.94 -> 71.78 us of
+    GPU time (the kernels +1.1 us, XLA's three packing kernels gone); the DeepSeek-size layer, whose 8192 gate/up
+    programs each finish their own block, 755 -> 806 us (gate/up 504 -> 545, down 239 -> 254), so unsplit calls of
+    XLA-packed input keep XLA's packing of h."""
 
     rows: int = 1
     block_n: int = 32
@@ -72,6 +81,7 @@ class GemvTiles:
     adaptive: bool = False
     num_stages: int = 1
     pack_in_kernel: bool = False
+    pack_hidden: bool = True
 
     def __post_init__(self):
         if self.num_stages < 1:
@@ -104,9 +114,10 @@ def tiles_for(n_pairs: int, n_experts: int) -> GemvTiles:
     """Tiles for a layer call of `n_pairs` token-expert pairs: 1-row tiles where active experts have about one row
     (`rows_per_active_expert`), else 2-row tiles that multiply a single-row tile's blocks once (`adaptive`); 32
     weight rows per program, 16 MX blocks per K step. Up to 16 pairs (one or two tokens' experts) each program packs
-    its own activations (`pack_in_kernel`; the gate/up kernel then writes h packed for the down kernel) and K is
-    split only as far as 512 programs need (the DeepSeek-size gate/up kernel's 512 programs run unsplit, under one
-    wave at the 79 registers of the GPU build; the medium layer's 144 split in 4); larger calls take XLA's packed rows.
+    its own activations (`pack_in_kernel`) and K is split only as far as 512 programs need (the DeepSeek-size gate/up
+    kernel's 512 programs run unsplit, under one wave at the 79 registers of the GPU build; the medium layer's 144
+    split in 4); larger calls take XLA's packed rows. The gate/up kernel writes h packed for the down kernel where
+    its programs pack their input or split K (`pack_hidden`).
 
     H200, benchmarks/moe.py, GPU time of the layer call (2026-12-04, DeepSeek-size / medium layer at one token):
     these tiles 67.65 / 10.63 us (2 tokens 123.4 / 15.9); in the sweep before them, K split for 2048 programs 69.3 us
@@ -208,6 +219,14 @@ def row_scaled_words(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _pack_words(lane0, lane1, e[:, None, None]), pow2(e - _TOP)
 
 
+def row_halves(v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """In a kernel (or plain jnp): one row v float32 [K] (K a multiple of 32) packed as `row_scaled_words` packs it
+    -> (positions int32 [K], halves int16 [K], factor float32 []): element c's fp16 half belongs at positions[c] of
+    the row's K halves, which `halves_as_words` reads as the row's words."""
+    e = _exponent(jnp.max(jnp.abs(v)))
+    return _halves_order(v.shape[0]), _fp16_halves(v, e), pow2(e - _TOP)
+
+
 def _unpack_words(words):
     """words uint32 [..., 16] -> (even, odd) fp16 [..., 16]: the activations of each byte's low / high nibble."""
     h = jax.lax.bitcast_convert_type(words, jnp.float16)  # [..., 16, 2]
@@ -302,11 +321,12 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     """One program: `rows` token rows of one expert (tile t) x `bn` weight rows (block j) x one K split (q).
 
     The activations (`x_form`): "raw" rows x_ref [X, K] that each program packs; "rows", XLA's `row_scaled_words`
-    (x_ref the words [X, G, 16], then their factors [X]); "halves", the gate/up kernel's packed h (x_ref int16
-    [X, G * 32], each block's fp16 halves in word order, then the blocks' factors [X, G]).
+    (x_ref the words [X, G, 16], then their factors [X]); "blocks", the same words with a factor per MX block
+    (then factors [X, G]: the gate/up kernel's packed h).
     role "gate_up": x_ref [T, D] the tokens, src_ref [R] each row's token (T: padding); writes h = silu(gate) * up
-    (rounded to `h_dtype`) at the tile's rows, as values [R, I] (`h_form` "values") or packed like "halves" input
-    (`h_form` "halves", bn = 32: a program's columns are one MX block of h): directly with one K split, else each
+    (rounded to `h_dtype`) at the tile's rows, as values [R, I] (`h_form` "values") or packed (`h_form` "halves",
+    bn = 32: a program's columns are one MX block of h; int16 [R, G * 32], each block's fp16 halves in word order,
+    and float32 [R, G], its factor; two halves make a word of "blocks" input): directly with one K split, else each
     split stores its float32 sums into partials [S, R, 2, I'] and takes a turn on a counter per (tile, block), whose
     last program adds the S partials up and finishes the block. With `zero_chunk` > 0 the programs of tile 0 also
     write zeros over the down kernel's sums (one output of `zero_chunk` floats per (block, split)), so no XLA zero
@@ -346,10 +366,8 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
                   for i in range(n_proj)]
             if x_form == "rows":  # XLA's words; the rows' factors applied after the loop
                 xs, factors = [x_ref[row, groups, :] for row in x_rows], None
-            elif x_form == "halves":  # the gate/up kernel's words, two halves each; its blocks' factors
-                block = g0 + jax.lax.broadcasted_iota(jnp.int32, (gk, 16), 0)
-                half = block * BLOCK + 2 * jax.lax.broadcasted_iota(jnp.int32, (gk, 16), 1)  # word w: 2w, 2w + 1
-                xs = [_join_halves(x_ref[row, half], x_ref[row, half + 1]) for row in x_rows]
+            elif x_form == "blocks":  # packed words; each block's factor
+                xs = [x_ref[row, groups, :] for row in x_rows]
                 factors = [factor_ref[row, groups][None, :] for row in x_rows]
             else:
                 blocks = [_activation_block(x_ref, row, ok, g0, gk, k_valid) for row, ok in zip(x_rows, real)]
@@ -443,21 +461,22 @@ def _launch(groups: int, tiles: GemvTiles) -> tuple[int, int, int]:
 
 
 def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, outputs, tiles: GemvTiles,
-          interpret: bool, **static):
+          interpret: bool, n_rows: int, **static):
     """One decode kernel over `weights` (P pairs of blocks uint8 [E, N, G, 16] / scales uint8 [E, N, G]) and the
-    activations `x` in `x_form` (`_kernel`: "raw" [X, K]; "rows" / "halves": (words or halves, factors)): `extra`
-    inputs after them, `outputs` a function of (row blocks, K splits, block_n) -> (output shapes, buffers aliased to
-    the last outputs, static kernel arguments that depend on the launch)."""
+    activations `x` in `x_form` (`_kernel`: "raw" [X, K]; "rows" / "blocks": (words, factors)) for the first
+    `n_rows` rows of `src_of_row`: `extra` inputs after them, `outputs` a function of (row blocks, K splits,
+    block_n) -> (output shapes, buffers aliased to the last outputs, static kernel arguments that depend on the
+    launch)."""
     n_out, groups = weights[0][0].shape[1], weights[0][0].shape[2]
     packed = x_form != "raw"
     if x_form == "raw":
         x_groups = -(-x.shape[1] // BLOCK)
     else:
-        x_groups = x[0].shape[1] if x_form == "rows" else x[0].shape[1] // BLOCK
+        x_groups = x[0].shape[1]
     if x_groups != groups:
         raise ValueError(f"the activations cover {x_groups} MX blocks of K, the weights {groups}")
     bn, gk, warps = _launch(groups, tiles)
-    grid = (src_of_row.shape[0] // tiles.rows, pl.cdiv(n_out, bn))
+    grid = (n_rows // tiles.rows, pl.cdiv(n_out, bn))
     split = _k_split(groups, tiles, grid[0] * grid[1])[1]
     out_shapes, aliased, sized = outputs(grid[1], split, bn)  # the aliased buffers are the last outputs
     n_outputs = len(out_shapes) if isinstance(out_shapes, tuple) else 1
@@ -479,20 +498,24 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
 
 
 def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvTiles, n_tokens: int, dtype,
-                interpret: bool = False, zeroed: int = 0):
+                interpret: bool = False, zeroed: int = 0, n_rows: int | None = None):
     """The gate/up kernel: silu(x @ gate) * (x @ up) at each row's token, rounded to `dtype` -> (h, its form for
-    `token_sums`, zeros): with `GemvTiles.pack_in_kernel` and 32-column programs, h already packed for the down
-    kernel ((int16 [R, G * 32], float32 [R, G]): each MX block's fp16 halves in word order and its factor, "halves"),
-    else h [R, I] of `dtype` ("raw" for in-kernel packing, to be packed by XLA otherwise). `zeroed` > 0: the kernel
+    `token_sums`, zeros): with `GemvTiles.pack_hidden` (where it applies), h already packed for the down
+    kernel ((words uint32 [R, G, 16], factors float32 [R, G]): each MX block of h scaled on its own, "blocks"), else
+    h [R, I] of `dtype` ("raw", for the down kernel's programs or XLA to pack). `zeroed` > 0: the kernel
     also writes a float32 buffer of at least that many zeros (the down kernel's sums, `token_sums(sums=)`), else
     zeros is None.
 
     tile_expert [R / rows] int32 (-1: skip), token_of_row [R] int32 (T for padding rows, which get zeros), x in
     `x_form`: the T tokens [T, D] ("raw") or `row_scaled_words` of them with a zero row T appended ("rows"); gate_up:
     ((blocks, scales) of gate, of up), blocks uint8 [E, I, G, 16], scales uint8 [E, I, G]. Rows of skipped tiles
-    (and, with adaptive tiles, a tile's rows past its real ones) are left unwritten."""
-    n_rows, inter, groups = token_of_row.shape[0], gate_up[0][0].shape[1], gate_up[0][0].shape[2]
-    halves = tiles.pack_in_kernel and _launch(groups, tiles)[0] == BLOCK
+    (and, with adaptive tiles, a tile's rows past its real ones) are left unwritten. `n_rows`: the rows R to run
+    (default all of token_of_row's; a longer table's rows past R are not read)."""
+    inter, groups = gate_up[0][0].shape[1], gate_up[0][0].shape[2]
+    n_rows = token_of_row.shape[0] if n_rows is None else n_rows
+    bn = _launch(groups, tiles)[0]
+    split = _k_split(groups, tiles, n_rows // tiles.rows * pl.cdiv(inter, bn))[1]
+    halves = tiles.pack_hidden and bn == BLOCK and (tiles.pack_in_kernel or split > 1)
 
     def outputs(blocks_n, split, bn):
         if halves:
@@ -511,14 +534,21 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
                    jax.ShapeDtypeStruct(turns.shape, turns.dtype)]
         return tuple(shapes), (turns,), dict(zero_chunk=chunk)
 
-    out = _call("gate_up", tile_expert, token_of_row, x, x_form, (), gate_up, outputs, tiles, interpret,
+    out = _call("gate_up", tile_expert, token_of_row, x, x_form, (), gate_up, outputs, tiles, interpret, n_rows,
                 n_src=n_tokens, top_k=1, n_tokens=n_tokens, h_form="halves" if halves else "values",
                 h_dtype=jnp.dtype(dtype))
     n_h = 2 if halves else 1
     zeros = out[n_h] if zeroed else None
     if halves:
-        return (out[0], out[1]), "halves", zeros
+        return (halves_as_words(out[0]), out[1]), "blocks", zeros
     return out[0], "raw", zeros
+
+
+def halves_as_words(halves: jax.Array) -> jax.Array:
+    """int16 [R, G * 32] (each MX block's fp16 halves in word order) -> uint32 [R, G, 16], two halves per word
+    (the lower index in the low bits): a reinterpretation, no data moves."""
+    rows, n = halves.shape
+    return jax.lax.bitcast_convert_type(halves.reshape(rows, n // BLOCK, 16, 2), jnp.uint32)
 
 
 def sums_size(n_tokens: int, down, tiles: GemvTiles) -> int:
@@ -530,14 +560,15 @@ def sums_size(n_tokens: int, down, tiles: GemvTiles) -> int:
 
 
 def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: int, n_tokens: int, down,
-               tiles: GemvTiles, interpret: bool = False, *, sums: jax.Array) -> jax.Array:
+               tiles: GemvTiles, interpret: bool = False, *, sums: jax.Array, n_rows: int | None = None
+               ) -> jax.Array:
     """The down kernel: [T, D] float32, each token's sum over its pairs of weight * (h @ down) (float32 atomics:
     the order of the adds varies from run to run).
 
     pair_of_row [R] int32 (P for padding rows), h in `h_form` (`hidden_rows`' result, or "rows": its
-    `row_scaled_words`), pair_weights [P] float32 (pair p is token p // top_k's), down: ((blocks uint8 [E, D, G, 16],
-    scales uint8 [E, D, G]),); sums: float32 zeros of at least `sums_size` floats to add into (`hidden_rows`'
-    zeros)."""
+    `row_scaled_words`), pair_weights [P] float32 (pair p is token p // top_k's: `top_k` the pairs' stride, which
+    may count padding slots), down: ((blocks uint8 [E, D, G, 16], scales uint8 [E, D, G]),); sums: float32 zeros of
+    at least `sums_size` floats to add into (`hidden_rows`' zeros); `n_rows`: as `hidden_rows`'."""
     hidden = down[0][0].shape[1]
     n_pairs = pair_weights.shape[0]
     size = sums_size(n_tokens, down, tiles)
@@ -551,31 +582,57 @@ def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: in
         return jax.ShapeDtypeStruct(sums.shape, sums.dtype), (sums,), dict(sums_dim=width)
 
     sums = _call("down", tile_expert, pair_of_row, h, h_form, (pair_weights.astype(jnp.float32),), down, outputs,
-                 tiles, interpret, n_src=n_pairs, top_k=top_k, n_tokens=n_tokens, h_form="values", h_dtype=None)
+                 tiles, interpret, pair_of_row.shape[0] if n_rows is None else n_rows, n_src=n_pairs, top_k=top_k,
+                 n_tokens=n_tokens, h_form="values", h_dtype=None)
     return sums[:n_tokens * width].reshape(n_tokens, width)[:, :hidden]
 
 
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ew: ExpertWeights,
-                   n_experts: int | None = None, tiles: GemvTiles | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   n_experts: int | None = None, tiles: GemvTiles | None = None, interpret: bool = False, *,
+                   sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None
+                   ) -> jax.Array:
     """Routed SwiGLU experts over MXFP4 `ew`: x [T, D], topk_ids [T, k] int, topk_weights [T, k] -> [T, D] of
-    x.dtype (the hidden activations rounded to x.dtype between the projections, as the MMA path does)."""
+    x.dtype (the hidden activations rounded to x.dtype between the projections, as the MMA path does).
+
+    Made ahead by the caller, where it can make them in launches it runs anyway: `sched`, the pairs' schedule in
+    tiles of `tiles.rows` rows with its pair table (`kernels.router.select_and_schedule(block_m=, padded=True)`,
+    whose `Schedule.pair_weights` then stand in for topk_weights; default `moe_tiles.schedule` here); `x_words`, x
+    packed as `row_scaled_words` packs it with a zero row appended (words uint32 [T + 1, G, 16], factors float32
+    [T + 1]; `kernels.moe_front.front(pack=True)`), which the gate/up kernel then reads in place of packing x itself
+    (`GemvTiles.pack_in_kernel`) or XLA's packing."""
     if ew.fmt != "mxfp4":
         raise ValueError(f"the decode kernels take MXFP4 experts, not {ew.fmt}")
     n_experts = n_experts or ew.gate.shape[0]
     tiles = tiles or tiles_for(topk_ids.size, n_experts)
-    sched = moe_tiles.schedule(topk_ids, n_experts, tiles.rows)
     n_tokens = x.shape[0]
-    if tiles.pack_in_kernel:
+    n_rows = moe_tiles.max_tiles(topk_ids.size, n_experts, tiles.rows) * tiles.rows  # the rows any routing needs
+    if sched is None:
+        sched = moe_tiles.schedule(topk_ids, n_experts, tiles.rows)
+    elif sched.token_of_row.shape[0] < n_rows or sched.row_of_pair.shape != topk_ids.shape:
+        raise ValueError(f"the decode kernels' schedule has {sched.token_of_row.shape[0]} rows and pairs "
+                         f"{sched.row_of_pair.shape}; {tiles.rows}-row tiles of the call's pairs {topk_ids.shape} "
+                         f"need {n_rows}")
+    if sched.pair_weights is not None:  # the router's padded weights, pairs numbered in their rows' stride
+        pair_weights, stride = sched.pair_weights.reshape(-1), sched.pair_weights.shape[1]
+    else:
+        pair_weights, stride = topk_weights.reshape(-1), topk_ids.shape[1]
+    if x_words is not None:
+        words, factors = x_words
+        groups = -(-x.shape[1] // BLOCK)
+        if words.shape != (n_tokens + 1, groups, 16) or factors.shape != (n_tokens + 1,):
+            raise ValueError(f"the packed activations {words.shape} / {factors.shape} do not match x {x.shape} "
+                             f"(words [T + 1, {groups}, 16], factors [T + 1])")
+        xs = x_words, "rows"
+    elif tiles.pack_in_kernel:
         xs = x, "raw"
     else:
         xs = row_scaled_words(jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])), "rows"
     down = ((ew.down, ew.down_scales),)
     h, h_form, zeros = hidden_rows(sched.tile_expert, sched.token_of_row, *xs,
                                    ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales)), tiles, n_tokens, x.dtype,
-                                   interpret, zeroed=sums_size(n_tokens, down, tiles))
-    if not tiles.pack_in_kernel:
+                                   interpret, zeroed=sums_size(n_tokens, down, tiles), n_rows=n_rows)
+    if h_form == "raw" and not tiles.pack_in_kernel:
         h, h_form = row_scaled_words(h), "rows"
-    sums = token_sums(sched.tile_expert, sched.pair_of_row(), h, h_form, topk_weights.reshape(-1),
-                      topk_ids.shape[1], n_tokens, down, tiles, interpret, sums=zeros)
+    sums = token_sums(sched.tile_expert, sched.pair_of_row(), h, h_form, pair_weights, stride, n_tokens, down,
+                      tiles, interpret, sums=zeros, n_rows=n_rows)
     return sums.astype(x.dtype)

@@ -33,13 +33,17 @@ class Schedule(NamedTuple):
     reads (T, one past the last token, for padding rows); tile_expert [R / block_m] int32 (or longer: entries past
     R / block_m are never read): each tile's expert or -1;
     group_sizes [E] int32: pairs per expert; pair_rows [R] int32 or None: `pair_of_row`, where the schedule made it
-    alongside (the compare schedule: no scatter after it)."""
+    alongside (the compare schedule: no scatter after it).
+    pair_weights [M, S] float32 or None: the routing weights as the schedule's maker had them (the router kernel's
+    padded output, `kernels.router.select_and_schedule(padded=True)`): then pair_rows numbers pair (t, slot)
+    t * S + slot (padding rows M * S), and token_of_row and pair_rows may run on past R (never read there)."""
 
     row_of_pair: jax.Array
     token_of_row: jax.Array
     tile_expert: jax.Array
     group_sizes: jax.Array
     pair_rows: jax.Array | None = None
+    pair_weights: jax.Array | None = None
 
     def real_rows(self) -> jax.Array:
         """[R] bool: the rows that hold a pair (the rest are padding)."""

@@ -19,11 +19,11 @@ it, so a decode step's router runs on one multiprocessor: fine for the medium hy
 DeepSeek-size router would want the experts split over programs). `select_experts` starts at the scores and takes
 any weight (the same limits otherwise). Elsewhere the XLA route runs.
 
-`select_and_schedule` (decode, up to 16 tokens, with the shared MLP as extra experts of the grouped kernels) is
-`select_experts` with the shared parts appended in the kernel and, from 2 tokens, the pairs' schedule for the
-grouped expert kernels (`moe_tiles.Schedule`) made in the same program: each expert's tokens fit one 16-row tile,
-so ranks and tile starts are prefix sums (small 0 / 1 products on the tensor cores, exact), instead of XLA's four
-schedule kernels per MoE layer.
+`select_and_schedule` (decode, up to 16 tokens) is `select_experts` with the shared parts appended in the kernel
+(the shared MLP as extra experts of the grouped kernels, where it runs there) and, from 2 tokens, the pairs'
+schedule for the expert kernels (`moe_tiles.Schedule`, in tiles of 16 rows for the grouped kernels or of 1 to 16
+for the MXFP4 decode kernels) made in the same program: ranks and tile starts are prefix sums (small 0 / 1 and
+integer products on the tensor cores, exact), instead of XLA's four or five schedule kernels per MoE layer.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from . import dispatch, moe_tiles, tiles as tiling
@@ -179,22 +180,24 @@ def _launch(kernel, operands, n_tokens: int, slots: int, name: str, interpret: b
     )(*operands)
 
 
-# `select_and_schedule`: calls of at most this many tokens (one program; with the experts' 16-row tiles every expert
-# then fills at most one tile).
+# `select_and_schedule`: calls of at most this many tokens (one program), in tiles of TILE_ROWS rows by default (the
+# grouped kernels': every expert then fills at most one tile).
 SCHEDULE_MAX_TOKENS = BLOCK_M
 TILE_ROWS = moe_tiles.DECODE_BLOCK_M
-assert SCHEDULE_MAX_TOKENS <= TILE_ROWS  # an expert's tokens fill at most one tile
 # On the H200 at 16 tokens (decode_profile.py): 8.9 us per call, 15.6 with 4 warps (2026-12-02); with the pairs'
 # map, rows and token table passed through memory (nineteenth session: 25 barriers in the sm_90 build, 98 before)
 # 6.2 us per call, 6.4 with 4 warps; 5.4 us at 2 tokens (7.3 before).
 SCHEDULE_WARPS = 8
 
 
-def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_ref, tile_ref, size_ref, pairs_ref,
-                     row_of_ref, *, n_tokens, top_k, parts, e_pad, sigmoid, renormalize, scale, interpret):
+def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_ref, pair_ref, tile_ref, size_ref,
+                     pairs_ref, row_of_ref, *, n_tokens, top_k, parts, e_pad, block_m, stride, no_pair, sigmoid,
+                     renormalize, scale, interpret):
     """One program: the top-k choice of up to BLOCK_M tokens, the `parts` shared experts appended to each (ids E ..,
-    weight 1), and their schedule in 16-row tiles (moe_tiles.Schedule; each expert holds at most one tile since a
-    token picks an expert at most once): tiles in expert order, a tile's rows its tokens in order.
+    weight 1), and their schedule in tiles of `block_m` rows (moe_tiles.Schedule, with its pair table): tiles in
+    expert order, an expert's rows its tokens in order (a token picks an expert at most once, so an expert has at
+    most BLOCK_M rows: one 16-row tile, or several shorter ones). The pair table numbers pair (t, slot) t * `stride`
+    + slot, padding rows `no_pair`.
 
     Between the token-by-slot domain of the ids [M, k_pad] and the expert-by-token domain [e_pad, M] of the counts,
     values pass through memory (scratch outputs `pairs_ref` [2 e_pad, M] and `row_of_ref` [e_pad, M], and the
@@ -211,10 +214,11 @@ def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_
     slot = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, k_pad), 1)
     pair_token = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_M, k_pad), 0)
     is_pair = (slot < top_k + parts) & (pair_token < n_tokens)
-    table_rows = t_pad * TILE_ROWS  # the token table's rows read back; padding slots write past them
+    table_rows = t_pad * block_m  # the tables' rows read back; padding slots write past them
     # [e, t]: token t runs expert e (a one at each pair's (expert, token); padding slots write row e_pad, unread)
     pairs_ref[pl.ds(0, e_pad), :] = jnp.zeros((e_pad, BLOCK_M), jnp.int32)
     token_ref[pl.ds(0, table_rows)] = jnp.full((table_rows,), n_tokens, jnp.int32)  # rows of no pair: token T
+    pair_ref[pl.ds(0, table_rows)] = jnp.full((table_rows,), no_pair, jnp.int32)  # and pair P
     tiling.cta_barrier(interpret)
     pairs_ref[jnp.where(is_pair, ids, e_pad), pair_token] = jnp.ones((BLOCK_M, k_pad), jnp.int32)
     tiling.cta_barrier(interpret)
@@ -226,44 +230,55 @@ def _schedule_kernel(logits_ref, bias_ref, ids_ref, weights_ref, row_ref, token_
     rank = tiling.mm(one, earlier).astype(jnp.int32)
     sizes = jnp.sum(chosen.astype(jnp.int32), axis=1)  # [e]: the expert's pairs
     size_ref[...] = sizes
-    used = (sizes > 0).astype(jnp.int32)
+    tiles = (sizes + block_m - 1) // block_m  # [e]: the expert's tiles (0 to BLOCK_M / block_m: exact in bf16)
     lower = (jax.lax.broadcasted_iota(jnp.int32, (e_pad, e_pad), 1)
              < jax.lax.broadcasted_iota(jnp.int32, (e_pad, e_pad), 0)).astype(jnp.bfloat16)
-    used_cols = jnp.broadcast_to(used[:, None], (e_pad, BLOCK_M)).astype(jnp.bfloat16)
-    tile_of = jnp.max(tiling.mm(lower, used_cols), axis=1).astype(jnp.int32)  # [e]: used experts before e
-    row_of_ref[...] = tile_of[:, None] * TILE_ROWS + rank  # [e, t]
+    tile_cols = jnp.broadcast_to(tiles[:, None], (e_pad, BLOCK_M)).astype(jnp.bfloat16)
+    tile_of = jnp.max(tiling.mm(lower, tile_cols), axis=1).astype(jnp.int32)  # [e]: the tiles of experts before e
+    row_of_ref[...] = tile_of[:, None] * block_m + rank  # [e, t]: rank r sits in tile tile_of + r // block_m
     tiling.cta_barrier(interpret)
     rows = row_of_ref[jnp.where(is_pair, ids, 0), pair_token]  # [t, slot]: each pair's row
     row_ref[...] = rows
-    token_ref[jnp.where(is_pair, rows, table_rows)] = pair_token  # row r of the table: its pair's token
-    # tile i holds the expert e with used[e] and tile_of[e] == i
+    at = jnp.where(is_pair, rows, table_rows)
+    token_ref[at] = pair_token  # row r of the tables: its pair's token, and the pair
+    pair_ref[at] = pair_token * stride + slot
+    # tile i holds the expert e with tile_of[e] <= i < tile_of[e] + tiles[e]
     expert = jax.lax.broadcasted_iota(jnp.int32, (e_pad, BLOCK_M), 0)
     tile = jax.lax.broadcasted_iota(jnp.int32, (t_pad, e_pad), 0)
-    holds = ((tile == tile_of[None, :]) & (used[None, :] > 0)).astype(jnp.bfloat16)  # [tile, e]
+    holds = ((tile >= tile_of[None, :]) & (tile < (tile_of + tiles)[None, :])).astype(jnp.bfloat16)  # [tile, e]
     tile_ref[...] = jnp.max(tiling.mm(holds, (expert + 1).astype(jnp.bfloat16)), axis=1).astype(jnp.int32) - 1
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "sigmoid", "renormalize", "scale", "shared_parts",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("top_k", "sigmoid", "renormalize", "scale", "shared_parts", "block_m",
+                                             "padded", "interpret"))
 def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int, sigmoid: bool, renormalize: bool,
-                        scale: float, shared_parts: int, interpret: bool = False
-                        ) -> tuple[jax.Array, jax.Array, moe_tiles.Schedule]:
+                        scale: float, shared_parts: int, block_m: int = TILE_ROWS, padded: bool = False,
+                        interpret: bool = False) -> tuple[jax.Array, jax.Array, moe_tiles.Schedule]:
     """`select_experts` with `shared_parts` shared experts appended to every token (ids E .. E + parts - 1, weight
-    1: the shared MLP as experts of the grouped kernels; at one token, in `select_experts`' kernel: its schedule is
-    static) and, for 2 or more tokens, the pairs' schedule in 16-row tiles made in the same kernel (one program:
-    the XLA compare schedule is four kernels per MoE layer at 16 tokens): float32 logits [N, E] (N <=
-    `SCHEDULE_MAX_TOKENS`), bias [E] or None -> (ids [N, k + parts] int32, weights [N, k + parts] float32,
-    `moe_tiles.Schedule` at block_m 16 over E + parts experts): the schedule
-    `moe_tiles.schedule` makes of those ids (tiles in expert order, a tile's rows its tokens in order; for one
-    token, tile j its j-th pair), except that tile_expert runs on past the R / 16 tiles (-1, or for one token the
-    padding of the ids: the grouped kernels never read those). Needs `schedule_supported(E, k, parts)`."""
+    1: the shared MLP as experts of the grouped kernels; 0: none) and, for 2 or more tokens, the pairs' schedule in
+    tiles of `block_m` rows (a power of two up to 16) made in the same kernel (one program: the XLA compare schedule
+    is four or five kernels per MoE layer at 16 tokens; at one token `select_experts`' kernel: the schedule is
+    static): float32 logits [N, E] (N <= `SCHEDULE_MAX_TOKENS`), bias [E] or None -> (ids [N, k + parts] int32,
+    weights [N, k + parts] float32, `moe_tiles.Schedule` over E + parts experts): the schedule `moe_tiles.schedule`
+    makes of those ids (tiles in expert order, an expert's rows its tokens in order; for one token, tile j its j-th
+    pair) with its pair table (`Schedule.pair_rows`, from 2 tokens), except that tile_expert runs on past the
+    R / block_m tiles (-1, or for one token the padding of the ids: the kernels never read those). Needs
+    `schedule_supported(E, k, parts)`.
+
+    `padded`: the schedule's tables as the kernel wrote them, for consumers that read only what they need (the
+    MXFP4 decode kernels): a slice of a kernel's output is a copy kernel on the GPU (~1 us each, two or three per MoE
+    layer). token_of_row and pair_rows then run on past R (never to be read there); the pair table numbers pairs
+    t * k_pad + slot (padding rows BLOCK_M * k_pad), in the order of `Schedule.pair_weights`, the weights as the
+    kernel wrote them ([BLOCK_M, k_pad]; at one token too)."""
     n_tokens, n_experts = logits.shape
-    if not (1 <= n_tokens <= SCHEDULE_MAX_TOKENS and schedule_supported(n_experts, top_k, shared_parts)):
-        raise ValueError(f"router schedule kernel: {n_tokens} tokens, {n_experts} experts, top-{top_k} + "
-                         f"{shared_parts} shared not supported")
-    bias = jnp.zeros((n_experts,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     n_pairs = top_k + shared_parts
     total = n_experts + shared_parts
+    if not (1 <= n_tokens <= SCHEDULE_MAX_TOKENS and schedule_supported(n_experts, top_k, shared_parts)
+            and block_m in (1, 2, 4, 8, 16)
+            and moe_tiles.max_tiles(n_tokens * n_pairs, total, block_m) <= 256):  # tile numbers exact in bf16
+        raise ValueError(f"router schedule kernel: {n_tokens} tokens, {n_experts} experts, top-{top_k} + "
+                         f"{shared_parts} shared in {block_m}-row tiles not supported")
+    bias = jnp.zeros((n_experts,), jnp.float32) if bias is None else bias.astype(jnp.float32)
     options = dict(n_tokens=n_tokens, top_k=top_k, sigmoid=sigmoid, renormalize=renormalize, scale=scale)
     if n_tokens == 1:  # the select kernel, the shared parts appended; the schedule is static but for its tiles'
         #               experts, the ids in top-k order: the padded ids' first k + parts (a free view, where ids[0]
@@ -271,17 +286,20 @@ def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int
         kernel = functools.partial(_select_kernel, **options, parts=shared_parts)
         ids, weights = _launch(kernel, (logits.astype(jnp.float32), bias), 1, n_pairs, "moe_router_select",
                                interpret)
-        return one_token_routing(ids, weights, n_pairs, total)
+        return one_token_routing(ids, weights, n_pairs, total, block_m, padded)
     k_pad = tiling.pow2_at_least(n_pairs)
-    n_tiles = moe_tiles.max_tiles(n_tokens * n_pairs, total, TILE_ROWS)
+    n_tiles = moe_tiles.max_tiles(n_tokens * n_pairs, total, block_m)
     t_pad = tiling.pow2_at_least(n_tiles, 16)
     whole = lambda shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))
     e_pad = tiling.pow2_at_least(total, 16)
+    table = ((2 * t_pad * block_m,), jnp.int32)  # rows past t_pad * block_m take the padding slots' writes
     shapes = [((BLOCK_M, k_pad), jnp.int32), ((BLOCK_M, k_pad), jnp.float32), ((BLOCK_M, k_pad), jnp.int32),
-              ((2 * t_pad * TILE_ROWS,), jnp.int32), ((t_pad,), jnp.int32), ((e_pad,), jnp.int32),
+              table, table, ((t_pad,), jnp.int32), ((e_pad,), jnp.int32),
               ((2 * e_pad, BLOCK_M), jnp.int32), ((e_pad, BLOCK_M), jnp.int32)]  # (the last two: scratch)
-    ids, weights, rows, tokens, tiles, sizes, _, _ = pl.pallas_call(
-        functools.partial(_schedule_kernel, **options, parts=shared_parts, e_pad=e_pad, interpret=interpret),
+    ids, weights, rows, tokens, pairs, tiles, sizes, _, _ = pl.pallas_call(
+        functools.partial(_schedule_kernel, **options, parts=shared_parts, e_pad=e_pad, block_m=block_m,
+                          stride=k_pad if padded else n_pairs,
+                          no_pair=BLOCK_M * k_pad if padded else n_tokens * n_pairs, interpret=interpret),
         grid=(1,),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * 2,
         out_specs=[whole(shape) for shape, _ in shapes],
@@ -290,18 +308,27 @@ def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int
         interpret=interpret,
         name="moe_router_schedule",
     )(logits.astype(jnp.float32), bias)
+    rows = rows[:n_tokens, :n_pairs]
+    if padded:
+        return ids[:n_tokens, :n_pairs], weights[:n_tokens, :n_pairs], moe_tiles.Schedule(
+            rows, tokens, tiles, sizes[:total], pairs, weights)
     return ids[:n_tokens, :n_pairs], weights[:n_tokens, :n_pairs], moe_tiles.Schedule(
-        rows[:n_tokens, :n_pairs], tokens[:n_tiles * TILE_ROWS], tiles, sizes[:total])
+        rows, tokens[:n_tiles * block_m], tiles, sizes[:total], pairs[:n_tiles * block_m])
 
 
-def one_token_routing(ids: jax.Array, weights: jax.Array, n_pairs: int, n_experts: int
-                      ) -> tuple[jax.Array, jax.Array, moe_tiles.Schedule]:
+def one_token_routing(ids: jax.Array, weights: jax.Array, n_pairs: int, n_experts: int, block_m: int = TILE_ROWS,
+                      padded: bool = False) -> tuple[jax.Array, jax.Array, moe_tiles.Schedule]:
     """One token's choice as the select kernel writes it (ids / weights [BLOCK_M, k_pad], every row the token's
     `n_pairs` choices and padding) -> `select_and_schedule`'s results over `n_experts` experts (shared parts
     included): ids / weights [1, n_pairs] and the static one-token schedule, its tiles' experts the ids in top-k
     order (the padded ids as they are: a free view, where ids[0] would be a copy kernel before the grouped
-    kernels)."""
-    sched = moe_tiles.schedule(ids[:1, :n_pairs], n_experts, TILE_ROWS)._replace(tile_expert=ids.reshape(-1))
+    kernels; tiles of `block_m` rows). `padded`: with the weights as written (`Schedule.pair_weights`; pair j at
+    slot j of row 0, padding rows numbered BLOCK_M * k_pad)."""
+    sched = moe_tiles.schedule(ids[:1, :n_pairs], n_experts, block_m)._replace(tile_expert=ids.reshape(-1))
+    if padded:
+        pair_rows = np.full(sched.token_of_row.shape, weights.size, np.int32)
+        pair_rows[np.arange(n_pairs) * block_m] = np.arange(n_pairs)
+        sched = sched._replace(pair_rows=jnp.asarray(pair_rows), pair_weights=weights)
     return ids[:1, :n_pairs], weights[:1, :n_pairs], sched
 
 

@@ -77,20 +77,24 @@ class DecoderLayer(nn.Module):
         """The MoE half of a decode step from the attention's unfinished output: o_proj's `update` and the layer
         input `residual` [B, D] -> (x [B, 1, D], workspace, cache), the residual add, the norm and the router's
         logits in `kernels.moe_front`'s one kernel (with `FRONT_SELECT` and the cache's "moe_turns", the router's
-        choice too, where the router would make it in its one-token select kernel)."""
+        choice too, where the router would make it in its one-token select kernel; x's words for the MXFP4 decode
+        kernels where they take them, `MoE.front_packs`)."""
         cfg = self.config
         router_weight = self.mlp.variables["params"]["gate"]["weight"]
         norm_weight = self.post_attention_layernorm.variables["params"]["weight"]
         front = moe_front.by_kind(kind)
         select = self.mlp.front_select(residual.shape[0]) if FRONT_SELECT and "moe_turns" in cache else None
+        pack = self.mlp.front_packs(residual.shape[0], workspace)  # x's words for the MXFP4 decode kernels
         if select is None:
-            x, normed, logits = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps)
-            y, workspace = self.mlp(normed[:, None], workspace, logits=logits)
+            x, normed, logits, *packed = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps,
+                                               pack=pack)
+            y, workspace = self.mlp(normed[:, None], workspace, logits=logits, x_words=packed[0] if pack else None)
             return x[:, None] + y, workspace, cache
-        x, normed, logits, ids, weights, turns = front(update, residual, norm_weight, router_weight,
-                                                        eps=cfg.rms_norm_eps, select=select[0], bias=select[1],
-                                                        turns=cache["moe_turns"], layer=self.layer)
-        y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=(ids, weights))
+        x, normed, logits, *packed, ids, weights, turns = front(
+            update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps, pack=pack, select=select[0],
+            bias=select[1], turns=cache["moe_turns"], layer=self.layer)
+        y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=(ids, weights),
+                                x_words=packed[0] if pack else None)
         return x[:, None] + y, workspace, dict(cache, moe_turns=turns)
 
     def _mlp(self, x, workspace):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from dayzero.kernels import moe as moe_kernels
-from dayzero.kernels import moe_front, moe_workspace, mxfp4, projection
+from dayzero.kernels import moe_front, moe_tiles, moe_workspace, mxfp4, projection
 from dayzero.kernels import router as router_kernel
 from dayzero.kernels.moe_workspace import Workspace
 
@@ -49,8 +49,14 @@ SHARED_IN_ROUTED_MAX_TOKENS = 16
 # benchmarks/decode_profile.py, 2026-12-02, thirteenth session): 1.230 / 2.955 ms of kernels per token at batch 1 / 16
 # with it against 1.241 / 2.964 without (244 / 276 kernels against 259 / 338); tests/gpu/test_router_gpu.py and
 # tests/gpu/test_moe_dense_gpu.py -k router_schedule pass. The one program takes ~8.9 us at 16 tokens (the select
-# kernel alone ~3.3, XLA's four schedule kernels ~6).
+# kernel alone ~3.3, XLA's four schedule kernels ~6). The same kernel makes the MXFP4 decode kernels' schedule (in
+# their tiles' rows, `kernels.moe.packed_decode_tiles`; its tables and weights unsliced, `padded`).
 ROUTER_SCHEDULE = True
+# Token counts from which the MXFP4 decode kernels read x packed by the MoE front kernel (`kernels.moe_front.front(
+# pack=True)`, in the launch that normalises x) instead of packing it themselves (the one-token tiles'
+# `GemvTiles.pack_in_kernel`: each gate/up program its own K slice) or in XLA (a reduction and two fusions per MoE
+# layer at 16 tokens).
+FRONT_PACKED_MIN_TOKENS = 2
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
 # the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
 # token at batch 1 / 16 against 1.397 / 2.990 with the dot (benchmarks/decode_profile.py --router-dot).
@@ -149,15 +155,19 @@ def router_logits(x: jax.Array, weight: jax.Array) -> jax.Array:
 
 
 def select_route(cfg: ModelConfig, n_tokens: int, shared_parts: int,
-                 one_kernel: bool = True) -> tuple[str, bool]:
+                 one_kernel: bool = True, schedule_rows: int = 0) -> tuple[str, bool]:
     """What `Router` runs after given logits for `n_tokens` tokens with the shared MLP as `shared_parts` extra
-    experts: ("schedule" (`kernels.router.select_and_schedule`), "select" (`select_experts`) or "reference",
-    whether in interpret mode)."""
+    experts, or asked for a schedule in `schedule_rows`-row tiles: ("schedule"
+    (`kernels.router.select_and_schedule`), "select" (`select_experts`) or "reference", whether in interpret
+    mode)."""
     kind = (router_kernel.choose_select(cfg.num_experts, cfg.num_experts_per_token, restricting_groups(cfg))
             if one_kernel else "reference")
     interpret = kind == "interpret"
-    if (kind != "reference" and shared_parts and ROUTER_SCHEDULE and n_tokens <= router_kernel.SCHEDULE_MAX_TOKENS
-            and router_kernel.schedule_supported(cfg.num_experts, cfg.num_experts_per_token, shared_parts)):
+    wants = shared_parts or schedule_rows
+    if (kind != "reference" and wants and ROUTER_SCHEDULE and n_tokens <= router_kernel.SCHEDULE_MAX_TOKENS
+            and router_kernel.schedule_supported(cfg.num_experts, cfg.num_experts_per_token, shared_parts)
+            and (not schedule_rows or moe_tiles.max_tiles(n_tokens * cfg.num_experts_per_token, cfg.num_experts,
+                                                          schedule_rows) <= 256)):
         return "schedule", interpret
     return ("select" if kind != "reference" else "reference"), interpret
 
@@ -172,12 +182,15 @@ class Router(nn.Module):
     one_kernel: bool = True
 
     @nn.compact
-    def __call__(self, x, shared_parts: int = 0, logits: jax.Array | None = None, chosen=None):
+    def __call__(self, x, shared_parts: int = 0, logits: jax.Array | None = None, chosen=None,
+                 schedule_rows: int = 0):
         """x [N, D] -> (topk_ids [N, k] int32, topk_weights [N, k] float32). With `shared_parts` P > 0: (ids,
         weights, schedule), where the select-and-schedule kernel ran (`kernels.router.select_and_schedule`, up to
         `SCHEDULE_MAX_TOKENS` tokens): the shared MLP's P parts appended to every token as experts E .. E + P - 1 of
         weight 1 (ids / weights [N, k + P], `kernels.moe.routed_and_shared`'s layout) and their
-        `moe_tiles.Schedule` in 16-row tiles from the same launch; elsewhere the routed [N, k] and None. `logits`
+        `moe_tiles.Schedule` in 16-row tiles from the same launch; elsewhere the routed [N, k] and None. With
+        `schedule_rows` > 0 (no shared parts): (ids, weights, schedule in tiles of that many rows with the kernel's
+        padded tables and weights, `select_and_schedule(padded=True)`, where the kernel made it, else None). `logits`
         [N, E] float32: x's logits, computed already (`kernels.moe_front`), not again here. `chosen`: one token's
         choice made already as the select kernel writes it (ids / weights [16, k_pad], `kernels.moe_front.front`
         with `select=MoE.front_select(...)`): only the schedule is made here."""
@@ -192,10 +205,10 @@ class Router(nn.Module):
                                  f"{x.shape[0]} tokens and {shared_parts} parts")
             return router_kernel.one_token_routing(*chosen, cfg.num_experts_per_token + shared_parts,
                                                    cfg.num_experts + shared_parts)
-        ids, weights, sched = self._route(x, weight, bias, shared_parts, logits)
-        return (ids, weights, sched) if shared_parts else (ids, weights)
+        ids, weights, sched = self._route(x, weight, bias, shared_parts, logits, schedule_rows)
+        return (ids, weights, sched) if shared_parts or schedule_rows else (ids, weights)
 
-    def _route(self, x, weight, bias, shared_parts: int, logits: jax.Array | None = None):
+    def _route(self, x, weight, bias, shared_parts: int, logits: jax.Array | None = None, schedule_rows: int = 0):
         """(ids, weights, schedule or None): the shared parts and schedule included only where the
         select-and-schedule kernel ran."""
         cfg = self.config
@@ -208,10 +221,11 @@ class Router(nn.Module):
             return *router_kernel.route_tokens(x, weight, bias, **options, interpret=kind == "interpret"), None
         if logits is None:
             logits = router_logits(x, weight)
-        kind, interpret = select_route(cfg, x.shape[0], shared_parts, self.one_kernel)
+        kind, interpret = select_route(cfg, x.shape[0], shared_parts, self.one_kernel, schedule_rows)
         if kind == "schedule":
             return router_kernel.select_and_schedule(logits, bias, **options, shared_parts=shared_parts,
-                                                     interpret=interpret)
+                                                     block_m=schedule_rows or router_kernel.TILE_ROWS,
+                                                     padded=bool(schedule_rows), interpret=interpret)
         if kind == "select":
             return *router_kernel.select_experts(logits, bias, **options, interpret=interpret), None
         return *route(logits, bias, cfg), None
@@ -316,7 +330,9 @@ class Experts(nn.Module):
     mesh: Any = None
 
     @nn.compact
-    def __call__(self, x, ids, weights, workspace: Workspace | None = None):
+    def __call__(self, x, ids, weights, workspace: Workspace | None = None, sched=None, x_words=None):
+        """`sched` / `x_words`: the MXFP4 decode kernels' schedule and packed x, made ahead
+        (`kernels.moe.moe_experts_packed`); unused otherwise."""
         cfg = self.config
         ep = sharding.expert_parallel_size(cfg, self.mesh) > 1
         if cfg.quant_method == "mxfp4":
@@ -336,7 +352,7 @@ class Experts(nn.Module):
 
                 return expert_parallel(x, ids, weights, p, run_local, self.mesh, cfg.num_experts), workspace
             return moe_kernels.moe_experts_packed(x, ids, weights, packed(p), layer=self.layer, workspace=workspace,
-                                                  impl=cfg.mxfp4.impl)
+                                                  impl=cfg.mxfp4.impl, sched=sched, x_words=x_words)
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
         w = {"w_gate": self.param("w_gate", init, (e, d, i), self.dtype),
@@ -377,6 +393,22 @@ class MoE(nn.Module):
             return params["shared_experts"]["gate_proj"]["kernel"].shape[1] // params["experts"]["w_gate"].shape[2]
         return 0
 
+    def decode_tiles(self, n_tokens: int, workspace: Workspace | None = None):
+        """The MXFP4 decode kernels' tiles (`moe_mxfp4_gemv.GemvTiles`) where the routed experts of a call of
+        `n_tokens` tokens run them (`kernels.moe.packed_decode_tiles`; one device), else None."""
+        cfg = self.config
+        if cfg.quant_method != "mxfp4" or self.mesh is not None:
+            return None
+        fmt = cfg.mxfp4.workspace_dtype if cfg.mxfp4.mode == "offline" else "mxfp4"
+        return moe_kernels.packed_decode_tiles(n_tokens * cfg.num_experts_per_token, cfg.num_experts, fmt, workspace,
+                                               cfg.mxfp4.impl)
+
+    def front_packs(self, n_tokens: int, workspace: Workspace | None = None) -> bool:
+        """Whether a decode call of `n_tokens` tokens takes x packed by the front kernel (`FRONT_PACKED_MIN_TOKENS`,
+        the MXFP4 decode kernels; `__call__(x_words=)`)."""
+        return (n_tokens >= FRONT_PACKED_MIN_TOKENS and self.config.hidden_size % mxfp4.BLOCK == 0
+                and self.decode_tiles(n_tokens, workspace) is not None)
+
     def front_select(self, n_tokens: int) -> tuple[Any, jax.Array | None] | None:
         """For a call of `n_tokens` tokens: where it is one token whose router would run
         `kernels.router.select_and_schedule` (the front kernel chooses for one token only), (the choice as
@@ -395,10 +427,13 @@ class MoE(nn.Module):
         return select, self.variables["params"]["gate"].get("e_score_correction_bias")
 
     @nn.compact
-    def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None, chosen=None):
+    def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None, chosen=None,
+                 x_words=None):
         """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`).
         `logits` [B * T, E] float32: the router's logits of x, computed already (`kernels.moe_front`); `chosen`:
-        one token's choice made already (`front_select`)."""
+        one token's choice made already (`front_select`); `x_words`: x packed for the MXFP4 decode kernels
+        (`front_packs`; `kernels.moe_front.front(pack=True)`). Where those kernels run, the router's select kernel
+        also makes their schedule (`ROUTER_SCHEDULE`; static but for the experts at one token)."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         router = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")
@@ -413,8 +448,13 @@ class MoE(nn.Module):
             return y.reshape(x.shape), workspace
         if chosen is not None:
             raise ValueError("MoE: a choice made already needs the shared MLP in the routed kernels")
-        ids, weights = router(flat, logits=logits)
-        y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(flat, ids, weights, workspace)
+        tiles = self.decode_tiles(flat.shape[0], workspace)
+        if tiles is not None:
+            ids, weights, sched = router(flat, logits=logits, schedule_rows=tiles.rows)
+        else:
+            (ids, weights), sched = router(flat, logits=logits), None
+        y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(flat, ids, weights, workspace,
+                                                                                     sched=sched, x_words=x_words)
         y = y.reshape(x.shape)
         if cfg.num_shared_experts:
             # decode-sized calls on one device through the projection or grouped expert kernels (a mesh shards these

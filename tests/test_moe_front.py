@@ -104,6 +104,23 @@ def test_lowers_to_triton_at_model_shapes(slices, rows):
     assert count_triton_kernels(fn, *args, *([spec((slices, rows, 2048), jnp.float32)] if slices else [])) == 1
 
 
+def _prefilled_decode(cfg, seed: int, batch: int):
+    """A random bf16 model of `cfg` with `batch` 5-token prompts in its cache -> (step, args): `step(*args,
+    decode=True)` is the cached decode step of each prompt's next token (returns (logits, cache))."""
+    from dayzero.model import Model
+    from dayzero.model.cache import init_cache
+
+    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
+    rng = np.random.default_rng(seed)
+    cache = init_cache(cfg, num_blocks=batch + 3, num_slots=batch + 1, dtype=jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, 5)), jnp.int32)
+    tables = jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
+    rows = jnp.arange(1, batch + 1, dtype=jnp.int32)
+    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
+    _, cache = step(ids, jnp.broadcast_to(jnp.arange(5), (batch, 5)), jnp.ones((batch, 5), bool), cache, tables, rows)
+    return step, (ids[:, :1], jnp.full((batch, 1), 5), jnp.ones((batch, 1), bool), cache, tables, rows)
+
+
 @pytest.mark.parametrize("projections,batch", [("reference", 1), ("interpret", 1), ("interpret", 4)])
 def test_model_decode_with_the_front(seed, monkeypatch, projections, batch):
     """The decoder's cached decode step of one row (or 4: the front makes no router choice then) with the KDA decode
@@ -113,33 +130,22 @@ def test_model_decode_with_the_front(seed, monkeypatch, projections, batch):
     MLA layer where its decode projections run in the projection kernel (`decoder.FRONT_AFTER_MLA`; MLA without DSA
     here)."""
     from dayzero.kernels.kda import decode_layer
-    from dayzero.model import Model
-    from dayzero.model.cache import init_cache
     from dayzero.model.presets import tiny
 
     cfg = tiny().replace(hidden_size=64, kda_num_heads=16, kda_head_dim=16, num_experts=16,
                          num_experts_per_token=2, index_topk=0, q_lora_rank=32,
                          kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4, v_head_dim=16)
-    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
-    rng = np.random.default_rng(seed)
-    cache = init_cache(cfg, num_blocks=batch + 3, num_slots=batch + 1, dtype=jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, 5)), jnp.int32)
-    tables = jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
-    rows = jnp.arange(1, batch + 1, dtype=jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(5), (batch, 5))
-    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
-    _, cache = step(ids, positions, jnp.ones((batch, 5), bool), cache, tables, rows)
-    token, at = ids[:, :1], jnp.full((batch, 1), 5)
+    step, args = _prefilled_decode(cfg, seed, batch)
     monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
     chosen_projection = projection.choose
     monkeypatch.setattr(projection, "choose", lambda *a, impl=None: chosen_projection(*a, impl=projections))
-    plain, _ = step(token, at, jnp.ones((batch, 1), bool), cache, tables, rows, decode=True)
+    plain, _ = step(*args, decode=True)
     calls, selects = [], []
     front = moe_front.front
     monkeypatch.setattr(moe_front, "choose", lambda *a, impl=None: "interpret")
     monkeypatch.setattr(moe_front, "front", lambda *a, **k: calls.append(type(a[0]).__name__)
                         or selects.append(k.get("select")) or front(*a, **k))
-    fused, _ = step(token, at, jnp.ones((batch, 1), bool), cache, tables, rows, decode=True)
+    fused, _ = step(*args, decode=True)
     moe_after = {kind: sum(t == kind and m == "moe" for t, m in zip(cfg.layer_types, cfg.mlp_types))
                  for kind in ("kda", "mla")}
     assert moe_after["kda"] >= 1 and moe_after["mla"] >= 1
@@ -155,22 +161,14 @@ def test_model_decode_with_the_front_choosing(seed, monkeypatch):
     """`decoder.FRONT_SELECT` (every kernel in interpret mode): the front kernel also makes the router's choice in
     its last program (turn counters in the cache), and the decode step gives exactly the logits and caches of the
     step whose router makes the choice in its own select kernel; the counters are left at zero."""
-    from dayzero.model import Model, decoder
-    from dayzero.model.cache import init_cache
+    from dayzero.model import decoder
     from dayzero.model.presets import tiny
 
     cfg = tiny().replace(hidden_size=64, kda_num_heads=4, kda_head_dim=16, num_experts=16, num_experts_per_token=2,
                          index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
                          v_head_dim=16, moe_intermediate_size=16)
-    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
-    rng = np.random.default_rng(seed)
-    cache = init_cache(cfg, num_blocks=4, num_slots=2, dtype=jnp.bfloat16)
-    assert cache["moe_turns"].shape == (cfg.num_layers, 1)
-    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (1, 5)), jnp.int32)
-    tables, rows = jnp.asarray([[1]], jnp.int32), jnp.asarray([1], jnp.int32)
-    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
-    _, cache = step(ids, jnp.arange(5)[None], jnp.ones((1, 5), bool), cache, tables, rows)
-    args = (ids[:, :1], jnp.full((1, 1), 5), jnp.ones((1, 1), bool), cache, tables, rows)
+    step, args = _prefilled_decode(cfg, seed, 1)
+    assert args[3]["moe_turns"].shape == (cfg.num_layers, 1)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
     selects = []
     front = moe_front.front
@@ -233,3 +231,68 @@ def test_front_makes_the_routers_choice(seed, sigmoid, parts):
     assert count_triton_kernels(model_shapes, spec((8, 1, 2048), jnp.float32), spec((1, 2048), jnp.bfloat16),
                                 spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16),
                                 spec((64,), jnp.float32), spec((16, 4), jnp.int32)) == 1
+
+
+def test_model_decode_mxfp4_takes_packed_x_and_the_routers_schedule(seed, monkeypatch):
+    """MXFP4 experts at a 4-row decode step (2-row tiles of the MXFP4 decode kernels), every kernel in interpret
+    mode: the front kernel packs x for those kernels (`MoE.front_packs`) and the router's select kernel makes their
+    schedule (`ROUTER_SCHEDULE`, 2-row tiles) in every MoE layer after a fused attention step; the logits and caches
+    are bit for bit those of the step where XLA packs x and makes the schedule (the same words and arrays)."""
+    from dayzero.kernels import moe_mxfp4_gemv, router
+    from dayzero.model import moe
+    from dayzero.model.config import MXFP4Execution
+    from dayzero.model.presets import tiny
+
+    batch = 4
+    cfg = tiny().replace(hidden_size=64, kda_num_heads=4, kda_head_dim=16, num_experts=16, num_experts_per_token=2,
+                         index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
+                         v_head_dim=16, moe_intermediate_size=32, quant_method="mxfp4",
+                         mxfp4=MXFP4Execution(impl="interpret"))
+    step, args = _prefilled_decode(cfg, seed, batch)
+    monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
+    packs, schedules = [], []
+    front, schedule = moe_front.front, router.select_and_schedule
+    monkeypatch.setattr(moe_front, "front", lambda *a, **k: packs.append(k.get("pack")) or front(*a, **k))
+    monkeypatch.setattr(router, "select_and_schedule",
+                        lambda *a, **k: schedules.append(k.get("block_m")) or schedule(*a, **k))
+    given, experts = [], moe_mxfp4_gemv.grouped_swiglu
+    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
+        (k["sched"] is not None, k["x_words"] is not None)) or experts(*a, **k))
+    monkeypatch.setattr(moe, "FRONT_PACKED_MIN_TOKENS", batch + 1)
+    monkeypatch.setattr(moe, "ROUTER_SCHEDULE", False)
+    plain, plain_cache = step(*args, decode=True)
+    assert packs and not any(packs) and not schedules and given and not any(map(any, given))
+    packs.clear()
+    given.clear()
+    monkeypatch.setattr(moe, "FRONT_PACKED_MIN_TOKENS", 2)
+    monkeypatch.setattr(moe, "ROUTER_SCHEDULE", True)
+    made, made_cache = step(*args, decode=True)
+    moe_layers = sum(m == "moe" for m in cfg.mlp_types)
+    assert packs and all(packs) and schedules == [2] * moe_layers and given == [(True, True)] * moe_layers
+    assert np.array_equal(np.asarray(made), np.asarray(plain))
+    for name in plain_cache:
+        assert np.array_equal(np.asarray(made_cache[name], np.float32), np.asarray(plain_cache[name], np.float32))
+
+
+def test_front_packs_x_as_xla_does(seed):
+    """`front(pack=True)` (interpret mode): besides x, normed and the logits, normed's words for the MXFP4 decode
+    kernels bit for bit as `moe_mxfp4_gemv.row_scaled_words` packs them, and a zero row after them (`packed_rows`);
+    a feature count of part of an MX block is refused."""
+    from dayzero.kernels import moe_mxfp4_gemv
+
+    rng = np.random.default_rng(seed)
+    update, residual, norm_weight, router_weight = _inputs(rng, 5, 2)
+    got = moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5, pack=True, interpret=True)
+    want = moe_front.reference(update, residual, norm_weight, router_weight, eps=1e-5, pack=True)
+    assert len(got) == len(want) == 4
+    for g, w in zip(got[:2], want[:2]):
+        assert np.array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    words, factors = got[3]
+    assert words.shape == (6, 4, 16) and words.dtype == jnp.uint32 and factors.shape == (6,)
+    want_words, want_factors = moe_mxfp4_gemv.row_scaled_words(got[1])
+    assert np.array_equal(words[:5], want_words) and np.array_equal(factors[:5], want_factors)
+    assert factors[5] == moe_front.ZERO_ROW_FACTOR
+    assert not np.asarray(words[5]).any() and np.asarray(words[:5]).any()
+    with pytest.raises(ValueError, match="whole MX blocks"):
+        moe_front.front(None, residual[:, :16], norm_weight[:16], router_weight[:, :16], eps=1e-5, pack=True,
+                        interpret=True)

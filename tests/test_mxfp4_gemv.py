@@ -39,11 +39,11 @@ def test_layer_matches_oracle(seed, rows, adaptive, in_kernel, kind, n_tokens, t
 
 @pytest.mark.parametrize("rows,adaptive,in_kernel,kind,block_n", [
     (1, False, True, "random", 16), (1, False, True, "random", 32), (1, False, False, "random", 16),
-    (2, True, False, "one_expert_takes_all", 16), (4, True, True, "empty_experts", 16)])
+    (2, True, False, "one_expert_takes_all", 16), (2, True, False, "random", 32), (4, True, True, "empty_experts", 16)])
 def test_split_k_finish(seed, rows, adaptive, in_kernel, kind, block_n):
     """K split over several programs in both kernels: gate/up's splits meet in float32 atomics and the last program
-    of each weight-row block (a turn counter) applies SwiGLU (with 32-column programs and in-kernel packing, writing
-    h packed for the down kernel); down's splits add into the tokens' sums."""
+    of each weight-row block (a turn counter) applies SwiGLU (with 32-column programs writing h packed for the down
+    kernel, from in-kernel or XLA packing); down's splits add into the tokens' sums."""
     hidden, inter = 256, 128
     rng = np.random.default_rng(seed)
     ew = packed_experts(rng, E, hidden, inter)
@@ -62,9 +62,9 @@ def test_split_k_finish(seed, rows, adaptive, in_kernel, kind, block_n):
 
 
 def test_hidden_halves_match_packing(seed):
-    """With in-kernel packing and 32-column programs the gate/up kernel writes h packed (each MX block's fp16 halves
-    in word order, its factor): bit for bit what packing its h values gives (`block_scaled_words`), a partial last
-    block included (I = 40)."""
+    """With 32-column programs the gate/up kernel writes h packed (each MX block's fp16 halves in word order, read
+    as words, and its factor): bit for bit what packing its h values gives (`block_scaled_words`), a partial last
+    block included (I = 40), whether its input was packed in the kernel or by XLA."""
     rng = np.random.default_rng(seed)
     ew = packed_experts(rng, E, D, I)
     n_tokens = 3
@@ -73,19 +73,31 @@ def test_hidden_halves_match_packing(seed):
     sched = moe_tiles.schedule(jnp.asarray(ids), E, 1)
     gate_up = ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales))
     tiles = gemv.GemvTiles(block_n=32, max_groups=2, pack_in_kernel=True)
-    (halves, factors), form, zeros = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, x, "raw", gate_up,
-                                                      tiles, n_tokens, jnp.float32, interpret=True, zeroed=100)
-    assert form == "halves" and halves.dtype == jnp.int16 and halves.shape[1] == 64 and factors.shape[1] == 2
+    (words, factors), form, zeros = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, x, "raw", gate_up,
+                                                     tiles, n_tokens, jnp.float32, interpret=True, zeroed=100)
+    assert form == "blocks" and words.dtype == jnp.uint32 and words.shape[1:] == (2, 16) and factors.shape[1] == 2
     assert zeros.shape[0] >= 100 and zeros.dtype == jnp.float32 and not np.asarray(zeros).any()
     h, form, zeros = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, x, "raw", gate_up,
-                                      gemv.GemvTiles(block_n=32, max_groups=2), n_tokens, jnp.float32, interpret=True)
+                                      gemv.GemvTiles(block_n=32, max_groups=2, pack_hidden=False), n_tokens,
+                                      jnp.float32, interpret=True)
     assert form == "raw" and h.shape[1] == I and zeros is None
     real = np.asarray(sched.token_of_row) < n_tokens
     want_words, want_factors = (np.asarray(a)[real] for a in gemv.block_scaled_words(h))
-    halves = np.asarray(halves)[real].view(np.uint16).astype(np.uint32).reshape(-1, 2, 16, 2)
-    np.testing.assert_array_equal(halves[..., 0] | (halves[..., 1] << 16), want_words)
+    np.testing.assert_array_equal(np.asarray(words)[real], want_words)
     np.testing.assert_array_equal(np.asarray(factors)[real], want_factors)
     assert np.abs(np.asarray(h)[real]).max() > 0
+    # XLA's row-packed input: the same h, packed the same way
+    xs = gemv.row_scaled_words(jnp.concatenate([x, jnp.zeros((1, D), x.dtype)]))
+    (words2, factors2), form, _ = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, xs, "rows", gate_up,
+                                                   gemv.GemvTiles(block_n=32, max_groups=2), n_tokens, jnp.float32,
+                                                   interpret=True)
+    h2, _, _ = gemv.hidden_rows(sched.tile_expert, sched.token_of_row, xs, "rows", gate_up,
+                                gemv.GemvTiles(block_n=32, max_groups=2, pack_hidden=False), n_tokens, jnp.float32,
+                                interpret=True)
+    assert form == "blocks"
+    want_words, want_factors = (np.asarray(a)[real] for a in gemv.block_scaled_words(h2))
+    np.testing.assert_array_equal(np.asarray(words2)[real], want_words)
+    np.testing.assert_array_equal(np.asarray(factors2)[real], want_factors)
 
 
 def test_splits_and_programs():
@@ -295,7 +307,8 @@ def test_no_float_zero_fill_between_kernels(n_tokens):
     """At the medium layer's decode sizes (one token: K split in the gate/up kernel; 16 tokens: 2-row tiles) no
     float32 buffer is zeroed outside the kernels: the split sums are stored per split, and the gate/up kernel writes
     the zeros the down kernel adds into (XLA's zero fills are ~1 us launches each on the GPU). The turn counters
-    (int32) remain. At 16 tokens the schedule has no scatter (a fill and a scatter kernel on the GPU) either."""
+    (int32) remain. At 16 tokens the schedule has no scatter (a fill and a scatter kernel on the GPU) either, and h
+    goes from kernel to kernel packed (`GemvTiles.pack_hidden`): the only row maximum XLA takes is x's."""
     s = jax.ShapeDtypeStruct
     ew = _expert_specs(64, 2048, 768)
     args = (s((n_tokens, 2048), jnp.bfloat16), s((n_tokens, 6), jnp.int32), s((n_tokens, 6), jnp.float32))
@@ -307,6 +320,24 @@ def test_no_float_zero_fill_between_kernels(n_tokens):
     assert not re.search(r"constant dense<0\.0+e\+00> : tensor<[0-9x]*f32>", text)
     if n_tokens > 1:  # the compare schedule gives each row's pair in the pass that finds its token: no scatter
         assert "stablehlo.scatter" not in text
+        assert re.findall(r"applies stablehlo.maximum across dimensions = \[1\] : \(tensor<(\d+)x", text) == ["17"]
+
+
+@pytest.mark.parametrize("shape,packed", [((64, 6, 2048, 768), True), ((256, 8, 7168, 2048), False)])
+def test_hidden_packed_where_the_gate_up_kernel_splits_k(shape, packed):
+    """At 16 tokens (2-row tiles, x packed by XLA) the gate/up kernel writes h packed where it splits K (the medium
+    layer: its block's last program packs), and leaves it to XLA where every program finishes its own block (the
+    DeepSeek-size layer, where packing in the kernel measured slower): XLA takes one row maximum (x's) or two."""
+    n_experts, top_k, hidden, inter = shape
+    s = jax.ShapeDtypeStruct
+    ew = _expert_specs(n_experts, hidden, inter)
+    args = (s((16, hidden), jnp.bfloat16), s((16, top_k), jnp.int32), s((16, top_k), jnp.float32))
+    tiles = gemv.tiles_for(16 * top_k, n_experts)
+    n_rows = moe_tiles.max_tiles(16 * top_k, n_experts, 2) * 2
+    split = gemv._k_split(hidden // 32, tiles, n_rows // 2 * inter // 32)[1]
+    assert tiles.rows == 2 and not tiles.pack_in_kernel and (split > 1) == packed
+    text = lower_for_cuda(lambda x, i, w, ew: gemv.grouped_swiglu(x, i, w, ew, tiles=tiles), *args, ew)
+    assert len(re.findall(r"applies stablehlo.maximum across dimensions = \[1\]", text)) == (1 if packed else 2)
 
 
 def test_token_sums_rejects_a_short_buffer():

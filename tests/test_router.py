@@ -116,37 +116,73 @@ def test_lowers_to_triton_at_model_shapes(n_tokens):
         assert count_triton_kernels(select, spec((n_tokens, n_experts), jnp.float32), args[2]) == 1
 
 
-@pytest.mark.parametrize("n_tokens,n_experts,top_k,parts,activation", [
-    (1, 64, 6, 1, "sigmoid"), (5, 16, 4, 2, "softmax"), (16, 64, 6, 1, "sigmoid"), (11, 32, 8, 3, "softmax")])
-def test_select_and_schedule(seed, n_tokens, n_experts, top_k, parts, activation):
+@pytest.mark.parametrize("n_tokens,n_experts,top_k,parts,activation,block_m", [
+    (1, 64, 6, 1, "sigmoid", 16), (5, 16, 4, 2, "softmax", 16), (16, 64, 6, 1, "sigmoid", 16),
+    (11, 32, 8, 3, "softmax", 16), (16, 64, 6, 0, "sigmoid", 2), (12, 16, 8, 0, "softmax", 2),
+    (16, 16, 8, 0, "sigmoid", 4), (9, 32, 4, 1, "sigmoid", 1), (1, 64, 6, 0, "sigmoid", 2)])
+def test_select_and_schedule(seed, n_tokens, n_experts, top_k, parts, activation, block_m):
     """The select-and-schedule kernel (interpret mode): the ids and weights of `select_experts` with the shared
-    parts appended (ids E .., weight 1), and exactly the schedule `moe_tiles.schedule` makes of them (tile_expert
-    running on past its tiles: -1, or for one token the padding of the ids)."""
+    parts appended (ids E .., weight 1), and exactly the schedule `moe_tiles.schedule` makes of them in tiles of
+    `block_m` rows (tile_expert running on past its tiles: -1, or for one token the padding of the ids), its pair
+    table included. Few experts at 16 tokens: experts with several short tiles."""
     rng = np.random.default_rng(seed)
     logits = jnp.asarray(rng.standard_normal((n_tokens, n_experts)) * 2, jnp.float32)
     bias = jnp.asarray(rng.standard_normal(n_experts) * 0.1, jnp.float32)
     options = dict(top_k=top_k, sigmoid=activation == "sigmoid", renormalize=True, scale=2.5)
-    ids, weights, sched = router.select_and_schedule(logits, bias, **options, shared_parts=parts, interpret=True)
+    ids, weights, sched = router.select_and_schedule(logits, bias, **options, shared_parts=parts, block_m=block_m,
+                                                     interpret=True)
     want_ids, want_weights = router.select_experts(logits, bias, **options, interpret=True)
     assert ids.shape == weights.shape == (n_tokens, top_k + parts)
     assert np.array_equal(ids[:, :top_k], want_ids) and np.array_equal(weights[:, :top_k], want_weights)
     assert np.array_equal(ids[:, top_k:], np.broadcast_to(n_experts + np.arange(parts), (n_tokens, parts)))
     assert np.all(np.asarray(weights[:, top_k:]) == 1.0)
-    assert_schedule_of(sched, ids, n_experts + parts)
+    assert_schedule_of(sched, ids, n_experts + parts, block_m)
+    if n_tokens > 1 and block_m < 16:  # some expert ran more tokens than one tile holds
+        assert np.asarray(sched.group_sizes).max() > block_m
 
 
-def assert_schedule_of(sched, ids, n_experts: int):
-    """`sched` is the schedule `moe_tiles.schedule` makes of ids [T, k] over n_experts in 16-row tiles; its
-    tile_expert may run on past the tiles (-1 there; for one token, the padding of the ids)."""
+@pytest.mark.parametrize("n_tokens,block_m", [(1, 1), (16, 2), (5, 2)])
+def test_select_and_schedule_padded(seed, n_tokens, block_m):
+    """`padded=True` (the MXFP4 decode kernels' form): the kernel's tables unsliced, their first R rows the
+    schedule's; the pair table numbering pairs t * k_pad + slot in the weights' padded rows (`pair_weights`), whose
+    pairs hold the routing weights; padding rows numbered past them."""
     from dayzero.kernels import moe_tiles
 
-    want = moe_tiles.schedule(ids, n_experts, 16)
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.standard_normal((n_tokens, 64)) * 2, jnp.float32)
+    options = dict(top_k=6, sigmoid=True, renormalize=True, scale=2.5, shared_parts=0, block_m=block_m)
+    ids, weights, sched = router.select_and_schedule(logits, None, **options, padded=True, interpret=True)
+    want = moe_tiles.schedule(ids, 64, block_m)
+    n_rows = want.token_of_row.shape[0]
+    assert sched.token_of_row.shape[0] >= n_rows and sched.pair_rows.shape == sched.token_of_row.shape
+    assert np.array_equal(sched.token_of_row[:n_rows], want.token_of_row)
+    assert np.array_equal(sched.row_of_pair, want.row_of_pair)
+    padded = np.asarray(sched.pair_weights)
+    stride = padded.shape[1]
+    assert padded.shape[0] == router.BLOCK_M and stride == 8
+    pairs = np.asarray(sched.pair_rows[:n_rows])
+    real = np.asarray(want.token_of_row) < n_tokens
+    want_pairs = np.asarray(want.pair_of_row())
+    assert np.array_equal(pairs[real], want_pairs[real] // 6 * stride + want_pairs[real] % 6)
+    assert np.all(pairs[~real] == padded.size)
+    assert np.array_equal(padded.reshape(-1)[pairs[real]], np.asarray(weights).reshape(-1)[want_pairs[real]])
+
+
+def assert_schedule_of(sched, ids, n_experts: int, block_m: int = 16):
+    """`sched` is the schedule `moe_tiles.schedule` makes of ids [T, k] over n_experts in `block_m`-row tiles;
+    its tile_expert may run on past the tiles (-1 there; for one token, the padding of the ids); from two tokens it
+    carries its pair table."""
+    from dayzero.kernels import moe_tiles
+
+    want = moe_tiles.schedule(ids, n_experts, block_m)
     for field in ("row_of_pair", "token_of_row", "group_sizes"):
         assert np.array_equal(getattr(sched, field), getattr(want, field)), field
     n_tiles = want.tile_expert.shape[0]
     assert np.array_equal(sched.tile_expert[:n_tiles], want.tile_expert)
     if ids.shape[0] > 1:
         assert np.all(np.asarray(sched.tile_expert[n_tiles:]) == -1)
+        assert sched.pair_rows is not None
+        assert np.array_equal(sched.pair_of_row(), want.pair_of_row()), "pair_rows"
 
 
 def test_select_and_schedule_names_what_it_does_not_take():
@@ -158,9 +194,9 @@ def test_select_and_schedule_names_what_it_does_not_take():
     assert not router.schedule_supported(48, 6, 1)  # not a power of two
 
 
-@pytest.mark.parametrize("n_tokens", [1, 2, 16])
-def test_select_and_schedule_lowers_to_triton(n_tokens):
+@pytest.mark.parametrize("n_tokens,parts,block_m", [(1, 1, 16), (2, 1, 16), (16, 1, 16), (16, 0, 2)])
+def test_select_and_schedule_lowers_to_triton(n_tokens, parts, block_m):
     spec = jax.ShapeDtypeStruct
     fn = lambda logits, b: router.select_and_schedule(logits, b, top_k=6, sigmoid=True, renormalize=True, scale=2.5,
-                                                      shared_parts=1)
+                                                      shared_parts=parts, block_m=block_m)
     assert count_triton_kernels(fn, spec((n_tokens, 64), jnp.float32), spec((64,), jnp.float32)) == 1

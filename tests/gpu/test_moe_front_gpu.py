@@ -38,6 +38,24 @@ def test_front_matches_xla_on_gpu(slices, rows):
     np.testing.assert_allclose(np.asarray(got[2], np.float64), oracle, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 16])
+def test_front_packs_x_on_gpu(rows):
+    """`front(pack=True)` at the medium hybrid's shapes: the kernel's words and factors for the MXFP4 decode kernels
+    are bit for bit `packed_rows` of its own normed rows (`row_scaled_words` and a zero row)."""
+    k = jax.random.split(jax.random.key(rows), 4)
+    residual = jax.random.normal(k[0], (rows, 2048), jnp.bfloat16)
+    update = projection.Partials(jax.random.normal(k[1], (8, rows, 2048), jnp.float32), None, 2048, 1e-6, "bfloat16")
+    norm_weight = jax.random.uniform(k[2], (2048,), jnp.float32, 0.5, 1.5)
+    router_weight = (jax.random.normal(k[3], (64, 2048)) * 0.02).astype(jnp.bfloat16)
+    _, normed, _, (words, factors) = jax.jit(lambda *a: moe_front.front(*a, eps=1e-5, pack=True))(
+        update, residual, norm_weight, router_weight)
+    want_words, want_factors = jax.jit(moe_front.packed_rows)(normed)
+    assert words.shape == (rows + 1, 64, 16)
+    assert np.array_equal(np.asarray(words), np.asarray(want_words))
+    assert np.array_equal(np.asarray(factors), np.asarray(want_factors))  # the zero row's factor written too
+    assert np.asarray(words[:rows]).any() and not np.asarray(words[rows]).any()
+
+
 @pytest.mark.parametrize("batch", [1, 16])
 def test_model_decode_with_the_front_on_gpu(monkeypatch, batch):
     """The medium hybrid's decode step (batch 1 or 16, random weights) with the front kernel after every KDA layer's

@@ -255,3 +255,30 @@ def test_mxfp4_engine_greedy_is_the_forward_top_token(seed):
         for prompt, out in zip(prompts, outs):
             assert len(out.token_ids) == params.max_tokens
             assert_forward_top_tokens(model, prompt, out.token_ids, 1e-3)
+
+
+@pytest.mark.parametrize("batch", [2, 16])
+def test_decode_step_takes_packed_x_and_the_routers_schedule_on_gpu(monkeypatch, batch):
+    """The medium hybrid's first layers with MXFP4 experts, a decode step of 2 or 16 rows (the decode kernels' 2-row
+    tiles): with the front kernel packing x (`MoE.front_packs`) and the router's select kernel making the 2-row
+    schedule (`ROUTER_SCHEDULE`), against XLA packing x and making the schedule: the next-token logits within the
+    down kernel's float32 atomics (their order varies), and the kernels given both in every MoE layer after a
+    front."""
+    from dayzero.model import moe as model_moe
+    from medium_prefix_cases import prefilled_medium_prefix
+
+    run, args = prefilled_medium_prefix(9, num_blocks=batch + 2, batch=batch, mxfp4=True)
+    given, experts = [], moe_mxfp4_gemv.grouped_swiglu
+    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
+        (k["sched"] is not None, k["x_words"] is not None)) or experts(*a, **k))
+    monkeypatch.setattr(model_moe, "FRONT_PACKED_MIN_TOKENS", 10 ** 6)
+    monkeypatch.setattr(model_moe, "ROUTER_SCHEDULE", False)
+    plain, _ = run(*args, decode=True)
+    assert given and not any(map(any, given))
+    given.clear()
+    monkeypatch.setattr(model_moe, "FRONT_PACKED_MIN_TOKENS", 2)
+    monkeypatch.setattr(model_moe, "ROUTER_SCHEDULE", True)
+    made, _ = run(*args, decode=True)
+    assert given and all(sched for sched, _ in given) and sum(words for _, words in given) >= 2, given
+    a, b = np.asarray(made, np.float64), np.asarray(plain, np.float64)
+    assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2

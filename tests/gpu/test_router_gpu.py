@@ -50,12 +50,14 @@ def test_router_matches_xla_route(seed, n_tokens, dtype, kernel):
     np.testing.assert_allclose(np.asarray(weights)[same], np.asarray(want_weights)[same], rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("n_tokens", [1, 2, 7, 16])
-def test_select_and_schedule_on_gpu(seed, n_tokens):
-    """The select-and-schedule kernel compiled at the medium hybrid's router (64 experts, top-6, one shared part):
-    the same ids and weights as `select_experts` on the same logits, the shared part appended, and exactly the
-    schedule `moe_tiles.schedule` makes of those ids (its products run on the tensor cores: exact for these
-    0 / 1 and small-integer operands)."""
+@pytest.mark.parametrize("n_tokens,parts,block_m", [(1, 1, 16), (2, 1, 16), (7, 1, 16), (16, 1, 16), (5, 0, 2),
+                                                    (16, 0, 2)])
+def test_select_and_schedule_on_gpu(seed, n_tokens, parts, block_m):
+    """The select-and-schedule kernel compiled at the medium hybrid's router (64 experts, top-6; one shared part
+    in 16-row tiles for the grouped kernels, none in 2-row tiles for the MXFP4 decode kernels): the same ids and
+    weights as `select_experts` on the same logits, the shared part appended, and exactly the schedule
+    `moe_tiles.schedule` makes of those ids, pair table included (its products run on the tensor cores: exact for
+    these 0 / 1 and small-integer operands)."""
     from test_router import assert_schedule_of
 
     cfg = medium_hybrid()
@@ -64,11 +66,12 @@ def test_select_and_schedule_on_gpu(seed, n_tokens):
     bias = jax.random.normal(jax.random.fold_in(key, 2), (cfg.num_experts,), jnp.float32) * 0.01
     options = dict(top_k=cfg.num_experts_per_token, sigmoid=True, renormalize=cfg.renormalize,
                    scale=cfg.routed_scaling_factor)
-    ids, weights, sched = jax.jit(lambda l, b: router.select_and_schedule(l, b, **options, shared_parts=1))(
-        logits, bias)
+    ids, weights, sched = jax.jit(lambda l, b: router.select_and_schedule(l, b, **options, shared_parts=parts,
+                                                                           block_m=block_m))(logits, bias)
     want_ids, want_weights = jax.jit(lambda l, b: router.select_experts(l, b, **options))(logits, bias)
     k = cfg.num_experts_per_token
-    assert np.array_equal(ids[:, :k], want_ids) and np.all(np.asarray(ids[:, k]) == cfg.num_experts)
+    assert ids.shape[1] == k + parts and np.array_equal(ids[:, :k], want_ids)
     np.testing.assert_allclose(np.asarray(weights[:, :k]), np.asarray(want_weights), rtol=1e-6)
-    assert np.all(np.asarray(weights[:, k]) == 1.0)
-    assert_schedule_of(sched, ids, cfg.num_experts + 1)
+    if parts:
+        assert np.all(np.asarray(ids[:, k]) == cfg.num_experts) and np.all(np.asarray(weights[:, k]) == 1.0)
+    assert_schedule_of(sched, ids, cfg.num_experts + parts, block_m)
