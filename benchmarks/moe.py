@@ -259,6 +259,14 @@ GEMV_SWEEP = {  # label: GemvTiles, swept by --sweep gemv at each token count (t
     "r2a_bn32_g16_w4_s2": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 8, 4, adaptive=True, num_stages=2),
     "r2a_bn32_g16_w4_s3": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 8, 4, adaptive=True, num_stages=3),
     "r2a_bn32_g8_w4_s3": moe_mxfp4_gemv.GemvTiles(2, 32, 8, 8, 4, adaptive=True, num_stages=3),
+    # 2-row tiles at the medium layer's 16 tokens (short programs: 4 K steps of 16 blocks, K split in 2 by default):
+    # K unsplit ("_x1": no partial sums or turn counter, h then packed by XLA), fewer programs before splitting
+    # ("_m1024"), longer steps, 8 warps, and the default with h packed by XLA ("_hx")
+    "r2a_bn32_g16_w4_x1": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 1, 4, adaptive=True),
+    "r2a_bn32_g16_w4_m1024": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 8, 4, 1024, adaptive=True),
+    "r2a_bn32_g32_w4_x1": moe_mxfp4_gemv.GemvTiles(2, 32, 32, 1, 4, adaptive=True),
+    "r2a_bn32_g16_w8_x1": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 1, 8, adaptive=True),
+    "r2a_bn32_g16_w4_hx": moe_mxfp4_gemv.GemvTiles(2, 32, 16, 8, 4, adaptive=True, pack_hidden=False),
     # "_k": the activations packed by each program (GemvTiles.pack_in_kernel), no XLA pass around the kernels
     "r1_bn16_g16_w4_k": moe_mxfp4_gemv.GemvTiles(1, 16, 16, 8, 4, pack_in_kernel=True),
     "r1_bn32_g16_w4_k": moe_mxfp4_gemv.GemvTiles(1, 32, 16, 8, 4, pack_in_kernel=True),
