@@ -117,14 +117,16 @@ def packed_decode_tiles(n_pairs: int, n_experts: int, fmt: str, workspace: Works
 
 def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, experts: ExpertWeights, *,
                        layer: int | jax.Array = 0, workspace: Workspace | None = None,
-                       tiles: Tiles | None = None, impl: str | None = None, sched: moe_tiles.Schedule | None = None,
-                       x_words: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, Workspace | None]:
+                       tiles: Tiles | moe_mxfp4_gemv.GemvTiles | None = None, impl: str | None = None,
+                       sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None
+                       ) -> tuple[jax.Array, Workspace | None]:
     """x [N, H], topk_ids [N, k], topk_weights [N, k] -> ([N, H] of x.dtype, workspace).
 
     MXFP4 `experts` with a `workspace`: the layer's active experts are converted into it (unless resident from an
     earlier call for the same `layer`), then multiplied from it. MXFP4 without one: converted tile by tile in the
-    matmul ("fused"), or at decode sizes through the CUDA-core kernels (`packed_decode_tiles`), which take the
-    pairs' schedule and x's packed words made ahead (`sched`, `x_words`: `moe_mxfp4_gemv.grouped_swiglu`).
+    matmul ("fused"), or at decode sizes through the CUDA-core kernels (`packed_decode_tiles`, or `tiles` given as
+    theirs), which take the pairs' schedule and x's packed words made ahead (`sched`, `x_words`:
+    `moe_mxfp4_gemv.grouped_swiglu`).
     Converted experts (offline FP8 / BF16): multiplied directly. `layer` names the weights for the workspace's
     residency tags.
     """

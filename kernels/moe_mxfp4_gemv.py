@@ -460,6 +460,13 @@ def _launch(groups: int, tiles: GemvTiles) -> tuple[int, int, int]:
     return max(tiles.block_n, 32 * warps // gk), gk, warps
 
 
+def _grid(groups: int, n_out: int, n_rows: int, tiles: GemvTiles) -> tuple[tuple[int, int], int]:
+    """((row tiles, weight-row blocks), K splits) of a decode kernel over `n_rows` rows, `n_out` weight rows and
+    `groups` MX blocks of K."""
+    grid = (n_rows // tiles.rows, pl.cdiv(n_out, _launch(groups, tiles)[0]))
+    return grid, _k_split(groups, tiles, grid[0] * grid[1])[1]
+
+
 def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, outputs, tiles: GemvTiles,
           interpret: bool, n_rows: int, **static):
     """One decode kernel over `weights` (P pairs of blocks uint8 [E, N, G, 16] / scales uint8 [E, N, G]) and the
@@ -476,8 +483,7 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
     if x_groups != groups:
         raise ValueError(f"the activations cover {x_groups} MX blocks of K, the weights {groups}")
     bn, gk, warps = _launch(groups, tiles)
-    grid = (n_rows // tiles.rows, pl.cdiv(n_out, bn))
-    split = _k_split(groups, tiles, grid[0] * grid[1])[1]
+    grid, split = _grid(groups, n_out, n_rows, tiles)
     out_shapes, aliased, sized = outputs(grid[1], split, bn)  # the aliased buffers are the last outputs
     n_outputs = len(out_shapes) if isinstance(out_shapes, tuple) else 1
     widths = tuple(w for w in ROWS if w <= tiles.rows) if tiles.adaptive else (tiles.rows,)
@@ -513,9 +519,8 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
     (default all of token_of_row's; a longer table's rows past R are not read)."""
     inter, groups = gate_up[0][0].shape[1], gate_up[0][0].shape[2]
     n_rows = token_of_row.shape[0] if n_rows is None else n_rows
-    bn = _launch(groups, tiles)[0]
-    split = _k_split(groups, tiles, n_rows // tiles.rows * pl.cdiv(inter, bn))[1]
-    halves = tiles.pack_hidden and bn == BLOCK and (tiles.pack_in_kernel or split > 1)
+    split = _grid(groups, inter, n_rows, tiles)[1]
+    halves = tiles.pack_hidden and _launch(groups, tiles)[0] == BLOCK and (tiles.pack_in_kernel or split > 1)
 
     def outputs(blocks_n, split, bn):
         if halves:

@@ -85,17 +85,14 @@ class DecoderLayer(nn.Module):
         front = moe_front.by_kind(kind)
         select = self.mlp.front_select(residual.shape[0]) if FRONT_SELECT and "moe_turns" in cache else None
         pack = self.mlp.front_packs(residual.shape[0], workspace)  # x's words for the MXFP4 decode kernels
-        if select is None:
-            x, normed, logits, *packed = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps,
-                                               pack=pack)
-            y, workspace = self.mlp(normed[:, None], workspace, logits=logits, x_words=packed[0] if pack else None)
-            return x[:, None] + y, workspace, cache
-        x, normed, logits, *packed, ids, weights, turns = front(
-            update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps, pack=pack, select=select[0],
-            bias=select[1], turns=cache["moe_turns"], layer=self.layer)
-        y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=(ids, weights),
-                                x_words=packed[0] if pack else None)
-        return x[:, None] + y, workspace, dict(cache, moe_turns=turns)
+        choice = {} if select is None else dict(select=select[0], bias=select[1], turns=cache["moe_turns"],
+                                                layer=self.layer)
+        x, normed, logits, *rest = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps,
+                                         pack=pack, **choice)
+        x_words, rest = (rest[0], rest[1:]) if pack else (None, rest)
+        y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=tuple(rest[:2]) if choice else None,
+                                x_words=x_words)
+        return x[:, None] + y, workspace, (dict(cache, moe_turns=rest[2]) if choice else cache)
 
     def _mlp(self, x, workspace):
         """x + mlp(norm(x)) -> (x, workspace)."""

@@ -264,6 +264,12 @@ def new_workspace(cfg: ModelConfig, n_tokens: int, mesh: Mesh | None = None) -> 
     return moe_workspace.create(slots, cfg.hidden_size, cfg.moe_intermediate_size, cfg.mxfp4.workspace_dtype)
 
 
+def packed_format(cfg: ModelConfig) -> str:
+    """The format the MXFP4 checkpoint's routed experts run in: "mxfp4" (packed), or the workspace dtype after an
+    offline conversion."""
+    return cfg.mxfp4.workspace_dtype if cfg.mxfp4.mode == "offline" else "mxfp4"
+
+
 def expert_parallel(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, experts: dict[str, jax.Array],
                     run_local: Callable[[jax.Array, jax.Array, jax.Array, dict[str, jax.Array]], jax.Array],
                     mesh: Mesh, num_experts: int) -> jax.Array:
@@ -330,19 +336,18 @@ class Experts(nn.Module):
     mesh: Any = None
 
     @nn.compact
-    def __call__(self, x, ids, weights, workspace: Workspace | None = None, sched=None, x_words=None):
-        """`sched` / `x_words`: the MXFP4 decode kernels' schedule and packed x, made ahead
-        (`kernels.moe.moe_experts_packed`); unused otherwise."""
+    def __call__(self, x, ids, weights, workspace: Workspace | None = None, tiles=None, sched=None, x_words=None):
+        """`tiles` / `sched` / `x_words`: the MXFP4 decode kernels' tiles (`MoE.decode_tiles`), their schedule and
+        packed x, made ahead (`kernels.moe.moe_experts_packed`); unused otherwise."""
         cfg = self.config
         ep = sharding.expert_parallel_size(cfg, self.mesh) > 1
         if cfg.quant_method == "mxfp4":
             p = {name: self.param(name, _packed_init(name), shape, dtype)
                  for name, (shape, dtype) in packed_param_shapes(cfg).items()}
-            offline = cfg.mxfp4.mode == "offline"
-            fmt = cfg.mxfp4.workspace_dtype if offline else "mxfp4"
+            fmt = packed_format(cfg)
 
             def packed(p):
-                data = [p[f"{proj}_converted" if offline else f"{proj}_blocks"] for proj in PROJECTIONS]
+                data = [p[f"{proj}_blocks" if fmt == "mxfp4" else f"{proj}_converted"] for proj in PROJECTIONS]
                 return mxfp4.ExpertWeights(*data, *[p.get(f"{proj}_scales") for proj in PROJECTIONS], fmt=fmt)
 
             if ep:
@@ -352,7 +357,7 @@ class Experts(nn.Module):
 
                 return expert_parallel(x, ids, weights, p, run_local, self.mesh, cfg.num_experts), workspace
             return moe_kernels.moe_experts_packed(x, ids, weights, packed(p), layer=self.layer, workspace=workspace,
-                                                  impl=cfg.mxfp4.impl, sched=sched, x_words=x_words)
+                                                  tiles=tiles, impl=cfg.mxfp4.impl, sched=sched, x_words=x_words)
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
         w = {"w_gate": self.param("w_gate", init, (e, d, i), self.dtype),
@@ -399,9 +404,8 @@ class MoE(nn.Module):
         cfg = self.config
         if cfg.quant_method != "mxfp4" or self.mesh is not None:
             return None
-        fmt = cfg.mxfp4.workspace_dtype if cfg.mxfp4.mode == "offline" else "mxfp4"
-        return moe_kernels.packed_decode_tiles(n_tokens * cfg.num_experts_per_token, cfg.num_experts, fmt, workspace,
-                                               cfg.mxfp4.impl)
+        return moe_kernels.packed_decode_tiles(n_tokens * cfg.num_experts_per_token, cfg.num_experts,
+                                               packed_format(cfg), workspace, cfg.mxfp4.impl)
 
     def front_packs(self, n_tokens: int, workspace: Workspace | None = None) -> bool:
         """Whether a decode call of `n_tokens` tokens takes x packed by the front kernel (`FRONT_PACKED_MIN_TOKENS`,
@@ -453,8 +457,8 @@ class MoE(nn.Module):
             ids, weights, sched = router(flat, logits=logits, schedule_rows=tiles.rows)
         else:
             (ids, weights), sched = router(flat, logits=logits), None
-        y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(flat, ids, weights, workspace,
-                                                                                     sched=sched, x_words=x_words)
+        y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(
+            flat, ids, weights, workspace, tiles=tiles, sched=sched, x_words=x_words)
         y = y.reshape(x.shape)
         if cfg.num_shared_experts:
             # decode-sized calls on one device through the projection or grouped expert kernels (a mesh shards these
