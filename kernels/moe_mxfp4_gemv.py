@@ -26,6 +26,12 @@ them in registers:
   kernel adds weight * (h @ down) into each token's float32 sums by atomics, into zeros that the gate/up kernel
   wrote (no XLA zero fill between the kernels). What is left outside the kernels: the turn counters' zero fill
   (split K only), the schedule (static at one token) and the final cast.
+- a shared MLP (bf16) can ride along in 1-row tiles (`grouped_swiglu(shared=)`, `SharedFold`): each part of I
+  columns runs as SHARED_QUARTERS pseudo-experts over a quarter of K (a bf16 weight is ~3.8x an MXFP4 one's bytes,
+  so their programs stream about a routed program's bytes), whose weight rows are read in the activations' word
+  order and multiplied in float32; the quarters' gate/up sums meet in the partials, and each quarter's down
+  programs read the h columns the last of them wrote into its row. A batch-1 MoE layer is then the front kernel
+  and these two.
 
 In interpret mode (and on platforms without inline PTX) the same kernel runs a jnp form of the block products
 (float32 sums), so CPU tests check the indexing, schedule and epilogues; the fp16 arithmetic is checked on a GPU
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -300,6 +307,81 @@ def _block_products(acc, w, xs, facs, asm: bool):
     return acc
 
 
+# ------------------------------------------------------------------------------------------------ shared MLP
+
+# Pseudo-experts per part of the shared MLP folded into the decode kernels (`SharedFold`), and MX blocks of K per
+# step of their products. H200 (medium hybrid with MXFP4 experts, benchmarks/decode_profile.py at batch 1, 2026-12-04):
+# 4 quarters 0.886 / 0.896 ms per token pipelined in two calls, 2 quarters 0.987, 8 quarters 0.914 (against 0.923
+# with the shared MLP apart); the K split set by the routed tiles alone instead of all tiles: 0.894.
+SHARED_QUARTERS = 4
+SHARED_STEP_BLOCKS = 4
+
+
+class SharedFold(NamedTuple):
+    """The shared MLP (bf16 gate / up [H, S], down [S, H]) run by the decode kernels' programs beside the routed
+    experts (`grouped_swiglu(shared=)`): each of its S / I parts of I intermediate columns runs as `quarters`
+    pseudo-experts, numbered n_routed + part * quarters + quarter after the routed experts and chosen by every token
+    with weight 1. In the gate/up kernel pseudo-expert (part, quarter) multiplies the part's I columns of gate and up
+    over that quarter of K (the hidden size), and the quarters' sums meet in the partials (the last program of a
+    column block adds them up and applies SwiGLU); in the down kernel it multiplies its quarter of the part's h
+    columns, which the gate/up kernel wrote into its own row, by those rows of down. A bf16 weight is ~3.8x an MXFP4
+    one's bytes, so a quarter of K gives a pseudo-expert's programs about a routed program's bytes. `width`: the
+    flat weight's row length (S for gate / up, H for down); `blocks`: MX blocks of K per pseudo-expert; one tile per
+    pseudo-expert and token (1-row tiles), `tiles_per_part` (the call's tokens) apart in the schedule."""
+
+    n_routed: int
+    quarters: int
+    part_inter: int
+    width: int
+    blocks: int
+    tiles_per_part: int
+
+
+def _half_values(bits: jax.Array) -> jax.Array:
+    """uint32 holding fp16 bit patterns in their low 16 bits -> float32."""
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+def _shared_products(fold: SharedFold, role: str, s_refs, x_ref, factor_ref, x_form: str, row, ok, expert, c0, q,
+                     bn: int, split: int, k_valid: int):
+    """A shared pseudo-expert's products in one program (`SharedFold`): row `row` of the activations (in `x_form`,
+    as `_kernel` reads them) times weight columns c0 .. c0 + bn of the flat bf16 refs `s_refs` (gate, up or down)
+    over this program's K split `q` of the pseudo-expert's K -> [[sums float32 [bn] per ref]] (one row). The weight
+    rows are read in the activations' word order (`_word_elements`), so the packed words multiply as they are."""
+    part = expert - fold.n_routed
+    piece, quarter = part // fold.quarters, part % fold.quarters
+    per = fold.blocks // split  # blocks of K in this program
+    gs = tiling.pow2_divisor(per, SHARED_STEP_BLOCKS)
+    if role == "gate_up":  # x is the hidden size: this quarter's K
+        x_g0 = quarter * fold.blocks + q * per
+        w_g0, col = x_g0, piece * fold.part_inter + c0
+    else:  # x is this pseudo-expert's row of h, its columns from 0; the weight rows are the part's quarter
+        x_g0 = q * per
+        w_g0, col = piece * (fold.part_inter // BLOCK) + quarter * fold.blocks + x_g0, c0
+    cols = col + jax.lax.broadcasted_iota(jnp.int32, (1, 1, bn), 2)
+
+    def step(s, accs):
+        gx = x_g0 + s * gs
+        if x_form == "raw":
+            words, factor = _activation_block(x_ref, row, ok, gx, gs, k_valid)
+            factor = factor[:, None]
+        else:
+            words = x_ref[row, pl.ds(gx, gs), :]
+            factor = factor_ref[row] if x_form == "rows" else factor_ref[row, pl.ds(gx, gs)][:, None]
+        lane0 = (_half_values(words & 0xFFFF) * factor)[:, :, None]
+        lane1 = (_half_values(words >> 16) * factor)[:, :, None]
+        elements = ((w_g0 + s * gs) * BLOCK + _word_elements(gs))[:, :, None]
+        out = []
+        for acc, ref in zip(accs, s_refs):
+            w0 = ref[elements * fold.width + cols].astype(jnp.float32)
+            w1 = ref[(elements + 2) * fold.width + cols].astype(jnp.float32)
+            out.append(acc + jnp.sum(jnp.sum(lane0 * w0 + lane1 * w1, axis=0), axis=0))
+        return tuple(out)
+
+    zeros = tuple(jnp.zeros((bn,), jnp.float32) for _ in s_refs)
+    return [list(jax.lax.fori_loop(0, per // gs, step, zeros))]
+
+
 # ------------------------------------------------------------------------------------------------ kernel
 
 
@@ -317,7 +399,8 @@ def _activation_block(x_ref, row, ok, g0, gk: int, k_valid: int):
 
 
 def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps, split, n_valid, k_valid, n_src,
-            top_k, n_tokens, x_form, h_form, h_dtype, asm, interpret, zero_chunk=0, sums_dim=0):
+            top_k, n_tokens, x_form, h_form, h_dtype, asm, interpret, zero_chunk=0, sums_dim=0,
+            shared: SharedFold | None = None):
     """One program: `rows` token rows of one expert (tile t) x `bn` weight rows (block j) x one K split (q).
 
     The activations (`x_form`): "raw" rows x_ref [X, K] that each program packs; "rows", XLA's `row_scaled_words`
@@ -333,17 +416,23 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     fill runs between the kernels.
     role "down": x_ref = h [R, I] (row r reads its own row), src_ref [R] each row's pair (P: padding); adds
     weight * down(h) into the tokens' flat sums [(T + 1) * D' (+ padding)] float32 (`moe_dense_fused.add_to_tokens`;
-    D' = `sums_dim`, the weight rows in whole blocks) by atomics (pair p: token p // top_k)."""
+    D' = `sums_dim`, the weight rows in whole blocks) by atomics (pair p: token p // top_k).
+    `shared` (`SharedFold`): tiles of experts E .. E + P - 1 run the shared MLP's pseudo-experts from its bf16
+    weights (flat refs after the routed ones; `_shared_products`); their gate/up sums always go through the partials
+    and turn counters, since the Q pseudo-experts of one part finish its SwiGLU together."""
     if x_form != "raw":
         factor_ref, *refs = refs
+    n_shared = 0 if shared is None else (2 if role == "gate_up" else 1)
     if role == "gate_up":
-        w_refs = refs[:4]
-        outs = refs[4 + (split > 1):]  # after the turn counters (an aliased input where K is split)
+        w_refs, s_refs = refs[:4], refs[4:4 + n_shared]
+        finishing = split > 1 or shared is not None  # then the turn counters are an aliased input
+        outs = refs[4 + n_shared + finishing:]
         n_h = 2 if h_form == "halves" else 1
         h_refs, outs = outs[:n_h], outs[n_h:]
         zero_ref, finish_refs = (outs[0], outs[1:]) if zero_chunk else (None, outs)
     else:
         pair_weight_ref, *w_refs = refs[:3]
+        s_refs = refs[3:3 + n_shared]
         sums_ref = refs[-1]
     n_proj = len(w_refs) // 2
     t, j, q = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -386,23 +475,23 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         return [[jnp.sum(jnp.sum(jnp.where(col == r, acc, 0.0), axis=2), axis=1) * units[r] for acc in accs]
                 for r in range(width)]
 
+    def write_hidden(row, col, g, u, mask):
+        """h = silu(g) * u (float32 [bn]) into h's row `row` at columns col .. col + bn."""
+        h = (g / (1.0 + jnp.exp(-g)) * u).astype(h_dtype)
+        if h_form == "values":
+            pltriton.store(h_refs[0].at[row, pl.ds(col, bn)], h, mask=mask)
+            return
+        # one MX block of h (columns past I are zeros): its fp16 halves in word order, and its factor
+        h = h.astype(jnp.float32)
+        e = _exponent(jnp.max(jnp.abs(h)))
+        h_refs[0][row, col + _halves_order(bn)] = _fp16_halves(h, e)
+        h_refs[1][row, col // BLOCK] = pow2(e - _TOP)
+
     def gate_up(width):
         sums = products(width)
-
-        def write_hidden(r, g, u):
-            h = (g / (1.0 + jnp.exp(-g)) * u).astype(h_dtype)
-            if h_form == "values":
-                pltriton.store(h_refs[0].at[t * rows + r, pl.ds(c0, bn)], h, mask=cmask)
-                return
-            # one MX block of h (columns past I are zeros): its fp16 halves in word order, and its factor
-            h = h.astype(jnp.float32)
-            e = _exponent(jnp.max(jnp.abs(h)))
-            h_refs[0][t * rows + r, c0 + _halves_order(bn)] = _fp16_halves(h, e)
-            h_refs[1][t * rows + r, j] = pow2(e - _TOP)
-
         if split == 1:
             for r, (g, u) in enumerate(sums):
-                write_hidden(r, g, u)
+                write_hidden(t * rows + r, c0, g, u, cmask)
             return
         partials_ref, turns_ref = finish_refs
         for r, row_sums in enumerate(sums):
@@ -415,9 +504,31 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             for r in range(width):
                 g, u = (sum(partials_ref[jnp.int32(s), t * rows + r, jnp.int32(i), pl.ds(c0, bn)]
                             for s in range(split)) for i in (0, 1))
-                write_hidden(r, g, u)
+                write_hidden(t * rows + r, c0, g, u, cmask)
 
-    def down(width):
+    def gate_up_shared():
+        """A shared pseudo-expert's tile (one row): its K quarter's gate / up sums into the partials; the last of
+        the part's Q x split programs for this column block adds them up and writes the block of h into the row of
+        the pseudo-expert whose down slice holds these columns."""
+        (sums,) = _shared_products(shared, role, s_refs, x_ref, factor_ref if x_form != "raw" else None, x_form,
+                                   src[0], real[0], expert, c0, q, bn, split, k_valid)
+        partials_ref, turns_ref = finish_refs
+        for i, y in enumerate(sums):
+            partials_ref[q, t * rows, jnp.int32(i), pl.ds(c0, bn)] = y
+        quarter = (expert - shared.n_routed) % shared.quarters
+        lead = t - quarter * shared.tiles_per_part  # the tile of quarter 0 of this part, for this token
+        turn = atomics.take_turn(turns_ref, (lead, j), interpret=interpret)
+
+        @pl.when(turn == shared.quarters * split - 1)
+        def _():
+            g, u = (sum(partials_ref[jnp.int32(s), (lead + jnp.int32(k * shared.tiles_per_part)) * rows,
+                                     jnp.int32(i), pl.ds(c0, bn)]
+                        for s in range(split) for k in range(shared.quarters)) for i in (0, 1))
+            slice_cols = shared.part_inter // shared.quarters
+            dest = (lead + (c0 // slice_cols) * shared.tiles_per_part) * rows
+            write_hidden(dest, c0 % slice_cols, g, u, None)
+
+    def down(width, products=products):
         for r, (y,) in enumerate(products(width)):
             pair = jnp.minimum(src[r], n_src - 1)
             token = jnp.where(real[r], pair // top_k, n_tokens)  # T: a padding row, which adds nothing
@@ -432,13 +543,23 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
                 zero_ref[pl.ds((j * split + q) * zero_chunk + p * piece, piece)] = jnp.zeros((piece,), jnp.float32)
 
     body = gate_up if role == "gate_up" else down
+    routed = expert >= 0
+    if shared is not None:
+        routed = routed & (expert < shared.n_routed)
+        if role == "gate_up":
+            pl.when(expert >= shared.n_routed)(gate_up_shared)
+        else:
+            shared_sums = lambda width: _shared_products(shared, role, s_refs, x_ref, factor_ref if x_form != "raw"
+                                                         else None, x_form, t * rows, real[0], expert, c0, q, bn,
+                                                         split, k_valid)
+            pl.when(expert >= shared.n_routed)(lambda: down(1, shared_sums))
     if len(widths) == 1:
-        pl.when(expert >= 0)(lambda: body(rows))
+        pl.when(routed)(lambda: body(rows))
         return
     # the tile's real rows, then the narrowest products covering them: each program's branch is uniform
     n_real = sum(ok.astype(jnp.int32) for ok in real)
     for lower, width in zip((0,) + widths[:-1], widths):
-        pl.when((expert >= 0) & (n_real > lower) & (n_real <= width))(functools.partial(body, width))
+        pl.when(routed & (n_real > lower) & (n_real <= width))(functools.partial(body, width))
 
 
 def _k_split(groups: int, tiles: GemvTiles, programs: int) -> tuple[int, int]:
@@ -468,12 +589,12 @@ def _grid(groups: int, n_out: int, n_rows: int, tiles: GemvTiles) -> tuple[tuple
 
 
 def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, outputs, tiles: GemvTiles,
-          interpret: bool, n_rows: int, **static):
+          interpret: bool, n_rows: int, shared_weights=(), **static):
     """One decode kernel over `weights` (P pairs of blocks uint8 [E, N, G, 16] / scales uint8 [E, N, G]) and the
     activations `x` in `x_form` (`_kernel`: "raw" [X, K]; "rows" / "blocks": (words, factors)) for the first
     `n_rows` rows of `src_of_row`: `extra` inputs after them, `outputs` a function of (row blocks, K splits,
     block_n) -> (output shapes, buffers aliased to the last outputs, static kernel arguments that depend on the
-    launch)."""
+    launch). `shared_weights`: the flat bf16 weights of a folded shared MLP (`SharedFold`), after `weights`."""
     n_out, groups = weights[0][0].shape[1], weights[0][0].shape[2]
     packed = x_form != "raw"
     if x_form == "raw":
@@ -491,7 +612,8 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
                                k_steps=groups // gk // split, split=split, n_valid=n_out,
                                k_valid=groups * BLOCK if packed else x.shape[1], x_form=x_form,
                                asm=dispatch.nvidia_ptx(interpret), interpret=interpret, **static, **sized)
-    inputs = (tile_expert, src_of_row, *(x if packed else (x,)), *extra, *[a for w in weights for a in w])
+    inputs = (tile_expert, src_of_row, *(x if packed else (x,)), *extra, *[a for w in weights for a in w],
+              *shared_weights)
     return pl.pallas_call(
         kernel,
         out_shape=out_shapes,
@@ -503,8 +625,15 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
     )(*inputs, *aliased)
 
 
+def _packs_hidden(groups: int, split: int, tiles: GemvTiles) -> bool:
+    """Whether the gate/up kernel over `groups` MX blocks of K in `split` K splits writes h packed
+    (`GemvTiles.pack_hidden`)."""
+    return tiles.pack_hidden and _launch(groups, tiles)[0] == BLOCK and (tiles.pack_in_kernel or split > 1)
+
+
 def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvTiles, n_tokens: int, dtype,
-                interpret: bool = False, zeroed: int = 0, n_rows: int | None = None):
+                interpret: bool = False, zeroed: int = 0, n_rows: int | None = None,
+                shared: tuple[SharedFold, tuple[jax.Array, jax.Array]] | None = None):
     """The gate/up kernel: silu(x @ gate) * (x @ up) at each row's token, rounded to `dtype` -> (h, its form for
     `token_sums`, zeros): with `GemvTiles.pack_hidden` (where it applies), h already packed for the down
     kernel ((words uint32 [R, G, 16], factors float32 [R, G]): each MX block of h scaled on its own, "blocks"), else
@@ -516,11 +645,16 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
     `x_form`: the T tokens [T, D] ("raw") or `row_scaled_words` of them with a zero row T appended ("rows"); gate_up:
     ((blocks, scales) of gate, of up), blocks uint8 [E, I, G, 16], scales uint8 [E, I, G]. Rows of skipped tiles
     (and, with adaptive tiles, a tile's rows past its real ones) are left unwritten. `n_rows`: the rows R to run
-    (default all of token_of_row's; a longer table's rows past R are not read)."""
+    (default all of token_of_row's; a longer table's rows past R are not read). `shared`: (its `SharedFold`, the
+    shared MLP's (gate, up) [H, S] bf16): tiles of experts from fold.n_routed run it (h packed only)."""
     inter, groups = gate_up[0][0].shape[1], gate_up[0][0].shape[2]
     n_rows = token_of_row.shape[0] if n_rows is None else n_rows
+    fold, shared_weights = (None, ()) if shared is None else (shared[0], tuple(w.reshape(-1) for w in shared[1]))
     split = _grid(groups, inter, n_rows, tiles)[1]
-    halves = tiles.pack_hidden and _launch(groups, tiles)[0] == BLOCK and (tiles.pack_in_kernel or split > 1)
+    halves = _packs_hidden(groups, split, tiles)
+    if fold is not None and (not halves or fold.blocks % split):
+        raise ValueError(f"the shared MLP folds into the gate/up kernel where it writes h packed and its {split} K "
+                         f"splits divide the pseudo-experts' {fold.blocks} blocks of K")
 
     def outputs(blocks_n, split, bn):
         if halves:
@@ -531,7 +665,7 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
         chunk = tiling.pow2_at_least(-(-zeroed // (blocks_n * split))) if zeroed else 0
         if chunk:  # one chunk of zeros per (block, split) of tile 0
             shapes.append(jax.ShapeDtypeStruct((blocks_n * split * chunk,), jnp.float32))
-        if split == 1:
+        if split == 1 and fold is None:
             return tuple(shapes), (), dict(zero_chunk=chunk)
         # each split's sums (whole blocks: no masked stores), then the turn counters, zeroed
         turns = jnp.zeros((n_rows // tiles.rows, blocks_n), jnp.int32)
@@ -540,8 +674,8 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
         return tuple(shapes), (turns,), dict(zero_chunk=chunk)
 
     out = _call("gate_up", tile_expert, token_of_row, x, x_form, (), gate_up, outputs, tiles, interpret, n_rows,
-                n_src=n_tokens, top_k=1, n_tokens=n_tokens, h_form="halves" if halves else "values",
-                h_dtype=jnp.dtype(dtype))
+                shared_weights, n_src=n_tokens, top_k=1, n_tokens=n_tokens, h_form="halves" if halves else "values",
+                h_dtype=jnp.dtype(dtype), shared=fold)
     n_h = 2 if halves else 1
     zeros = out[n_h] if zeroed else None
     if halves:
@@ -565,16 +699,18 @@ def sums_size(n_tokens: int, down, tiles: GemvTiles) -> int:
 
 
 def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: int, n_tokens: int, down,
-               tiles: GemvTiles, interpret: bool = False, *, sums: jax.Array, n_rows: int | None = None
-               ) -> jax.Array:
+               tiles: GemvTiles, interpret: bool = False, *, sums: jax.Array, n_rows: int | None = None,
+               shared: tuple[SharedFold, jax.Array] | None = None) -> jax.Array:
     """The down kernel: [T, D] float32, each token's sum over its pairs of weight * (h @ down) (float32 atomics:
     the order of the adds varies from run to run).
 
     pair_of_row [R] int32 (P for padding rows), h in `h_form` (`hidden_rows`' result, or "rows": its
     `row_scaled_words`), pair_weights [P] float32 (pair p is token p // top_k's: `top_k` the pairs' stride, which
     may count padding slots), down: ((blocks uint8 [E, D, G, 16], scales uint8 [E, D, G]),); sums: float32 zeros of
-    at least `sums_size` floats to add into (`hidden_rows`' zeros); `n_rows`: as `hidden_rows`'."""
+    at least `sums_size` floats to add into (`hidden_rows`' zeros); `n_rows`: as `hidden_rows`'; `shared`: (its
+    `SharedFold`, the shared MLP's down [S, H] bf16), as `hidden_rows`' (the pseudo-experts' pairs weigh 1)."""
     hidden = down[0][0].shape[1]
+    fold, shared_weights = (None, ()) if shared is None else (shared[0], (shared[1].reshape(-1),))
     n_pairs = pair_weights.shape[0]
     size = sums_size(n_tokens, down, tiles)
     if sums.shape[0] < size or sums.dtype != jnp.float32:
@@ -586,16 +722,41 @@ def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: in
         # rows of whole weight-row blocks (no masked columns), one scratch row (interpret mode's padding rows)
         return jax.ShapeDtypeStruct(sums.shape, sums.dtype), (sums,), dict(sums_dim=width)
 
+    n_rows = pair_of_row.shape[0] if n_rows is None else n_rows
+    if fold is not None and fold.blocks % _grid(down[0][0].shape[2], hidden, n_rows, tiles)[1]:
+        raise ValueError(f"the shared MLP's down quarters ({fold.blocks} blocks of K) do not divide into the down "
+                         f"kernel's K splits")
     sums = _call("down", tile_expert, pair_of_row, h, h_form, (pair_weights.astype(jnp.float32),), down, outputs,
-                 tiles, interpret, pair_of_row.shape[0] if n_rows is None else n_rows, n_src=n_pairs, top_k=top_k,
-                 n_tokens=n_tokens, h_form="values", h_dtype=None)
+                 tiles, interpret, n_rows, shared_weights, n_src=n_pairs, top_k=top_k, n_tokens=n_tokens,
+                 h_form="values", h_dtype=None, shared=fold)
     return sums[:n_tokens * width].reshape(n_tokens, width)[:, :hidden]
+
+
+def shared_parts(n_tokens: int, top_k: int, hidden: int, inter: int, shared_inter: int, tiles: GemvTiles) -> int:
+    """The pseudo-experts (`SharedFold`: SHARED_QUARTERS per I columns) a shared MLP of `shared_inter` columns runs
+    as in the decode kernels' call of `n_tokens` tokens x `top_k` routed experts (hidden size H, the experts'
+    intermediate size I) with `tiles`; 0 where it does not fold: 1-row tiles, h packed by the gate/up kernel, I a
+    multiple of 32 x SHARED_QUARTERS and S of I, H's MX blocks of the quarters, and each kernel's K splits dividing
+    a quarter's blocks."""
+    quarters = SHARED_QUARTERS
+    if (tiles.rows != 1 or hidden % BLOCK or inter % (BLOCK * quarters) or not shared_inter or shared_inter % inter
+            or (hidden // BLOCK) % quarters):
+        return 0
+    parts = quarters * shared_inter // inter
+    n_rows = n_tokens * (top_k + parts)
+    g_hidden, g_inter = hidden // BLOCK, inter // BLOCK
+    split_gate_up = _grid(g_hidden, inter, n_rows, tiles)[1]
+    split_down = _grid(g_inter, hidden, n_rows, tiles)[1]
+    if (not _packs_hidden(g_hidden, split_gate_up, tiles) or (g_hidden // quarters) % split_gate_up
+            or (g_inter // quarters) % split_down):
+        return 0
+    return parts
 
 
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ew: ExpertWeights,
                    n_experts: int | None = None, tiles: GemvTiles | None = None, interpret: bool = False, *,
-                   sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None
-                   ) -> jax.Array:
+                   sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None,
+                   shared: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """Routed SwiGLU experts over MXFP4 `ew`: x [T, D], topk_ids [T, k] int, topk_weights [T, k] -> [T, D] of
     x.dtype (the hidden activations rounded to x.dtype between the projections, as the MMA path does).
 
@@ -604,12 +765,41 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     whose `Schedule.pair_weights` then stand in for topk_weights; default `moe_tiles.schedule` here); `x_words`, x
     packed as `row_scaled_words` packs it with a zero row appended (words uint32 [T + 1, G, 16], factors float32
     [T + 1]; `kernels.moe_front.front(pack=True)`), which the gate/up kernel then reads in place of packing x itself
-    (`GemvTiles.pack_in_kernel`) or XLA's packing."""
+    (`GemvTiles.pack_in_kernel`) or XLA's packing.
+
+    `shared` (gate [H, S], up [H, S], down [S, H] bf16): a shared-expert MLP every token runs unweighted, added in by
+    the same two kernels (`SharedFold`: its `shared_parts` pseudo-experts E .. E + P - 1 of weight 1; 1-row tiles);
+    with `sched` given, topk_ids and topk_weights hold their columns already (`kernels.router`'s shared parts), else
+    they are appended here."""
     if ew.fmt != "mxfp4":
         raise ValueError(f"the decode kernels take MXFP4 experts, not {ew.fmt}")
     n_experts = n_experts or ew.gate.shape[0]
-    tiles = tiles or tiles_for(topk_ids.size, n_experts)
     n_tokens = x.shape[0]
+    folds = None
+    if shared is not None:
+        hidden, inter = x.shape[1], ew.gate.shape[1]
+        s_gate, s_up, s_down = shared
+        if s_gate.shape != s_up.shape or s_gate.shape[0] != hidden or s_down.shape != s_gate.shape[::-1]:
+            raise ValueError(f"shared MLP {s_gate.shape} / {s_up.shape} / {s_down.shape} does not match hidden size "
+                             f"{hidden} (gate / up [H, S], down [S, H])")
+        per_part = SHARED_QUARTERS * s_gate.shape[1] // inter
+        top_k = topk_ids.shape[1] - (per_part if sched is not None else 0)
+        tiles = tiles or tiles_for(n_tokens * top_k, n_experts)
+        parts = shared_parts(n_tokens, top_k, hidden, inter, s_gate.shape[1], tiles)
+        if not parts:
+            raise ValueError(f"a shared MLP of {s_gate.shape[1]} columns does not fold into the decode kernels with "
+                             f"{tiles} at {n_tokens} tokens x top-{top_k} (`shared_parts`)")
+        if sched is None:
+            topk_ids = jnp.concatenate([topk_ids.astype(jnp.int32), jnp.broadcast_to(
+                jnp.arange(n_experts, n_experts + parts, dtype=jnp.int32), (n_tokens, parts))], axis=1)
+            topk_weights = jnp.concatenate([topk_weights.astype(jnp.float32),
+                                            jnp.ones((n_tokens, parts), jnp.float32)], axis=1)
+        fold = functools.partial(SharedFold, n_routed=n_experts, quarters=SHARED_QUARTERS, part_inter=inter,
+                                 tiles_per_part=n_tokens)
+        folds = ((fold(width=s_gate.shape[1], blocks=hidden // BLOCK // SHARED_QUARTERS), (s_gate, s_up)),
+                 (fold(width=hidden, blocks=inter // BLOCK // SHARED_QUARTERS), s_down))
+        n_experts += parts
+    tiles = tiles or tiles_for(topk_ids.size, n_experts)
     n_rows = moe_tiles.max_tiles(topk_ids.size, n_experts, tiles.rows) * tiles.rows  # the rows any routing needs
     if sched is None:
         sched = moe_tiles.schedule(topk_ids, n_experts, tiles.rows)
@@ -635,9 +825,10 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     down = ((ew.down, ew.down_scales),)
     h, h_form, zeros = hidden_rows(sched.tile_expert, sched.token_of_row, *xs,
                                    ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales)), tiles, n_tokens, x.dtype,
-                                   interpret, zeroed=sums_size(n_tokens, down, tiles), n_rows=n_rows)
+                                   interpret, zeroed=sums_size(n_tokens, down, tiles), n_rows=n_rows,
+                                   shared=folds and folds[0])
     if h_form == "raw" and not tiles.pack_in_kernel:
         h, h_form = row_scaled_words(h), "rows"
     sums = token_sums(sched.tile_expert, sched.pair_of_row(), h, h_form, pair_weights, stride, n_tokens, down,
-                      tiles, interpret, sums=zeros, n_rows=n_rows)
+                      tiles, interpret, sums=zeros, n_rows=n_rows, shared=folds and folds[1])
     return sums.astype(x.dtype)

@@ -83,7 +83,8 @@ class DecoderLayer(nn.Module):
         router_weight = self.mlp.variables["params"]["gate"]["weight"]
         norm_weight = self.post_attention_layernorm.variables["params"]["weight"]
         front = moe_front.by_kind(kind)
-        select = self.mlp.front_select(residual.shape[0]) if FRONT_SELECT and "moe_turns" in cache else None
+        select = (self.mlp.front_select(residual.shape[0], workspace) if FRONT_SELECT and "moe_turns" in cache
+                  else None)
         pack = self.mlp.front_packs(residual.shape[0], workspace)  # x's words for the MXFP4 decode kernels
         choice = {} if select is None else dict(select=select[0], bias=select[1], turns=cache["moe_turns"],
                                                 layer=self.layer)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from dayzero.kernels import moe as moe_kernels
-from dayzero.kernels import moe_front, moe_tiles, moe_workspace, mxfp4, projection
+from dayzero.kernels import moe_front, moe_mxfp4_gemv, moe_tiles, moe_workspace, mxfp4, projection
 from dayzero.kernels import router as router_kernel
 from dayzero.kernels.moe_workspace import Workspace
 
@@ -57,6 +57,14 @@ ROUTER_SCHEDULE = True
 # `GemvTiles.pack_in_kernel`: each gate/up program its own K slice) or in XLA (a reduction and two fusions per MoE
 # layer at 16 tokens).
 FRONT_PACKED_MIN_TOKENS = 2
+# Token counts up to which the MXFP4 decode kernels also run the shared MLP (`moe_mxfp4_gemv.SharedFold`: its parts
+# as pseudo-experts over a quarter of K each, from its bf16 weights), where they take the call
+# (`moe_mxfp4_gemv.shared_parts`: 1-row tiles), instead of its own projection kernels and SwiGLU between; the router's
+# choice at one token is then made by the MoE front kernel (`MoE.front_select`), as with bf16 experts. On the H200
+# (medium hybrid with MXFP4 experts, benchmarks/decode_profile.py --experts mxfp4, 2026-12-04): batch 1 0.923 -> 0.886
+# / 0.896 ms per token pipelined in two calls, 250 -> 175 kernels (the shared MLP's projection kernels, its SwiGLU
+# multiply and the router's select kernel gone; gate/up 7.1 -> 11.1 us, down 4.7 -> 6.3 us per layer). 0: never.
+SHARED_IN_PACKED_MAX_TOKENS = 1
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
 # the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
 # token at batch 1 / 16 against 1.397 / 2.990 with the dot (benchmarks/decode_profile.py --router-dot).
@@ -203,8 +211,9 @@ class Router(nn.Module):
             if not shared_parts or x.shape[0] != 1:
                 raise ValueError(f"Router: a choice made already is for one token with shared parts, not "
                                  f"{x.shape[0]} tokens and {shared_parts} parts")
+            rows = dict(block_m=schedule_rows, padded=True) if schedule_rows else {}
             return router_kernel.one_token_routing(*chosen, cfg.num_experts_per_token + shared_parts,
-                                                   cfg.num_experts + shared_parts)
+                                                   cfg.num_experts + shared_parts, **rows)
         ids, weights, sched = self._route(x, weight, bias, shared_parts, logits, schedule_rows)
         return (ids, weights, sched) if shared_parts or schedule_rows else (ids, weights)
 
@@ -336,9 +345,11 @@ class Experts(nn.Module):
     mesh: Any = None
 
     @nn.compact
-    def __call__(self, x, ids, weights, workspace: Workspace | None = None, tiles=None, sched=None, x_words=None):
+    def __call__(self, x, ids, weights, workspace: Workspace | None = None, tiles=None, sched=None, x_words=None,
+                 shared=None):
         """`tiles` / `sched` / `x_words`: the MXFP4 decode kernels' tiles (`MoE.decode_tiles`), their schedule and
-        packed x, made ahead (`kernels.moe.moe_experts_packed`); unused otherwise."""
+        packed x, made ahead (`kernels.moe.moe_experts_packed`), and `shared`, the shared MLP's (gate, up, down)
+        kernels for those kernels to add in (`moe_mxfp4_gemv.SharedFold`); unused otherwise."""
         cfg = self.config
         ep = sharding.expert_parallel_size(cfg, self.mesh) > 1
         if cfg.quant_method == "mxfp4":
@@ -357,7 +368,8 @@ class Experts(nn.Module):
 
                 return expert_parallel(x, ids, weights, p, run_local, self.mesh, cfg.num_experts), workspace
             return moe_kernels.moe_experts_packed(x, ids, weights, packed(p), layer=self.layer, workspace=workspace,
-                                                  tiles=tiles, impl=cfg.mxfp4.impl, sched=sched, x_words=x_words)
+                                                  tiles=tiles, impl=cfg.mxfp4.impl, sched=sched, x_words=x_words,
+                                                  shared=shared)
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
         w = {"w_gate": self.param("w_gate", init, (e, d, i), self.dtype),
@@ -387,15 +399,22 @@ class MoE(nn.Module):
     layer: int = 0
     mesh: Any = None
 
-    def _shared_parts(self, n_tokens: int) -> int:
-        """How many extra experts of the grouped kernels the shared MLP runs as in a call of `n_tokens` tokens
-        (`SHARED_IN_ROUTED_KERNELS`), or 0 where it runs apart."""
+    def _shared_parts(self, n_tokens: int, workspace: Workspace | None = None) -> int:
+        """How many extra experts of the expert kernels the shared MLP runs as in a call of `n_tokens` tokens, or 0
+        where it runs apart: bf16 experts' grouped kernels (`SHARED_IN_ROUTED_KERNELS`), or the MXFP4 decode kernels
+        (`SHARED_IN_PACKED_MAX_TOKENS`, `moe_mxfp4_gemv.shared_parts`)."""
         cfg = self.config
         params = {} if self.is_initializing() else self.variables["params"]
-        if (SHARED_IN_ROUTED_KERNELS and cfg.num_shared_experts and cfg.quant_method != "mxfp4" and self.mesh is None
-                and params and n_tokens <= SHARED_IN_ROUTED_MAX_TOKENS
+        if not (cfg.num_shared_experts and self.mesh is None and params):
+            return 0
+        shared_inter = params["shared_experts"]["gate_proj"]["kernel"].shape[1]
+        if cfg.quant_method == "mxfp4":
+            tiles = self.decode_tiles(n_tokens, workspace) if n_tokens <= SHARED_IN_PACKED_MAX_TOKENS else None
+            return 0 if tiles is None else moe_mxfp4_gemv.shared_parts(
+                n_tokens, cfg.num_experts_per_token, cfg.hidden_size, cfg.moe_intermediate_size, shared_inter, tiles)
+        if (SHARED_IN_ROUTED_KERNELS and n_tokens <= SHARED_IN_ROUTED_MAX_TOKENS
                 and moe_kernels.shared_kernel_kind(params["experts"]["w_gate"]) != "reference"):
-            return params["shared_experts"]["gate_proj"]["kernel"].shape[1] // params["experts"]["w_gate"].shape[2]
+            return shared_inter // params["experts"]["w_gate"].shape[2]
         return 0
 
     def decode_tiles(self, n_tokens: int, workspace: Workspace | None = None):
@@ -413,7 +432,8 @@ class MoE(nn.Module):
         return (n_tokens >= FRONT_PACKED_MIN_TOKENS and self.config.hidden_size % mxfp4.BLOCK == 0
                 and self.decode_tiles(n_tokens, workspace) is not None)
 
-    def front_select(self, n_tokens: int) -> tuple[Any, jax.Array | None] | None:
+    def front_select(self, n_tokens: int, workspace: Workspace | None = None
+                     ) -> tuple[Any, jax.Array | None] | None:
         """For a call of `n_tokens` tokens: where it is one token whose router would run
         `kernels.router.select_and_schedule` (the front kernel chooses for one token only), (the choice as
         `kernels.moe_front.Select`, the correction bias [E] float32 or None) for the front kernel to make, then
@@ -421,7 +441,7 @@ class MoE(nn.Module):
         cfg = self.config
         if n_tokens != 1:
             return None
-        parts = self._shared_parts(1)
+        parts = self._shared_parts(1, workspace)
         if self.mesh is not None or not parts or select_route(cfg, 1, parts)[0] != "schedule":
             return None
         select = moe_front.Select(cfg.num_experts_per_token, cfg.router_activation == "sigmoid", cfg.renormalize,
@@ -441,26 +461,30 @@ class MoE(nn.Module):
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         router = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")
-        parts = self._shared_parts(flat.shape[0])
+        parts = self._shared_parts(flat.shape[0], workspace)
+        shared = None
         if parts:
             params = self.variables["params"]
-            experts, mlp = params["experts"], params["shared_experts"]
+            mlp = params["shared_experts"]
             shared = tuple(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
+        if parts and cfg.quant_method != "mxfp4":
+            experts = params["experts"]
             ids, weights, sched = router(flat, shared_parts=parts, logits=logits, chosen=chosen)
             y = moe_kernels.routed_and_shared(flat, ids, weights, experts["w_gate"], experts["w_up"],
                                               experts["w_down"], shared, sched=sched)
             return y.reshape(x.shape), workspace
-        if chosen is not None:
-            raise ValueError("MoE: a choice made already needs the shared MLP in the routed kernels")
+        if chosen is not None and not parts:
+            raise ValueError("MoE: a choice made already needs the shared MLP in the expert kernels")
         tiles = self.decode_tiles(flat.shape[0], workspace)
-        if tiles is not None:
-            ids, weights, sched = router(flat, logits=logits, schedule_rows=tiles.rows)
+        if tiles is not None:  # (the shared MLP's parts, where it folds into these kernels, the router's to append)
+            ids, weights, sched = router(flat, shared_parts=parts, logits=logits, chosen=chosen,
+                                         schedule_rows=tiles.rows)
         else:
             (ids, weights), sched = router(flat, logits=logits), None
         y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(
-            flat, ids, weights, workspace, tiles=tiles, sched=sched, x_words=x_words)
+            flat, ids, weights, workspace, tiles=tiles, sched=sched, x_words=x_words, shared=shared)
         y = y.reshape(x.shape)
-        if cfg.num_shared_experts:
+        if cfg.num_shared_experts and not parts:
             # decode-sized calls on one device through the projection or grouped expert kernels (a mesh shards these
             # weights)
             y = y + MLP(cfg.moe_intermediate_size * cfg.num_shared_experts, cfg.hidden_size, self.dtype,

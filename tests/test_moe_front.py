@@ -274,6 +274,43 @@ def test_model_decode_mxfp4_takes_packed_x_and_the_routers_schedule(seed, monkey
         assert np.array_equal(np.asarray(made_cache[name], np.float32), np.asarray(plain_cache[name], np.float32))
 
 
+def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
+    """MXFP4 experts at a one-row decode step, every kernel in interpret mode: the MXFP4 decode kernels run the
+    shared MLP too (`SHARED_IN_PACKED_MAX_TOKENS`, `moe_mxfp4_gemv.SharedFold`) and the front kernel makes the
+    router's choice with its parts appended (`MoE.front_select`), in every MoE layer after a fused attention step;
+    the next-token logits match the step where the shared MLP runs apart (its own kernels, bf16 between them) to bf16
+    rounding."""
+    from dayzero.kernels import moe_mxfp4_gemv
+    from dayzero.model import moe
+    from dayzero.model.config import MXFP4Execution
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(hidden_size=128, kda_num_heads=4, kda_head_dim=16, num_experts=16, num_experts_per_token=2,
+                         index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
+                         v_head_dim=16, moe_intermediate_size=128, quant_method="mxfp4",
+                         mxfp4=MXFP4Execution(impl="interpret"))
+    step, args = _prefilled_decode(cfg, seed, 1)
+    monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
+    selects, given = [], []
+    front, experts = moe_front.front, moe_mxfp4_gemv.grouped_swiglu
+    monkeypatch.setattr(moe_front, "front", lambda *a, **k: selects.append(k.get("select")) or front(*a, **k))
+    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
+        (k.get("shared") is not None, k["sched"] is not None)) or experts(*a, **k))
+    monkeypatch.setattr(moe, "SHARED_IN_PACKED_MAX_TOKENS", 0)
+    apart, _ = step(*args, decode=True)
+    moe_layers = sum(m == "moe" for m in cfg.mlp_types)
+    assert selects and not any(selects) and given == [(False, True)] * moe_layers
+    selects.clear()
+    given.clear()
+    monkeypatch.setattr(moe, "SHARED_IN_PACKED_MAX_TOKENS", 1)
+    folded, _ = step(*args, decode=True)
+    assert len(selects) == moe_layers and all(s is not None and s.parts == moe_mxfp4_gemv.SHARED_QUARTERS
+                                              for s in selects)
+    assert given == [(True, True)] * moe_layers
+    a, f = np.asarray(apart, np.float32), np.asarray(folded, np.float32)
+    assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
+
+
 def test_front_packs_x_as_xla_does(seed):
     """`front(pack=True)` (interpret mode): besides x, normed and the logits, normed's words for the MXFP4 decode
     kernels bit for bit as `moe_mxfp4_gemv.row_scaled_words` packs them, and a zero row after them (`packed_rows`);

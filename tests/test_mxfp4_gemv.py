@@ -365,3 +365,85 @@ def test_moe_mxfp4_rejects_workspace_slots_for_gemv_tiles():
         moe_mxfp4.grouped_swiglu(jnp.zeros((1, D)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), ew,
                                  slot_of_expert=jnp.arange(E), tiles=gemv.GemvTiles(), interpret=True)
 
+
+
+def _shared_mlp(rng, hidden: int, shared_inter: int):
+    """A bf16 shared MLP (gate [H, S], up [H, S], down [S, H]) and its float32 oracle x [T, H] -> [T, H]."""
+    weights = tuple(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.bfloat16)
+                    for shape in ((hidden, shared_inter), (hidden, shared_inter), (shared_inter, hidden)))
+    gate, up, down = (np.asarray(w, np.float32) for w in weights)
+
+    def oracle_mlp(x):
+        g, u = x @ gate, x @ up
+        return (g / (1.0 + np.exp(-g)) * u) @ down
+
+    return weights, oracle_mlp
+
+
+@pytest.mark.parametrize("n_tokens,split_k,in_kernel,given", [(1, 4, True, False), (1, 1, True, True),
+                                                              (3, 4, False, False), (2, 2, True, True)])
+def test_shared_mlp_folds_into_the_kernels(seed, n_tokens, split_k, in_kernel, given):
+    """The shared MLP as pseudo-experts of the decode kernels (`SharedFold`, 1-row tiles): each part of I columns
+    runs as SHARED_QUARTERS pseudo-experts over a quarter of K, their gate/up sums meeting in the partials (also
+    where the routed programs do not split K), h written packed into each quarter's row for its down slice; routed +
+    shared against the float32 oracle. Its ids and weights appended here, or given with the schedule made ahead
+    (the router's form: `given`)."""
+    hidden, inter, shared_inter, top_k = 1024, 256, 512, 2
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, E, hidden, inter)
+    shared, oracle_mlp = _shared_mlp(rng, hidden, shared_inter)
+    tiles = gemv.GemvTiles(rows=1, block_n=32, max_groups=2, split_k=split_k, min_programs=512,
+                           pack_in_kernel=in_kernel)
+    parts = gemv.shared_parts(n_tokens, top_k, hidden, inter, shared_inter, tiles)
+    assert parts == gemv.SHARED_QUARTERS * shared_inter // inter
+    x = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
+    ids, w = routing(rng, "random", n_tokens, E, top_k)
+    sched = None
+    if given:
+        ids_all = np.concatenate([ids, np.broadcast_to(np.arange(E, E + parts), (n_tokens, parts))], axis=1)
+        w_all = np.concatenate([w, np.ones((n_tokens, parts), np.float32)], axis=1)
+        sched = moe_tiles.schedule(jnp.asarray(ids_all), E + parts, 1)
+        ids, w = ids_all, w_all
+    got = gemv.grouped_swiglu(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), ew, E, tiles, interpret=True,
+                              sched=sched, shared=shared)
+    want = oracle(x, ids[:, :top_k], w[:, :top_k], ew) + oracle_mlp(x)
+    err = rel_err(got, want)
+    assert err < 2e-3, f"T={n_tokens} split_k={split_k}: {err:.2e} (seed={seed})"
+
+
+def test_shared_mlp_fold_limits():
+    """Where the fold does not apply `shared_parts` is 0 (2-row tiles; I not a multiple of 32 x quarters; the down
+    kernel's K splits not dividing a quarter), and `grouped_swiglu(shared=)` refuses such a call with a typed error;
+    the MMA kernels refuse a shared MLP."""
+    one = gemv.GemvTiles(rows=1, block_n=32, max_groups=2, min_programs=512, pack_in_kernel=True)
+    assert gemv.shared_parts(1, 2, 1024, 256, 256, one) == gemv.SHARED_QUARTERS
+    assert gemv.shared_parts(1, 2, 1024, 256, 256, gemv.GemvTiles(rows=2, adaptive=True)) == 0
+    assert gemv.shared_parts(1, 2, 1024, 96, 96, one) == 0
+    assert gemv.shared_parts(1, 2, 1024, 256, 128, one) == 0  # S not a multiple of I
+    assert gemv.shared_parts(1, 8, 7168, 2048, 2048, gemv.tiles_for(8, 256)) == gemv.SHARED_QUARTERS
+    assert gemv.shared_parts(1, 6, 2048, 768, 768, gemv.tiles_for(6, 64)) == gemv.SHARED_QUARTERS
+    rng = np.random.default_rng(0)
+    ew = packed_experts(rng, E, 1024, 96)
+    shared, _ = _shared_mlp(rng, 1024, 96)
+    with pytest.raises(ValueError, match="does not fold"):
+        gemv.grouped_swiglu(jnp.zeros((1, 1024)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), ew, tiles=one,
+                            interpret=True, shared=shared)
+    with pytest.raises(ValueError, match="MMA kernels"):
+        moe_mxfp4.grouped_swiglu(jnp.zeros((1, 1024)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), ew,
+                                 tiles=moe_mxfp4.Tiles(), interpret=True, shared=shared)
+
+
+@pytest.mark.parametrize("shape", [(64, 6, 2048, 768), (256, 8, 7168, 2048)])
+def test_shared_fold_lowers_to_triton(shape):
+    """With the shared MLP folded in, one token is still two Triton kernels at the medium and DeepSeek-size layers
+    (no projection kernels or XLA SwiGLU for the shared MLP), the routed block PTX inside."""
+    n_experts, top_k, hidden, inter = shape
+    s = jax.ShapeDtypeStruct
+    ew = _expert_specs(n_experts, hidden, inter)
+    args = (s((1, hidden), jnp.bfloat16), s((1, top_k), jnp.int32), s((1, top_k), jnp.float32))
+    shared = (s((hidden, inter), jnp.bfloat16), s((hidden, inter), jnp.bfloat16), s((inter, hidden), jnp.bfloat16))
+    tiles = gemv.tiles_for(top_k, n_experts)
+    fn = lambda x, i, w, ew, sh: gemv.grouped_swiglu(x, i, w, ew, tiles=tiles, shared=sh)  # noqa: E731
+    text = lower_for_cuda(fn, *args, ew, shared)
+    assert text.count("__gpu$xla.gpu.triton") == 2
+    assert "fma.rn.f16x2" in text and "stablehlo.dot" not in text

@@ -282,3 +282,48 @@ def test_decode_step_takes_packed_x_and_the_routers_schedule_on_gpu(monkeypatch,
     assert given and all(sched for sched, _ in given) and sum(words for _, words in given) >= 2, given
     a, b = np.asarray(made, np.float64), np.asarray(plain, np.float64)
     assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [(64, 6, 2048, 768), (256, 8, 7168, 2048)])
+def test_gemv_shared_fold(seed, shape):
+    """The decode kernels at one token with the shared MLP folded in (`moe_mxfp4_gemv.SharedFold`, the model's
+    tiles): routed + shared against the reference experts plus the shared MLP in float32."""
+    n_experts, top_k, hidden, inter = shape
+    key = jax.random.key(seed)
+    ew = mxfp4.random_experts(key, n_experts, hidden, inter)
+    ids, w = _device_routing(jax.random.fold_in(key, 1), 1, n_experts, top_k)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (1, hidden), jnp.float32)
+    shared = tuple((jax.random.normal(jax.random.fold_in(key, 3 + i), shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+                   for i, shape in enumerate(((hidden, inter), (hidden, inter), (inter, hidden))))
+    tiles = moe_mxfp4_gemv.tiles_for(top_k, n_experts)
+    got = jax.jit(lambda x, ids, w, ew, sh: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=tiles, shared=sh))(
+        x, ids, w, ew, shared)
+    routed, _ = _reference(x, ids, w, ew)
+    with jax.default_matmul_precision("highest"):
+        gate, up, down = (s.astype(jnp.float32) for s in shared)
+        want = routed + (jax.nn.silu(x @ gate) * (x @ up)) @ down
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert rel_err(got, want) < 4e-3, f"{shape}: {rel_err(got, want):.2e} (seed={seed})"
+
+
+def test_decode_step_folds_the_shared_mlp_on_gpu(monkeypatch):
+    """The medium hybrid's first layers with MXFP4 experts, a one-row decode step: with the shared MLP folded into
+    the decode kernels (`SHARED_IN_PACKED_MAX_TOKENS`) and the front kernel choosing with its parts, against the
+    shared MLP through its own kernels: the next-token logits to bf16 rounding, the kernels given it in every MoE
+    layer."""
+    from dayzero.model import moe as model_moe
+    from medium_prefix_cases import prefilled_medium_prefix
+
+    run, args = prefilled_medium_prefix(9, num_blocks=3, batch=1, mxfp4=True)
+    given, experts = [], moe_mxfp4_gemv.grouped_swiglu
+    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
+        k.get("shared") is not None) or experts(*a, **k))
+    monkeypatch.setattr(model_moe, "SHARED_IN_PACKED_MAX_TOKENS", 0)
+    apart, _ = run(*args, decode=True)
+    assert given and not any(given)
+    given.clear()
+    monkeypatch.setattr(model_moe, "SHARED_IN_PACKED_MAX_TOKENS", 1)
+    folded, _ = run(*args, decode=True)
+    assert given and all(given), given
+    a, b = np.asarray(folded, np.float64), np.asarray(apart, np.float64)
+    assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
