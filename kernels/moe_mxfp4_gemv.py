@@ -506,12 +506,16 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
                             for s in range(split)) for i in (0, 1))
                 write_hidden(t * rows + r, c0, g, u, cmask)
 
+    def shared_products(row):
+        """A shared pseudo-expert's products over activation row `row` (`_shared_products`)."""
+        return _shared_products(shared, role, s_refs, x_ref, factor_ref if x_form != "raw" else None, x_form, row,
+                                real[0], expert, c0, q, bn, split, k_valid)
+
     def gate_up_shared():
         """A shared pseudo-expert's tile (one row): its K quarter's gate / up sums into the partials; the last of
         the part's Q x split programs for this column block adds them up and writes the block of h into the row of
         the pseudo-expert whose down slice holds these columns."""
-        (sums,) = _shared_products(shared, role, s_refs, x_ref, factor_ref if x_form != "raw" else None, x_form,
-                                   src[0], real[0], expert, c0, q, bn, split, k_valid)
+        (sums,) = shared_products(src[0])
         partials_ref, turns_ref = finish_refs
         for i, y in enumerate(sums):
             partials_ref[q, t * rows, jnp.int32(i), pl.ds(c0, bn)] = y
@@ -548,11 +552,8 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         routed = routed & (expert < shared.n_routed)
         if role == "gate_up":
             pl.when(expert >= shared.n_routed)(gate_up_shared)
-        else:
-            shared_sums = lambda width: _shared_products(shared, role, s_refs, x_ref, factor_ref if x_form != "raw"
-                                                         else None, x_form, t * rows, real[0], expert, c0, q, bn,
-                                                         split, k_valid)
-            pl.when(expert >= shared.n_routed)(lambda: down(1, shared_sums))
+        else:  # a pseudo-expert's row of h is its own
+            pl.when(expert >= shared.n_routed)(lambda: down(1, lambda width: shared_products(t * rows)))
     if len(widths) == 1:
         pl.when(routed)(lambda: body(rows))
         return
