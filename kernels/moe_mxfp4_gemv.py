@@ -361,13 +361,8 @@ def _shared_products(fold: SharedFold, role: str, s_refs, x_ref, factor_ref, x_f
     cols = col + jax.lax.broadcasted_iota(jnp.int32, (1, 1, bn), 2)
 
     def step(s, accs):
-        gx = x_g0 + s * gs
-        if x_form == "raw":
-            words, factor = _activation_block(x_ref, row, ok, gx, gs, k_valid)
-            factor = factor[:, None]
-        else:
-            words = x_ref[row, pl.ds(gx, gs), :]
-            factor = factor_ref[row] if x_form == "rows" else factor_ref[row, pl.ds(gx, gs)][:, None]
+        words, factor = _activation_words(x_ref, factor_ref, x_form, row, ok, x_g0 + s * gs, gs, k_valid)
+        factor = factor_ref[row] if factor is None else factor[:, None]
         lane0 = (_half_values(words & 0xFFFF) * factor)[:, :, None]
         lane1 = (_half_values(words >> 16) * factor)[:, :, None]
         elements = ((w_g0 + s * gs) * BLOCK + _word_elements(gs))[:, :, None]
@@ -398,6 +393,16 @@ def _activation_block(x_ref, row, ok, g0, gk: int, k_valid: int):
     return _block_words(*lanes)
 
 
+def _activation_words(x_ref, factor_ref, x_form: str, row, ok, g0, gk: int, k_valid: int):
+    """Row `row` of the activations over MX blocks g0 .. g0 + gk as `_kernel` reads them in `x_form` -> (words
+    uint32 [gk, 16], each block's factor float32 [gk]; or None for "rows", whose one factor per row, factor_ref[row],
+    the caller applies)."""
+    if x_form == "raw":
+        return _activation_block(x_ref, row, ok, g0, gk, k_valid)
+    words = x_ref[row, pl.ds(g0, gk), :]
+    return words, None if x_form == "rows" else factor_ref[row, pl.ds(g0, gk)]
+
+
 def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps, split, n_valid, k_valid, n_src,
             top_k, n_tokens, x_form, h_form, h_dtype, asm, interpret, zero_chunk=0, sums_dim=0,
             shared: SharedFold | None = None):
@@ -420,6 +425,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     `shared` (`SharedFold`): tiles of experts E .. E + P - 1 run the shared MLP's pseudo-experts from its bf16
     weights (flat refs after the routed ones; `_shared_products`); their gate/up sums always go through the partials
     and turn counters, since the Q pseudo-experts of one part finish its SwiGLU together."""
+    factor_ref = None
     if x_form != "raw":
         factor_ref, *refs = refs
     n_shared = 0 if shared is None else (2 if role == "gate_up" else 1)
@@ -453,14 +459,11 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
                                 other=0) for i in range(n_proj)]
             ss = [pltriton.load(w_refs[2 * i + 1].at[expert, pl.ds(c0, bn), groups], mask=cmask[:, None], other=0)
                   for i in range(n_proj)]
-            if x_form == "rows":  # XLA's words; the rows' factors applied after the loop
-                xs, factors = [x_ref[row, groups, :] for row in x_rows], None
-            elif x_form == "blocks":  # packed words; each block's factor
-                xs = [x_ref[row, groups, :] for row in x_rows]
-                factors = [factor_ref[row, groups][None, :] for row in x_rows]
-            else:
-                blocks = [_activation_block(x_ref, row, ok, g0, gk, k_valid) for row, ok in zip(x_rows, real)]
-                xs, factors = [words for words, _ in blocks], [f[None, :] for _, f in blocks]
+            # ("rows": the rows' factors applied after the loop)
+            loaded = [_activation_words(x_ref, factor_ref, x_form, row, ok, g0, gk, k_valid)
+                      for row, ok in zip(x_rows, real)]
+            xs = [words for words, _ in loaded]
+            factors = None if x_form == "rows" else [f[None, :] for _, f in loaded]
             out = []
             for acc, w, s in zip(accs, ws, ss):
                 scale = scale_value(s.astype(jnp.int32))
@@ -482,10 +485,9 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             pltriton.store(h_refs[0].at[row, pl.ds(col, bn)], h, mask=mask)
             return
         # one MX block of h (columns past I are zeros): its fp16 halves in word order, and its factor
-        h = h.astype(jnp.float32)
-        e = _exponent(jnp.max(jnp.abs(h)))
-        h_refs[0][row, col + _halves_order(bn)] = _fp16_halves(h, e)
-        h_refs[1][row, col // BLOCK] = pow2(e - _TOP)
+        positions, halves, factor = row_halves(h.astype(jnp.float32))
+        h_refs[0][row, col + positions] = halves
+        h_refs[1][row, col // BLOCK] = factor
 
     def gate_up(width):
         sums = products(width)
@@ -508,8 +510,8 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
 
     def shared_products(row):
         """A shared pseudo-expert's products over activation row `row` (`_shared_products`)."""
-        return _shared_products(shared, role, s_refs, x_ref, factor_ref if x_form != "raw" else None, x_form, row,
-                                real[0], expert, c0, q, bn, split, k_valid)
+        return _shared_products(shared, role, s_refs, x_ref, factor_ref, x_form, row, real[0], expert, c0, q, bn,
+                                split, k_valid)
 
     def gate_up_shared():
         """A shared pseudo-expert's tile (one row): its K quarter's gate / up sums into the partials; the last of

@@ -180,6 +180,12 @@ def select_route(cfg: ModelConfig, n_tokens: int, shared_parts: int,
     return ("select" if kind != "reference" else "reference"), interpret
 
 
+def _schedule_tiles(schedule_rows: int) -> dict:
+    """The router kernel's schedule options for `Router`'s `schedule_rows`: the grouped kernels' 16-row tiles (0), or
+    the MXFP4 decode kernels' tiles of that many rows with the tables and weights as written (`padded`)."""
+    return dict(block_m=schedule_rows or router_kernel.TILE_ROWS, padded=bool(schedule_rows))
+
+
 class Router(nn.Module):
     """Params: `weight` [E, D] (checkpoint layout, model dtype) and `e_score_correction_bias` [E] float32.
     `one_kernel`: route with `kernels.router` where dispatch picks it (off on a mesh: the kernels are not sharded):
@@ -211,9 +217,8 @@ class Router(nn.Module):
             if not shared_parts or x.shape[0] != 1:
                 raise ValueError(f"Router: a choice made already is for one token with shared parts, not "
                                  f"{x.shape[0]} tokens and {shared_parts} parts")
-            rows = dict(block_m=schedule_rows, padded=True) if schedule_rows else {}
             return router_kernel.one_token_routing(*chosen, cfg.num_experts_per_token + shared_parts,
-                                                   cfg.num_experts + shared_parts, **rows)
+                                                   cfg.num_experts + shared_parts, **_schedule_tiles(schedule_rows))
         ids, weights, sched = self._route(x, weight, bias, shared_parts, logits, schedule_rows)
         return (ids, weights, sched) if shared_parts or schedule_rows else (ids, weights)
 
@@ -233,8 +238,7 @@ class Router(nn.Module):
         kind, interpret = select_route(cfg, x.shape[0], shared_parts, self.one_kernel, schedule_rows)
         if kind == "schedule":
             return router_kernel.select_and_schedule(logits, bias, **options, shared_parts=shared_parts,
-                                                     block_m=schedule_rows or router_kernel.TILE_ROWS,
-                                                     padded=bool(schedule_rows), interpret=interpret)
+                                                     **_schedule_tiles(schedule_rows), interpret=interpret)
         if kind == "select":
             return *router_kernel.select_experts(logits, bias, **options, interpret=interpret), None
         return *route(logits, bias, cfg), None
@@ -399,18 +403,17 @@ class MoE(nn.Module):
     layer: int = 0
     mesh: Any = None
 
-    def _shared_parts(self, n_tokens: int, workspace: Workspace | None = None) -> int:
+    def _shared_parts(self, n_tokens: int, tiles) -> int:
         """How many extra experts of the expert kernels the shared MLP runs as in a call of `n_tokens` tokens, or 0
         where it runs apart: bf16 experts' grouped kernels (`SHARED_IN_ROUTED_KERNELS`), or the MXFP4 decode kernels
-        (`SHARED_IN_PACKED_MAX_TOKENS`, `moe_mxfp4_gemv.shared_parts`)."""
+        (`tiles`, the call's `decode_tiles`; `SHARED_IN_PACKED_MAX_TOKENS`, `moe_mxfp4_gemv.shared_parts`)."""
         cfg = self.config
         params = {} if self.is_initializing() else self.variables["params"]
         if not (cfg.num_shared_experts and self.mesh is None and params):
             return 0
         shared_inter = params["shared_experts"]["gate_proj"]["kernel"].shape[1]
         if cfg.quant_method == "mxfp4":
-            tiles = self.decode_tiles(n_tokens, workspace) if n_tokens <= SHARED_IN_PACKED_MAX_TOKENS else None
-            return 0 if tiles is None else moe_mxfp4_gemv.shared_parts(
+            return 0 if tiles is None or n_tokens > SHARED_IN_PACKED_MAX_TOKENS else moe_mxfp4_gemv.shared_parts(
                 n_tokens, cfg.num_experts_per_token, cfg.hidden_size, cfg.moe_intermediate_size, shared_inter, tiles)
         if (SHARED_IN_ROUTED_KERNELS and n_tokens <= SHARED_IN_ROUTED_MAX_TOKENS
                 and moe_kernels.shared_kernel_kind(params["experts"]["w_gate"]) != "reference"):
@@ -441,7 +444,7 @@ class MoE(nn.Module):
         cfg = self.config
         if n_tokens != 1:
             return None
-        parts = self._shared_parts(1, workspace)
+        parts = self._shared_parts(1, self.decode_tiles(1, workspace))
         if self.mesh is not None or not parts or select_route(cfg, 1, parts)[0] != "schedule":
             return None
         select = moe_front.Select(cfg.num_experts_per_token, cfg.router_activation == "sigmoid", cfg.renormalize,
@@ -461,7 +464,8 @@ class MoE(nn.Module):
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         router = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")
-        parts = self._shared_parts(flat.shape[0], workspace)
+        tiles = self.decode_tiles(flat.shape[0], workspace)
+        parts = self._shared_parts(flat.shape[0], tiles)
         shared = None
         if parts:
             params = self.variables["params"]
@@ -475,7 +479,6 @@ class MoE(nn.Module):
             return y.reshape(x.shape), workspace
         if chosen is not None and not parts:
             raise ValueError("MoE: a choice made already needs the shared MLP in the expert kernels")
-        tiles = self.decode_tiles(flat.shape[0], workspace)
         if tiles is not None:  # (the shared MLP's parts, where it folds into these kernels, the router's to append)
             ids, weights, sched = router(flat, shared_parts=parts, logits=logits, chosen=chosen,
                                          schedule_rows=tiles.rows)
