@@ -7,7 +7,8 @@
 Ops (shapes and inputs as in benchmarks/kda.py and benchmarks/moe.py):
   kda   chunk_kda at B1 H32 D128 bf16, T `--tokens` (default 8192): kernels kda_chunk_akk, kda_chunk_wy, kda_chunk_state
   moe   the MXFP4 layer as the model runs it (`--shape` medium or deepseek, `--tokens`): at decode sizes the CUDA-core
-        kernels moe_gemv_gate_up_r*, moe_gemv_down_r*; else moe_gate_up[_split_k], moe_down[...]
+        kernels moe_gemv_gate_up_r*, moe_gemv_down_r*; else moe_gate_up[_split_k], moe_down[...]; `--shared N`: one
+        token with a shared MLP of N x the experts' width folded into those kernels (the model's batch-1 layer)
   kda_decode  the medium hybrid's one-kernel KDA decode step (kernels/kda/decode_layer.py: 16 heads x 128, low rank
         128, conv 4, bf16) at `--tokens` rows (default 1): kernel kda_decode_layer
   projection  the medium hybrid's KDA input projections at `--tokens` rows (default 1): the input norm and q|k|v,
@@ -51,22 +52,31 @@ def run_kda(tokens: int, calls: int, tuning_spec: str | None) -> None:
     print(f"kda T{tokens} {tuning}: |o| {float(jnp.linalg.norm(out[0].astype(jnp.float32))):.4g}")
 
 
-def run_moe(shape: str, tokens: int, calls: int) -> None:
+def run_moe(shape: str, tokens: int, calls: int, shared: int = 0) -> None:
     import jax
     import jax.numpy as jnp
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from moe import SHAPES, routing  # benchmarks/moe.py
 
-    from dayzero.kernels import moe, mxfp4
+    from dayzero.kernels import moe, moe_mxfp4_gemv, mxfp4
 
     n_experts, top_k, hidden, inter = SHAPES[shape]
     ew = mxfp4.random_experts(jax.random.key(0), n_experts, hidden, inter)
     ids, w = routing(jax.random.key(tokens), tokens, n_experts, top_k)
     x = jax.random.normal(jax.random.key(1), (tokens, hidden), jnp.bfloat16)
-    fn = jax.jit(lambda x, e: moe.moe_experts_packed(x, ids, w, e, impl="pallas")[0])
+    # with `shared`: a shared MLP of `shared` x the experts' width, folded into the decode kernels as the model folds
+    # it at one token (moe_mxfp4_gemv.SharedFold)
+    keys = jax.random.split(jax.random.key(2), 3)
+    s_inter = shared * inter
+    mlp = (tuple((jax.random.normal(k, shape, jnp.bfloat16) * 0.02)
+                 for k, shape in zip(keys, ((hidden, s_inter), (hidden, s_inter), (s_inter, hidden))))
+           if shared else None)
+    fn = jax.jit(lambda x, e, m: moe.moe_experts_packed(x, ids, w, e, impl="pallas", shared=m,
+                                                        tiles=moe_mxfp4_gemv.tiles_for(ids.size, n_experts)
+                                                        if m else None)[0])
     for _ in range(calls):
-        y = jax.block_until_ready(fn(x, ew))
+        y = jax.block_until_ready(fn(x, ew, mlp))
     print(f"moe {shape} T{tokens}: |y| {float(jnp.linalg.norm(y.astype(jnp.float32))):.4g}")
 
 
@@ -150,6 +160,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="deepseek", help="moe: medium or deepseek")
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--tuning", help="kda: KdaTuning overrides, e.g. intra_block_k=64,intra_warps=8")
+    parser.add_argument("--shared", type=int, default=0,
+                        help="moe: fold a shared MLP of this many x the experts' width into the decode kernels")
     parser.add_argument("--tiles", help="moe_dense: DenseTiles overrides, e.g. fused_mlp=true,block_i=64")
     args = parser.parse_args(argv)
     if args.op == "kda":
@@ -159,7 +171,7 @@ def main(argv=None) -> int:
     elif args.op == "projection":
         run_projection(args.tokens or 1, args.calls)
     elif args.op == "moe":
-        run_moe(args.shape, args.tokens or 16, args.calls)
+        run_moe(args.shape, args.tokens or 16, args.calls, args.shared)
     else:
         run_moe_dense(args.shape, args.tokens or 1, args.calls, args.tiles)
     return 0

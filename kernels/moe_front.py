@@ -27,6 +27,8 @@ With `select` (one row only), the router's choice after the logits (`kernels.rou
 token) is made in the same launch: every program adds 1 to an int32 counter with an acquire-release atomic once its
 logits are stored, and the program that sees the others all done reads every logit back, chooses the experts
 (`router.choose_experts`) and sets the counter back to zero (the counters live in the serving cache, "moe_turns").
+With `zeros` as well, its first program writes the int32 zeros the MXFP4 decode kernels take as turn counters
+(`moe_mxfp4_gemv.turn_count`), so no zero fill of their own runs between this kernel and theirs.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ def _check(update, residual, norm_weight, router_weight):
                          f"{hidden} features ([H] and [E, H])")
 
 
+_ZEROS_PIECE = 1024  # int32 per store of `front(zeros=)`
+
 # The factor of the zero row after the packed rows (any value: its words are zeros). Not row_scaled_words' 2^-114
 # for a zero row: the H200 run stored 0 for that constant (twenty-seventh session), and a normal value shows the
 # store happened.
@@ -125,7 +129,7 @@ def reference(update: projection.Projected | None, residual: jax.Array, norm_wei
     return (x, normed, logits) + ((packed_rows(normed),) if pack else ())
 
 
-def _kernel(*refs, hidden, slices, eps, pack, select, layer, interpret):
+def _kernel(*refs, hidden, slices, eps, pack, select, layer, zeros, interpret):
     sums_ref = refs[0] if slices else None
     refs = refs[bool(slices):]
     # with `select` the bias and the turn counters' input (aliased with their output: unused) come in too
@@ -135,7 +139,7 @@ def _kernel(*refs, hidden, slices, eps, pack, select, layer, interpret):
     if pack:
         (halves_out, factor_out), refs = refs[:2], refs[2:]
     if select is not None:
-        bias_ref, ids_out, weights_out, turns_ref = select_in[0], *refs
+        bias_ref, (ids_out, weights_out, turns_ref), refs = select_in[0], refs[:3], refs[3:]
     dtype = res_ref.dtype
     e0 = pl.multiple_of(pl.program_id(0) * EXPERT_BLOCK, EXPERT_BLOCK)
     row_id = pl.program_id(1)
@@ -167,6 +171,13 @@ def _kernel(*refs, hidden, slices, eps, pack, select, layer, interpret):
             halves_out[last, cols] = jnp.zeros((hidden,), jnp.int16)
             factor_out[last] = jnp.float32(ZERO_ROW_FACTOR)
 
+    if zeros:
+        @pl.when((pl.program_id(0) == 0) & (row_id == 0))
+        def _():  # zeros for the MXFP4 decode kernels' turn counters (`front(zeros=)`)
+            piece = min(zeros, _ZEROS_PIECE)
+            for p in range(zeros // piece):
+                refs[0][pl.ds(p * piece, piece)] = jnp.zeros((piece,), jnp.int32)
+
     if select is None:
         return
     # The choice needs every program's logits: each program counts itself done (an acquire-release atomic after its
@@ -186,11 +197,11 @@ def _kernel(*refs, hidden, slices, eps, pack, select, layer, interpret):
         turns_ref[layer, 0] = jnp.int32(0)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "pack", "select", "layer", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "pack", "select", "layer", "zeros", "interpret"))
 def front(update: projection.Projected | None, residual: jax.Array, norm_weight: jax.Array,
           router_weight: jax.Array, *, eps: float, num_warps: int = NUM_WARPS, pack: bool = False,
           select: Select | None = None, bias: jax.Array | None = None, turns: jax.Array | None = None, layer: int = 0,
-          interpret: bool = False) -> tuple[jax.Array, ...]:
+          zeros: int = 0, interpret: bool = False) -> tuple[jax.Array, ...]:
     """`reference`'s results in one kernel (see the module docstring): update (o_proj's `projection.Partials`
     [S, M, H] float32 without squares, a finished [M, H], or None), residual [M, H] 16-bit, norm_weight [H], router
     weight [E, H] -> (x [M, H], normed [M, H], logits [M, E] float32), M the residual's rows, with `pack` then
@@ -200,7 +211,10 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     which the call uses turns[layer, 0] and leaves it zero; `model.cache`'s "moe_turns"), the last program to finish
     also makes the router's choice from all the logits: the results then go on with (ids [16, k_pad] int32, weights
     [16, k_pad] float32, turns), as `kernels.router.select_and_schedule`'s one-token kernel writes them (every row
-    the token's choice, k_pad the next power of two of top_k + parts). Needs `select_supported` too."""
+    the token's choice, k_pad the next power of two of top_k + parts). Needs `select_supported` too. With `zeros` > 0
+    as well, the results end with int32 zeros [at least `zeros`, a power of two], written by the first program: the
+    MXFP4 decode kernels' turn counters (`moe_mxfp4_gemv.turn_count`, `Schedule.turns`), which would otherwise be
+    a zero fill of their own between this kernel and those."""
     _check(update, residual, norm_weight, router_weight)
     rows, hidden = residual.shape
     n_experts = router_weight.shape[0]
@@ -241,9 +255,14 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
                     jax.ShapeDtypeStruct(turns.shape, turns.dtype)]
         inputs += [bias, turns]
         aliases = {len(inputs) - 1: len(outputs) - 1}
+    if zeros:
+        if select is None:
+            raise ValueError("moe front kernel: zeros for the decode kernels come with the router's choice (select)")
+        zeros = tiling.pow2_at_least(zeros)
+        outputs.append(jax.ShapeDtypeStruct((zeros,), jnp.int32))
     out = pl.pallas_call(
         functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), pack=pack, select=select,
-                          layer=layer, interpret=interpret),
+                          layer=layer, zeros=zeros, interpret=interpret),
         grid=(n_experts // EXPERT_BLOCK, rows),
         out_shape=outputs,
         input_output_aliases=aliases,

@@ -25,7 +25,8 @@ them in registers:
   program of each weight-row block (a turn counter, `atomics.take_turn`) adds them up and applies SwiGLU. The down
   kernel adds weight * (h @ down) into each token's float32 sums by atomics, into zeros that the gate/up kernel
   wrote (no XLA zero fill between the kernels). What is left outside the kernels: the turn counters' zero fill
-  (split K only), the schedule (static at one token) and the final cast.
+  (split K or a shared MLP; none where an earlier kernel wrote them: `Schedule.turns`, the MoE front kernel at one
+  token), the schedule (static at one token) and the final cast.
 - a shared MLP (bf16) can ride along in 1-row tiles (`grouped_swiglu(shared=)`, `SharedFold`): each part of I
   columns runs as SHARED_QUARTERS pseudo-experts over a quarter of K (a bf16 weight is ~3.8x an MXFP4 one's bytes,
   so their programs stream about a routed program's bytes), whose weight rows are read in the activations' word
@@ -499,7 +500,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         for r, row_sums in enumerate(sums):
             for i, y in enumerate(row_sums):  # traced indices (bare ints trip interpret-mode discharge)
                 partials_ref[q, t * rows + r, jnp.int32(i), pl.ds(c0, bn)] = y
-        turn = atomics.take_turn(turns_ref, (t, j), interpret=interpret)
+        turn = atomics.take_turn(turns_ref, (t * pl.num_programs(1) + j,), interpret=interpret)
 
         @pl.when(turn == split - 1)
         def _():  # the last of the block's K splits: every split's partial sums are stored
@@ -523,7 +524,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             partials_ref[q, t * rows, jnp.int32(i), pl.ds(c0, bn)] = y
         quarter = (expert - shared.n_routed) % shared.quarters
         lead = t - quarter * shared.tiles_per_part  # the tile of quarter 0 of this part, for this token
-        turn = atomics.take_turn(turns_ref, (lead, j), interpret=interpret)
+        turn = atomics.take_turn(turns_ref, (lead * pl.num_programs(1) + j,), interpret=interpret)
 
         @pl.when(turn == shared.quarters * split - 1)
         def _():
@@ -634,9 +635,19 @@ def _packs_hidden(groups: int, split: int, tiles: GemvTiles) -> bool:
     return tiles.pack_hidden and _launch(groups, tiles)[0] == BLOCK and (tiles.pack_in_kernel or split > 1)
 
 
+def turn_count(n_pairs: int, n_experts: int, hidden: int, inter: int, tiles: GemvTiles, shared: bool) -> int:
+    """The int32 turn counters the gate/up kernel takes (`hidden_rows(turns=)`) in a call of `n_pairs` pairs over
+    `n_experts` experts (a folded shared MLP's parts counted in both) with hidden size `hidden`, the experts'
+    intermediate size `inter` and `tiles`: one per tile and weight-row block where K is split or a shared MLP folds
+    in, else 0 (no counters)."""
+    n_rows = moe_tiles.max_tiles(n_pairs, n_experts, tiles.rows) * tiles.rows
+    (n_tiles, blocks_n), split = _grid(-(-hidden // BLOCK), inter, n_rows, tiles)
+    return n_tiles * blocks_n if split > 1 or shared else 0
+
+
 def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvTiles, n_tokens: int, dtype,
                 interpret: bool = False, zeroed: int = 0, n_rows: int | None = None,
-                shared: tuple[SharedFold, tuple[jax.Array, jax.Array]] | None = None):
+                shared: tuple[SharedFold, tuple[jax.Array, jax.Array]] | None = None, turns: jax.Array | None = None):
     """The gate/up kernel: silu(x @ gate) * (x @ up) at each row's token, rounded to `dtype` -> (h, its form for
     `token_sums`, zeros): with `GemvTiles.pack_hidden` (where it applies), h already packed for the down
     kernel ((words uint32 [R, G, 16], factors float32 [R, G]): each MX block of h scaled on its own, "blocks"), else
@@ -649,7 +660,9 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
     ((blocks, scales) of gate, of up), blocks uint8 [E, I, G, 16], scales uint8 [E, I, G]. Rows of skipped tiles
     (and, with adaptive tiles, a tile's rows past its real ones) are left unwritten. `n_rows`: the rows R to run
     (default all of token_of_row's; a longer table's rows past R are not read). `shared`: (its `SharedFold`, the
-    shared MLP's (gate, up) [H, S] bf16): tiles of experts from fold.n_routed run it (h packed only)."""
+    shared MLP's (gate, up) [H, S] bf16): tiles of experts from fold.n_routed run it (h packed only). `turns`: int32
+    zeros, at least `turn_count` of them, for the turn counters where the kernel takes them (split K or `shared`),
+    made ahead by an earlier kernel (`kernels.moe_front.front(zeros=)`) so no zero fill runs here; left nonzero."""
     inter, groups = gate_up[0][0].shape[1], gate_up[0][0].shape[2]
     n_rows = token_of_row.shape[0] if n_rows is None else n_rows
     fold, shared_weights = (None, ()) if shared is None else (shared[0], tuple(w.reshape(-1) for w in shared[1]))
@@ -670,11 +683,13 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
             shapes.append(jax.ShapeDtypeStruct((blocks_n * split * chunk,), jnp.float32))
         if split == 1 and fold is None:
             return tuple(shapes), (), dict(zero_chunk=chunk)
-        # each split's sums (whole blocks: no masked stores), then the turn counters, zeroed
-        turns = jnp.zeros((n_rows // tiles.rows, blocks_n), jnp.int32)
+        # each split's sums (whole blocks: no masked stores), then the turn counters (one per tile and block),
+        # zeroed: the caller's where they are enough, else a zero fill here
+        count = (n_rows // tiles.rows) * blocks_n
+        zeros = turns if turns is not None and turns.shape[0] >= count else jnp.zeros((count,), jnp.int32)
         shapes += [jax.ShapeDtypeStruct((split, n_rows, 2, blocks_n * bn), jnp.float32),
-                   jax.ShapeDtypeStruct(turns.shape, turns.dtype)]
-        return tuple(shapes), (turns,), dict(zero_chunk=chunk)
+                   jax.ShapeDtypeStruct(zeros.shape, zeros.dtype)]
+        return tuple(shapes), (zeros,), dict(zero_chunk=chunk)
 
     out = _call("gate_up", tile_expert, token_of_row, x, x_form, (), gate_up, outputs, tiles, interpret, n_rows,
                 shared_weights, n_src=n_tokens, top_k=1, n_tokens=n_tokens, h_form="halves" if halves else "values",
@@ -768,7 +783,8 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     whose `Schedule.pair_weights` then stand in for topk_weights; default `moe_tiles.schedule` here); `x_words`, x
     packed as `row_scaled_words` packs it with a zero row appended (words uint32 [T + 1, G, 16], factors float32
     [T + 1]; `kernels.moe_front.front(pack=True)`), which the gate/up kernel then reads in place of packing x itself
-    (`GemvTiles.pack_in_kernel`) or XLA's packing.
+    (`GemvTiles.pack_in_kernel`) or XLA's packing. The schedule's `turns` (zeros made ahead: `turn_count`) serve as
+    the gate/up kernel's turn counters where they are enough.
 
     `shared` (gate [H, S], up [H, S], down [S, H] bf16): a shared-expert MLP every token runs unweighted, added in by
     the same two kernels (`SharedFold`: its `shared_parts` pseudo-experts E .. E + P - 1 of weight 1; 1-row tiles);
@@ -829,7 +845,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     h, h_form, zeros = hidden_rows(sched.tile_expert, sched.token_of_row, *xs,
                                    ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales)), tiles, n_tokens, x.dtype,
                                    interpret, zeroed=sums_size(n_tokens, down, tiles), n_rows=n_rows,
-                                   shared=folds and folds[0])
+                                   shared=folds and folds[0], turns=sched.turns)
     if h_form == "raw" and not tiles.pack_in_kernel:
         h, h_form = row_scaled_words(h), "rows"
     sums = token_sums(sched.tile_expert, sched.pair_of_row(), h, h_form, pair_weights, stride, n_tokens, down,

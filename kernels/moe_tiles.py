@@ -36,7 +36,9 @@ class Schedule(NamedTuple):
     alongside (the compare schedule: no scatter after it).
     pair_weights [M, S] float32 or None: the routing weights as the schedule's maker had them (the router kernel's
     padded output, `kernels.router.select_and_schedule(padded=True)`): then pair_rows numbers pair (t, slot)
-    t * S + slot (padding rows M * S), and token_of_row and pair_rows may run on past R (never read there)."""
+    t * S + slot (padding rows M * S), and token_of_row and pair_rows may run on past R (never read there).
+    turns [C] int32 or None: zeros made ahead for the grouped kernels' turn counters (`moe_mxfp4_gemv.turn_count`),
+    so no zero fill runs between the schedule's maker and those kernels."""
 
     row_of_pair: jax.Array
     token_of_row: jax.Array
@@ -44,6 +46,7 @@ class Schedule(NamedTuple):
     group_sizes: jax.Array
     pair_rows: jax.Array | None = None
     pair_weights: jax.Array | None = None
+    turns: jax.Array | None = None
 
     def real_rows(self) -> jax.Array:
         """[R] bool: the rows that hold a pair (the rest are padding)."""

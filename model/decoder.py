@@ -87,12 +87,13 @@ class DecoderLayer(nn.Module):
                   else None)
         pack = self.mlp.front_packs(residual.shape[0], workspace)  # x's words for the MXFP4 decode kernels
         choice = {} if select is None else dict(select=select[0], bias=select[1], turns=cache["moe_turns"],
-                                                layer=self.layer)
+                                                layer=self.layer, zeros=self.mlp.front_zeros(1, workspace))
         x, normed, logits, *rest = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps,
                                          pack=pack, **choice)
         x_words, rest = (rest[0], rest[1:]) if pack else (None, rest)
+        counters = rest[3] if choice and choice["zeros"] else None  # the decode kernels' turn counters, zeroed
         y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=tuple(rest[:2]) if choice else None,
-                                x_words=x_words)
+                                x_words=x_words, counters=counters)
         return x[:, None] + y, workspace, (dict(cache, moe_turns=rest[2]) if choice else cache)
 
     def _mlp(self, x, workspace):

@@ -65,6 +65,10 @@ FRONT_PACKED_MIN_TOKENS = 2
 # / 0.896 ms per token pipelined in two calls, 250 -> 175 kernels (the shared MLP's projection kernels, its SwiGLU
 # multiply and the router's select kernel gone; gate/up 7.1 -> 11.1 us, down 4.7 -> 6.3 us per layer). 0: never.
 SHARED_IN_PACKED_MAX_TOKENS = 1
+# Whether the front kernel, where it makes one token's choice (`MoE.front_select`), also writes the zeros the MXFP4
+# decode kernels take as turn counters (`MoE.front_zeros`): in place of XLA's zero fill per MoE layer (a ~1.2 us
+# memset launch on the H200, 15 per token in the medium hybrid's batch-1 step).
+COUNTERS_FROM_FRONT = True
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
 # the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
 # token at batch 1 / 16 against 1.397 / 2.990 with the dot (benchmarks/decode_profile.py --router-dot).
@@ -453,14 +457,27 @@ class MoE(nn.Module):
             return None
         return select, self.variables["params"]["gate"].get("e_score_correction_bias")
 
+    def front_zeros(self, n_tokens: int, workspace: Workspace | None = None) -> int:
+        """For a call of `n_tokens` tokens whose choice the front kernel makes (`front_select`): the int32 zeros the
+        MXFP4 decode kernels take as turn counters (`moe_mxfp4_gemv.turn_count`), for the front kernel to write
+        (`kernels.moe_front.front(zeros=)`) and `__call__(counters=)` to hand over; 0 where they take none."""
+        cfg = self.config
+        tiles = self.decode_tiles(n_tokens, workspace)
+        if tiles is None or not COUNTERS_FROM_FRONT:
+            return 0
+        parts = self._shared_parts(n_tokens, tiles)
+        return moe_mxfp4_gemv.turn_count(n_tokens * (cfg.num_experts_per_token + parts), cfg.num_experts + parts,
+                                         cfg.hidden_size, cfg.moe_intermediate_size, tiles, parts > 0)
+
     @nn.compact
     def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None, chosen=None,
-                 x_words=None):
+                 x_words=None, counters=None):
         """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`).
         `logits` [B * T, E] float32: the router's logits of x, computed already (`kernels.moe_front`); `chosen`:
         one token's choice made already (`front_select`); `x_words`: x packed for the MXFP4 decode kernels
-        (`front_packs`; `kernels.moe_front.front(pack=True)`). Where those kernels run, the router's select kernel
-        also makes their schedule (`ROUTER_SCHEDULE`; static but for the experts at one token)."""
+        (`front_packs`; `kernels.moe_front.front(pack=True)`); `counters`: int32 zeros for those kernels' turn
+        counters (`front_zeros`). Where those kernels run, the router's select kernel also makes their schedule
+        (`ROUTER_SCHEDULE`; static but for the experts at one token)."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         router = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")
@@ -482,6 +499,7 @@ class MoE(nn.Module):
         if tiles is not None:  # (the shared MLP's parts, where it folds into these kernels, the router's to append)
             ids, weights, sched = router(flat, shared_parts=parts, logits=logits, chosen=chosen,
                                          schedule_rows=tiles.rows)
+            sched = sched if counters is None else sched._replace(turns=counters)
         else:
             (ids, weights), sched = router(flat, logits=logits), None
         y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(

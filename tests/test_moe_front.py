@@ -191,8 +191,9 @@ def test_model_decode_with_the_front_choosing(seed, monkeypatch):
 def test_front_makes_the_routers_choice(seed, sigmoid, parts):
     """`front(select=)` (interpret mode): the same x, normed and logits as without, and the last program's choice
     exactly `kernels.router.select_and_schedule`'s on those logits (ids, weights, the one-token schedule), the
-    counters left at zero; the choice without counters, or of a layer past them, is refused by name; it lowers to
-    one Triton kernel at the medium hybrid's shapes."""
+    counters left at zero; with `zeros`, the same and int32 zeros for the decode kernels' turn counters (a power of
+    two at least that many; refused without the choice); the choice without counters, or of a layer past them, is
+    refused by name; it lowers to one Triton kernel at the medium hybrid's shapes."""
     from dayzero.kernels import router
 
     rng = np.random.default_rng(seed)
@@ -217,6 +218,13 @@ def test_front_makes_the_routers_choice(seed, sigmoid, parts):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert not np.any(np.asarray(turns_after))
+    *same, zeros = moe_front.front(*args, eps=1e-5, select=select, bias=bias, turns=turns, layer=2, zeros=40,
+                                   interpret=True)
+    for a, b in zip(same, (*front3, ids, weights, turns_after)):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    assert zeros.shape == (64,) and zeros.dtype == jnp.int32 and not np.any(np.asarray(zeros))
+    with pytest.raises(ValueError, match="with the router's choice"):
+        moe_front.front(*args, eps=1e-5, zeros=8, interpret=True)
     with pytest.raises(ValueError, match="turn counters"):
         moe_front.front(*args, eps=1e-5, select=select, bias=bias, interpret=True)
     with pytest.raises(ValueError, match="turn counters"):
@@ -279,7 +287,8 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
     shared MLP too (`SHARED_IN_PACKED_MAX_TOKENS`, `moe_mxfp4_gemv.SharedFold`) and the front kernel makes the
     router's choice with its parts appended (`MoE.front_select`), in every MoE layer after a fused attention step;
     the next-token logits match the step where the shared MLP runs apart (its own kernels, bf16 between them) to bf16
-    rounding."""
+    rounding. With the choice the front kernel also writes the zeros the decode kernels take as turn counters
+    (`front(zeros=)`, `Schedule.turns`), which they find enough (`moe_mxfp4_gemv.turn_count`)."""
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
     from dayzero.model.config import MXFP4Execution
@@ -291,22 +300,29 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
                          mxfp4=MXFP4Execution(impl="interpret"))
     step, args = _prefilled_decode(cfg, seed, 1)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
-    selects, given = [], []
+    selects, given, turns = [], [], []
     front, experts = moe_front.front, moe_mxfp4_gemv.grouped_swiglu
     monkeypatch.setattr(moe_front, "front", lambda *a, **k: selects.append(k.get("select")) or front(*a, **k))
     monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
-        (k.get("shared") is not None, k["sched"] is not None)) or experts(*a, **k))
+        (k.get("shared") is not None, k["sched"] is not None)) or turns.append(k["sched"].turns) or experts(*a, **k))
     monkeypatch.setattr(moe, "SHARED_IN_PACKED_MAX_TOKENS", 0)
     apart, _ = step(*args, decode=True)
     moe_layers = sum(m == "moe" for m in cfg.mlp_types)
     assert selects and not any(selects) and given == [(False, True)] * moe_layers
+    assert all(t is None for t in turns)
     selects.clear()
     given.clear()
+    turns.clear()
     monkeypatch.setattr(moe, "SHARED_IN_PACKED_MAX_TOKENS", 1)
     folded, _ = step(*args, decode=True)
     assert len(selects) == moe_layers and all(s is not None and s.parts == moe_mxfp4_gemv.SHARED_QUARTERS
                                               for s in selects)
     assert given == [(True, True)] * moe_layers
+    tiles = moe_mxfp4_gemv.tiles_for(cfg.num_experts_per_token, cfg.num_experts)
+    parts = moe_mxfp4_gemv.SHARED_QUARTERS
+    need = moe_mxfp4_gemv.turn_count(cfg.num_experts_per_token + parts, cfg.num_experts + parts, cfg.hidden_size,
+                                     cfg.moe_intermediate_size, tiles, True)
+    assert need and len(turns) == moe_layers and all(t is not None and t.shape[0] >= need for t in turns)
     a, f = np.asarray(apart, np.float32), np.asarray(folded, np.float32)
     assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
 
