@@ -99,8 +99,6 @@ def _check(update, residual, norm_weight, router_weight):
                          f"{hidden} features ([H] and [E, H])")
 
 
-_ZEROS_PIECE = 1024  # int32 per store of `front(zeros=)`
-
 # The factor of the zero row after the packed rows (any value: its words are zeros). Not row_scaled_words' 2^-114
 # for a zero row: the H200 run stored 0 for that constant (twenty-seventh session), and a normal value shows the
 # store happened.
@@ -174,9 +172,7 @@ def _kernel(*refs, hidden, slices, eps, pack, select, layer, zeros, interpret):
     if zeros:
         @pl.when((pl.program_id(0) == 0) & (row_id == 0))
         def _():  # zeros for the MXFP4 decode kernels' turn counters (`front(zeros=)`)
-            piece = min(zeros, _ZEROS_PIECE)
-            for p in range(zeros // piece):
-                refs[0][pl.ds(p * piece, piece)] = jnp.zeros((piece,), jnp.int32)
+            tiling.store_zeros(refs[0], 0, zeros)
 
     if select is None:
         return

@@ -58,7 +58,6 @@ _BYTES = BLOCK // 2  # bytes per MX block
 _UNIT = 2.0 ** 14  # the fp16 bit patterns of E2M1 read as value * 2^-14
 _TOP = 14  # activations are scaled to a row maximum in [2^(_TOP-1), 2^_TOP)
 ROWS = (1, 2, 4)
-_ZERO_PIECE = 1024  # floats per store where the gate/up kernel zeroes the down kernel's sums
 
 
 @dataclass(frozen=True)
@@ -545,9 +544,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     if zero_chunk:  # the down kernel's sums, zeroed by tile 0's programs (a chunk per block and split)
         @pl.when(t == 0)
         def _():
-            piece = min(zero_chunk, _ZERO_PIECE)
-            for p in range(zero_chunk // piece):
-                zero_ref[pl.ds((j * split + q) * zero_chunk + p * piece, piece)] = jnp.zeros((piece,), jnp.float32)
+            tiling.store_zeros(zero_ref, (j * split + q) * zero_chunk, zero_chunk)
 
     body = gate_up if role == "gate_up" else down
     routed = expert >= 0
@@ -635,14 +632,24 @@ def _packs_hidden(groups: int, split: int, tiles: GemvTiles) -> bool:
     return tiles.pack_hidden and _launch(groups, tiles)[0] == BLOCK and (tiles.pack_in_kernel or split > 1)
 
 
+def _call_rows(n_pairs: int, n_experts: int, tiles: GemvTiles) -> int:
+    """The schedule rows R the decode kernels run for any routing of `n_pairs` pairs over `n_experts` experts."""
+    return moe_tiles.max_tiles(n_pairs, n_experts, tiles.rows) * tiles.rows
+
+
+def _turns_needed(groups: int, inter: int, n_rows: int, tiles: GemvTiles, shared: bool) -> int:
+    """The gate/up kernel's turn counters over `groups` MX blocks of K, `inter` weight rows and `n_rows` rows: one
+    per tile and weight-row block where K is split or a shared MLP folds in, else 0."""
+    (n_tiles, blocks_n), split = _grid(groups, inter, n_rows, tiles)
+    return n_tiles * blocks_n if split > 1 or shared else 0
+
+
 def turn_count(n_pairs: int, n_experts: int, hidden: int, inter: int, tiles: GemvTiles, shared: bool) -> int:
     """The int32 turn counters the gate/up kernel takes (`hidden_rows(turns=)`) in a call of `n_pairs` pairs over
     `n_experts` experts (a folded shared MLP's parts counted in both) with hidden size `hidden`, the experts'
     intermediate size `inter` and `tiles`: one per tile and weight-row block where K is split or a shared MLP folds
     in, else 0 (no counters)."""
-    n_rows = moe_tiles.max_tiles(n_pairs, n_experts, tiles.rows) * tiles.rows
-    (n_tiles, blocks_n), split = _grid(-(-hidden // BLOCK), inter, n_rows, tiles)
-    return n_tiles * blocks_n if split > 1 or shared else 0
+    return _turns_needed(-(-hidden // BLOCK), inter, _call_rows(n_pairs, n_experts, tiles), tiles, shared)
 
 
 def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvTiles, n_tokens: int, dtype,
@@ -667,6 +674,7 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
     n_rows = token_of_row.shape[0] if n_rows is None else n_rows
     fold, shared_weights = (None, ()) if shared is None else (shared[0], tuple(w.reshape(-1) for w in shared[1]))
     split = _grid(groups, inter, n_rows, tiles)[1]
+    count = _turns_needed(groups, inter, n_rows, tiles, fold is not None)
     halves = _packs_hidden(groups, split, tiles)
     if fold is not None and (not halves or fold.blocks % split):
         raise ValueError(f"the shared MLP folds into the gate/up kernel where it writes h packed and its {split} K "
@@ -681,11 +689,10 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
         chunk = tiling.pow2_at_least(-(-zeroed // (blocks_n * split))) if zeroed else 0
         if chunk:  # one chunk of zeros per (block, split) of tile 0
             shapes.append(jax.ShapeDtypeStruct((blocks_n * split * chunk,), jnp.float32))
-        if split == 1 and fold is None:
+        if not count:
             return tuple(shapes), (), dict(zero_chunk=chunk)
         # each split's sums (whole blocks: no masked stores), then the turn counters (one per tile and block),
         # zeroed: the caller's where they are enough, else a zero fill here
-        count = (n_rows // tiles.rows) * blocks_n
         zeros = turns if turns is not None and turns.shape[0] >= count else jnp.zeros((count,), jnp.int32)
         shapes += [jax.ShapeDtypeStruct((split, n_rows, 2, blocks_n * bn), jnp.float32),
                    jax.ShapeDtypeStruct(zeros.shape, zeros.dtype)]
@@ -819,7 +826,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
                  (fold(width=hidden, blocks=inter // BLOCK // SHARED_QUARTERS), s_down))
         n_experts += parts
     tiles = tiles or tiles_for(topk_ids.size, n_experts)
-    n_rows = moe_tiles.max_tiles(topk_ids.size, n_experts, tiles.rows) * tiles.rows  # the rows any routing needs
+    n_rows = _call_rows(topk_ids.size, n_experts, tiles)
     if sched is None:
         sched = moe_tiles.schedule(topk_ids, n_experts, tiles.rows)
     elif sched.token_of_row.shape[0] < n_rows or sched.row_of_pair.shape != topk_ids.shape:

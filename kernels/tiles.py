@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 
@@ -63,6 +64,17 @@ def mm_nt(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+ZERO_PIECE = 1024  # elements per store of `store_zeros`
+
+
+def store_zeros(ref, start, count: int) -> None:
+    """Inside a kernel: zeros of ref's dtype into ref[start : start + count] (a 1-D ref; count a power of two), in
+    stores of up to ZERO_PIECE elements."""
+    piece = min(count, ZERO_PIECE)
+    for p in range(count // piece):
+        ref[pl.ds(start + p * piece, piece)] = jnp.zeros((piece,), ref.dtype)
 
 
 def cta_barrier(interpret: bool) -> None:

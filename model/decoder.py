@@ -86,12 +86,12 @@ class DecoderLayer(nn.Module):
         select = (self.mlp.front_select(residual.shape[0], workspace) if FRONT_SELECT and "moe_turns" in cache
                   else None)
         pack = self.mlp.front_packs(residual.shape[0], workspace)  # x's words for the MXFP4 decode kernels
-        choice = {} if select is None else dict(select=select[0], bias=select[1], turns=cache["moe_turns"],
-                                                layer=self.layer, zeros=self.mlp.front_zeros(1, workspace))
+        choice = {} if select is None else dict(select=select[0], bias=select[1], zeros=select[2],
+                                                turns=cache["moe_turns"], layer=self.layer)
         x, normed, logits, *rest = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps,
                                          pack=pack, **choice)
         x_words, rest = (rest[0], rest[1:]) if pack else (None, rest)
-        counters = rest[3] if choice and choice["zeros"] else None  # the decode kernels' turn counters, zeroed
+        counters = rest[3] if len(rest) > 3 else None  # the decode kernels' turn counters, zeroed (`zeros`)
         y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=tuple(rest[:2]) if choice else None,
                                 x_words=x_words, counters=counters)
         return x[:, None] + y, workspace, (dict(cache, moe_turns=rest[2]) if choice else cache)

@@ -66,7 +66,7 @@ FRONT_PACKED_MIN_TOKENS = 2
 # multiply and the router's select kernel gone; gate/up 7.1 -> 11.1 us, down 4.7 -> 6.3 us per layer). 0: never.
 SHARED_IN_PACKED_MAX_TOKENS = 1
 # Whether the front kernel, where it makes one token's choice (`MoE.front_select`), also writes the zeros the MXFP4
-# decode kernels take as turn counters (`MoE.front_zeros`): in place of XLA's zero fill per MoE layer (a ~1.2 us
+# decode kernels take as turn counters (`MoE.front_select`): in place of XLA's zero fill per MoE layer (a ~1.2 us
 # memset launch on the H200, 15 per token in the medium hybrid's batch-1 step).
 COUNTERS_FROM_FRONT = True
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
@@ -440,34 +440,28 @@ class MoE(nn.Module):
                 and self.decode_tiles(n_tokens, workspace) is not None)
 
     def front_select(self, n_tokens: int, workspace: Workspace | None = None
-                     ) -> tuple[Any, jax.Array | None] | None:
+                     ) -> tuple[Any, jax.Array | None, int] | None:
         """For a call of `n_tokens` tokens: where it is one token whose router would run
         `kernels.router.select_and_schedule` (the front kernel chooses for one token only), (the choice as
-        `kernels.moe_front.Select`, the correction bias [E] float32 or None) for the front kernel to make, then
-        handed back as `chosen`; else None."""
+        `kernels.moe_front.Select`, the correction bias [E] float32 or None, the int32 zeros the MXFP4 decode kernels
+        take as turn counters: `moe_mxfp4_gemv.turn_count`, 0 where they take none or `COUNTERS_FROM_FRONT` is off)
+        for the front kernel to make (`kernels.moe_front.front(select=, zeros=)`), the choice then handed back as
+        `chosen` and the zeros as `counters`; else None."""
         cfg = self.config
         if n_tokens != 1:
             return None
-        parts = self._shared_parts(1, self.decode_tiles(1, workspace))
+        tiles = self.decode_tiles(1, workspace)
+        parts = self._shared_parts(1, tiles)
         if self.mesh is not None or not parts or select_route(cfg, 1, parts)[0] != "schedule":
             return None
         select = moe_front.Select(cfg.num_experts_per_token, cfg.router_activation == "sigmoid", cfg.renormalize,
                                   float(cfg.routed_scaling_factor), parts)
         if not moe_front.select_supported(cfg.num_experts, select):
             return None
-        return select, self.variables["params"]["gate"].get("e_score_correction_bias")
-
-    def front_zeros(self, n_tokens: int, workspace: Workspace | None = None) -> int:
-        """For a call of `n_tokens` tokens whose choice the front kernel makes (`front_select`): the int32 zeros the
-        MXFP4 decode kernels take as turn counters (`moe_mxfp4_gemv.turn_count`), for the front kernel to write
-        (`kernels.moe_front.front(zeros=)`) and `__call__(counters=)` to hand over; 0 where they take none."""
-        cfg = self.config
-        tiles = self.decode_tiles(n_tokens, workspace)
-        if tiles is None or not COUNTERS_FROM_FRONT:
-            return 0
-        parts = self._shared_parts(n_tokens, tiles)
-        return moe_mxfp4_gemv.turn_count(n_tokens * (cfg.num_experts_per_token + parts), cfg.num_experts + parts,
-                                         cfg.hidden_size, cfg.moe_intermediate_size, tiles, parts > 0)
+        zeros = 0 if tiles is None or not COUNTERS_FROM_FRONT else moe_mxfp4_gemv.turn_count(
+            cfg.num_experts_per_token + parts, cfg.num_experts + parts, cfg.hidden_size, cfg.moe_intermediate_size,
+            tiles, True)
+        return select, self.variables["params"]["gate"].get("e_score_correction_bias"), zeros
 
     @nn.compact
     def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None, chosen=None,
@@ -476,7 +470,7 @@ class MoE(nn.Module):
         `logits` [B * T, E] float32: the router's logits of x, computed already (`kernels.moe_front`); `chosen`:
         one token's choice made already (`front_select`); `x_words`: x packed for the MXFP4 decode kernels
         (`front_packs`; `kernels.moe_front.front(pack=True)`); `counters`: int32 zeros for those kernels' turn
-        counters (`front_zeros`). Where those kernels run, the router's select kernel also makes their schedule
+        counters (`front_select`). Where those kernels run, the router's select kernel also makes their schedule
         (`ROUTER_SCHEDULE`; static but for the experts at one token)."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
