@@ -41,7 +41,11 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [..., n] -> (e4m3 [..., n], power-of-two scales [...] float32) with x ~= e4m3 * scale per vector."""
     x = x.astype(jnp.float32)
     amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1), _MIN_AMAX)
-    scale = jnp.exp2(jnp.ceil(jnp.log2(amax / E4M3_MAX)))
+    # 2 ** ceil(log2(amax / 448)) built from the exponent bits: XLA's exp2 and log2 on CPU are not exact at integers
+    # (a scale one ulp off a power of two, or a ceil pushed up by log2's rounding)
+    mantissa, exponent = jnp.frexp(amax / E4M3_MAX)  # = mantissa * 2 ** exponent, mantissa in [0.5, 1)
+    exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+    scale = jax.lax.bitcast_convert_type(((exponent + 127) << 23).astype(jnp.int32), jnp.float32)
     return jnp.clip(x / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
 
 
