@@ -219,6 +219,18 @@ def nvidia_ptx(interpret: bool) -> bool:
     return not interpret and canonical_platform(current_platform()) in ("cuda", "cpu")
 
 
+def grid_dependency_ptx(interpret: bool) -> bool:
+    """Whether a Pallas kernel may carry `griddepcontrol` (programmatic dependent launch, `grid_dependency`): inline
+    PTX is allowed (`nvidia_ptx`) and every local NVIDIA GPU is sm_90 or newer (a CPU process exporting for CUDA
+    lowers for sm_90, as Pallas does without a GPU)."""
+    if not nvidia_ptx(interpret):
+        return False
+    if canonical_platform(current_platform()) != "cuda":
+        return True
+    capabilities = [getattr(d, "compute_capability", "0") for d in jax.local_devices(backend="gpu")]
+    return bool(capabilities) and min(int(str(c).split(".")[0]) for c in capabilities) >= 9
+
+
 def compiler_options(platform: str | None = None) -> dict[str, object]:
     """XLA compile options for dayzero's model functions on `platform` (default: `current_platform()`); empty
     where none apply (XLA rejects another backend's options, so they are per platform)."""

@@ -187,7 +187,7 @@ def row_scores(q, weights, query_positions, key_cache, layer, block_tables, key_
     n_rows = batch * length
     kernel = functools.partial(_rows_kernel, length=length, has_scales=key_scales is not None, block_k=block_k,
                                tiles_per_program=per_program, keys_as_rows=config.keys_as_rows, **tile)
-    return pl.pallas_call(
+    return tiles.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((n_rows, num_keys), jnp.float32),
         grid=(n_rows, num_keys // (block_k * per_program)),
         in_specs=[pl.BlockSpec((None, heads, dim), lambda r, j: (r, 0, 0)),
@@ -208,7 +208,7 @@ def tile_scores(q, weights, query_positions, key_cache, layer, block_tables, key
     num_keys, tables, rows, tile = _score_inputs(key_cache, key_scales, layer, block_tables, block_k)
     kernel = functools.partial(_tiles_kernel, has_scales=key_scales is not None, block_k=block_k, num_heads=heads,
                                **tile)
-    return pl.pallas_call(
+    return tiles.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((batch, length, num_keys), jnp.float32),
         grid=(batch, length // block_q, num_keys // block_k),
         in_specs=[pl.BlockSpec((None, block_q, heads, dim), lambda b, i, j: (b, i, 0, 0)),

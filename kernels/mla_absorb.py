@@ -122,7 +122,7 @@ def absorb_queries(q: jax.Array, w_kv: jax.Array, *, heads: int, nope: int, rope
     block_r = tiling.pow2_divisor(rank, tiles.block_r)
     kernel = functools.partial(_absorb_kernel, rows=rows, nope=nope, rope=rope, v_dim=v_dim, rank=rank,
                                block_r=block_r)
-    q_latent, q_rope = pl.pallas_call(
+    q_latent, q_rope = tiling.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((rows, heads * rank), q.dtype),
                    jax.ShapeDtypeStruct((rows, heads * rope), q.dtype)),
@@ -222,7 +222,7 @@ def up_project(latents: SplitLatents | jax.Array, w_kv: jax.Array, *, nope: int,
     block_r = up_block_r(rank, block_v, splits, tiles)
     kernel = functools.partial(_up_kernel, splits=splits, heads_p=heads_p, nope=nope, v_dim=v_dim, rank=rank,
                                block_r=block_r, block_v=block_v)
-    return pl.pallas_call(
+    return tiling.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((rows, heads * v_dim), jnp.dtype(split.dtype)),
         grid=(heads, v_dim // block_v, rows),

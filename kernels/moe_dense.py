@@ -285,7 +285,7 @@ def grouped_matmul(x_rows: jax.Array, tile_expert: jax.Array, weights: tuple[jax
     if epilogue == "combine":
         return moe_dense_fused.token_sums(kernel, operands, combine_tokens, bm, n_dim, **common)
     out_shape = (n_rows, n_dim) if epilogue else (slices, n_rows, len(weights), n_dim)
-    partial = pl.pallas_call(
+    partial = tiling.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype if slices == 1 else jnp.float32), **common,
     )(*operands)
     if epilogue or not sum_slices:

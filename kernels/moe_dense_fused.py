@@ -150,7 +150,7 @@ def token_sums(kernel, operands, n_tokens: int, block_m: int, n_dim: int, **call
     """Runs `kernel` (pl.pallas_call options `call`) on `operands` plus a zeroed float32 buffer [(T + block_m) *
     n_dim] that it adds into (`add_to_tokens`; its last ref) -> the tokens' sums [T, n_dim] float32."""
     zeros = jnp.zeros(((n_tokens + block_m) * n_dim,), jnp.float32)
-    sums = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
+    sums = tiling.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(zeros.shape, jnp.float32),
                           input_output_aliases={len(operands): 0}, **call)(*operands, zeros)
     return sums[:n_tokens * n_dim].reshape(n_tokens, n_dim)
 

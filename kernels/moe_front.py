@@ -256,7 +256,7 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
             raise ValueError("moe front kernel: zeros for the decode kernels come with the router's choice (select)")
         zeros = tiling.pow2_at_least(zeros)
         outputs.append(jax.ShapeDtypeStruct((zeros,), jnp.int32))
-    out = pl.pallas_call(
+    out = tiling.pallas_call(
         functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), pack=pack, select=select,
                           layer=layer, zeros=zeros, interpret=interpret),
         grid=(n_experts // EXPERT_BLOCK, rows),

@@ -296,7 +296,7 @@ def _matmul(x_rows, row_scale, tile_expert, tile_slot, weights, *, fmt, gated, n
         grid, flat = grid + (split,), [row_valid] + flat
     else:
         out_shape = jax.ShapeDtypeStruct((n_rows, parity, n_out), out_dtype)
-    return pl.pallas_call(
+    return tiling.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
@@ -491,7 +491,7 @@ def convert(ws: jax.Array, need: jax.Array, slot_expert: jax.Array, blocks: jax.
     gb = tiling.pow2_divisor(groups, max_groups)
     kernel = functools.partial(_convert_kernel, fmt=jnp.dtype(ws.dtype).name, br=block_rows, gb=gb, n_rows=n_rows,
                                asm=dispatch.nvidia_ptx(interpret))
-    return pl.pallas_call(
+    return tiling.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(ws.shape, ws.dtype),
         grid=(n_slots, pl.cdiv(n_rows, block_rows), groups // gb),

@@ -615,7 +615,7 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
                                asm=dispatch.nvidia_ptx(interpret), interpret=interpret, **static, **sized)
     inputs = (tile_expert, src_of_row, *(x if packed else (x,)), *extra, *[a for w in weights for a in w],
               *shared_weights)
-    return pl.pallas_call(
+    return tiling.pallas_call(
         kernel,
         out_shape=out_shapes,
         grid=grid + (split,),

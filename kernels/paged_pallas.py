@@ -87,7 +87,7 @@ def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.
         kernel = functools.partial(_prefill_kernel, block_t=block_t, **common)
         grid = (batch, padded // block_t)
         args = (jnp.pad(positions, pad), jnp.pad(valid, pad), block_tables, jnp.pad(values, pad + ((0, 0),)))
-    out = pl.pallas_call(
+    out = tiles.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype), grid=grid,
         input_output_aliases={len(args): 0}, interpret=interpret, compiler_params=tiles.compiler_params(num_warps, 1),
         name="paged_write_decode" if length == 1 else "paged_write_prefill",

@@ -339,7 +339,7 @@ def project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...]
     partial_squares = slices > 1 and norm_weight is not None
     if partial_squares:
         out_shape = [jax.ShapeDtypeStruct((slices, rows), jnp.float32)] + out_shape
-    outs = pl.pallas_call(
+    outs = tiling.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(sum(b.count for b in blocks), slices),

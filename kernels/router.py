@@ -168,7 +168,7 @@ def _launch(kernel, operands, n_tokens: int, slots: int, name: str, interpret: b
     k_pad = tiling.pow2_at_least(slots)
     n_pad = tiling.round_up(n_tokens, BLOCK_M)
     out = pl.BlockSpec((BLOCK_M, k_pad), lambda i: (i, 0))
-    return pl.pallas_call(
+    return tiling.pallas_call(
         kernel,
         grid=(n_pad // BLOCK_M,),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * len(operands),
@@ -296,7 +296,7 @@ def select_and_schedule(logits: jax.Array, bias: jax.Array | None, *, top_k: int
     shapes = [((BLOCK_M, k_pad), jnp.int32), ((BLOCK_M, k_pad), jnp.float32), ((BLOCK_M, k_pad), jnp.int32),
               table, table, ((t_pad,), jnp.int32), ((e_pad,), jnp.int32),
               ((2 * e_pad, BLOCK_M), jnp.int32), ((e_pad, BLOCK_M), jnp.int32)]  # (the last two: scratch)
-    ids, weights, rows, tokens, pairs, tiles, sizes, _, _ = pl.pallas_call(
+    ids, weights, rows, tokens, pairs, tiles, sizes, _, _ = tiling.pallas_call(
         functools.partial(_schedule_kernel, **options, parts=shared_parts, e_pad=e_pad, block_m=block_m,
                           stride=k_pad if padded else n_pairs,
                           no_pair=BLOCK_M * k_pad if padded else n_tokens * n_pairs, interpret=interpret),

@@ -310,7 +310,7 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
     else:
         out_shape = jax.ShapeDtypeStruct((n_rows, heads_p, rank), out_dtype)
         out_specs = pl.BlockSpec((None, block_h, rank), lambda r, h, s: (r, h, 0))
-    out = pl.pallas_call(
+    out = tiles.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
         compiler_params=tiles.compiler_params(config.num_warps, config.num_stages),
         name="sparse_mla_decode" if splits > 1 else "sparse_mla_prefill",
@@ -343,7 +343,7 @@ def _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions,
     out_specs = (pl.BlockSpec((None, None, block_h, rank), lambda h, s, r: (r, s, h, 0)),
                  pl.BlockSpec((None, None, block_h), lambda h, s, r: (r, s, h)))
     warps = config.num_warps if block_h >= 32 else config.small_decode_warps
-    out, lse = pl.pallas_call(
+    out, lse = tiles.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_specs, interpret=interpret,
         compiler_params=tiles.compiler_params(warps, config.num_stages), name="sparse_mla_decode_fused",
     )(q_latent, q_rope, query_positions.reshape(n_rows).astype(jnp.int32), rows, tiles.cache_rows(cache))

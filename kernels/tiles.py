@@ -12,6 +12,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from . import dispatch, grid_dependency
+
+# Programmatic dependent launch for the kernels built through `pallas_call` (read when a kernel is traced): "off", or
+# the order of the two instructions each kernel starts with: "trigger_first" (let the next kernel launch, then wait
+# for the ones before) or "wait_first" (wait, then let the next one launch: one kernel ahead at most). Off: on the
+# H200 (jax 0.11.2) the medium hybrid's MXFP4 batch-1 decode step took 0.960 ms per token with "trigger_first"
+# against 0.869 without, same call (benchmarks/NOTES_serving.md, thirtieth session); "wait_first" not yet measured.
+PROGRAMMATIC_LAUNCH = "off"
+LAUNCH_ORDERS = ("off", "trigger_first", "wait_first")
+
 
 def pow2_at_least(n: int, floor: int = 1) -> int:
     """Smallest power of two >= max(n, floor)."""
@@ -60,6 +70,28 @@ def mm_nt(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, K] @ b [N, K]^T -> [M, N] float32."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision(a.dtype),
                                preferred_element_type=jnp.float32)
+
+
+def pallas_call(kernel, *, interpret: bool = False, **kwargs):
+    """`pl.pallas_call` for dayzero's kernels. Compiled for an sm_90+ NVIDIA GPU (`dispatch.grid_dependency_ptx`)
+    with `PROGRAMMATIC_LAUNCH` on, the kernel body starts with the two `grid_dependency` instructions in that
+    order: XLA launches Triton kernels as programmatic dependents, so once a kernel has let the next one launch, that
+    kernel's programs are resident and waiting as it ends, where otherwise they start only then. Every such kernel
+    waits before its first load, so a kernel after one that lets it launch early reads finished outputs. Elsewhere
+    (interpret mode, ROCm, vendor plugins) and with "off" the body is the kernel's own."""
+    if PROGRAMMATIC_LAUNCH not in LAUNCH_ORDERS:
+        raise ValueError(f"tiles.PROGRAMMATIC_LAUNCH is {PROGRAMMATIC_LAUNCH!r}, not one of {LAUNCH_ORDERS}")
+    if PROGRAMMATIC_LAUNCH == "off" or not dispatch.grid_dependency_ptx(interpret):
+        return pl.pallas_call(kernel, interpret=interpret, **kwargs)
+    first, second = ((grid_dependency.launch_dependents, grid_dependency.wait) if PROGRAMMATIC_LAUNCH == "trigger_first"
+                     else (grid_dependency.wait, grid_dependency.launch_dependents))
+
+    def dependent(*refs):
+        second(first(0))
+        kernel(*refs)
+
+    dependent.__name__ = getattr(getattr(kernel, "func", kernel), "__name__", "kernel")  # its debug info's name
+    return pl.pallas_call(dependent, interpret=interpret, **kwargs)
 
 
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:

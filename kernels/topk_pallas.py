@@ -98,7 +98,7 @@ def _select_pass(values: jax.Array, k: int, num_keys: int, interpret: bool) -> j
     n = tiles.pow2_at_least(max(num_keys, k))
     values = jnp.pad(values, ((0, 0), (0, n - num_keys)), constant_values=-jnp.inf)
     fill = jnp.full((rows * k + n,), -1, jnp.int32)  # the outputs, then spare slots
-    out = pl.pallas_call(
+    out = tiles.pallas_call(
         functools.partial(_select_kernel, k=k, n=n, num_keys=num_keys),
         out_shape=jax.ShapeDtypeStruct(fill.shape, jnp.int32), grid=(rows,),
         in_specs=[pl.BlockSpec((None, n), lambda r: (r, 0)), pl.no_block_spec], out_specs=pl.no_block_spec,

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .. import atomics, dispatch, projection, short_conv
+from .. import atomics, dispatch, projection, short_conv, tiles as tiling
 from . import reference as kda_reference
 from .pallas import _delta_step, _l2normalize, _params
 
@@ -293,7 +293,7 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     aliases = {len(inputs) - 2: len(outputs) - 2, len(inputs) - 1: len(outputs) - 1}
     if last_block_shifts:
         aliases[len(inputs) - 3] = 2
-    o, *split_outs, conv_cache, state_pool = pl.pallas_call(
+    o, *split_outs, conv_cache, state_pool = tiling.pallas_call(
         functools.partial(_kernel, layer=layer, heads=heads, head_dim=head_dim, low_rank=low_rank, width=width,
                           scale=head_dim ** -0.5, eps=eps, lower_bound=lower_bound, act=act, qkv_layout=qkv_layout,
                           fgb_layout=fgb_layout, value_split=value_split, last_block_shifts=last_block_shifts,

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .. import dispatch
+from .. import dispatch, tiles as tiling
 from .reference import l2norm as _l2norm_ref
 
 CHUNK = 64
@@ -569,7 +569,7 @@ def chunk_intra(q, k, v, g, beta, lengths, *, scale, l2norm, interpret=False, tu
     sq = pl.squeezed
     chunk_spec = lambda d: pl.BlockSpec((sq, CHUNK, sq, d), lambda b, c, h: (b, c, h, 0))
     shape = lambda d: jax.ShapeDtypeStruct((batch, t_pad, heads, d), io_dtype)
-    return pl.pallas_call(
+    return tiling.pallas_call(
         functools.partial(_intra_kernel, scale=scale, l2norm=l2norm, precision=_precision(io_dtype)),
         grid=(batch, n_chunks, heads),
         in_specs=[pl.BlockSpec((1,), lambda b, c, h: (b,)), chunk_spec(kp), chunk_spec(kp), chunk_spec(vp),
@@ -620,7 +620,7 @@ def chunk_akk(q, k, g, beta, lengths, *, scale, l2norm, interpret=False, tuning=
     kernel = functools.partial(_akk_kernel, scale=scale, l2norm=l2norm, precision=precision, block_k=min(block_k, kp),
                                prologue_block_k=prologue_k, level_group=tuning.intra_level_group, dot_dtype=dot_dtype,
                                asm=dispatch.nvidia_ptx(interpret), barrier=not interpret)
-    outs = pl.pallas_call(
+    outs = tiling.pallas_call(
         kernel,
         grid=(batch, n_chunks, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(kp), chunk_spec(kp), beta_spec],
@@ -648,7 +648,7 @@ def chunk_wy(x, v, beta, a_kk, lengths, *, interpret=False, tuning=DEFAULT_TUNIN
         raise ValueError(f"KdaTuning.wy_inverse {tuning.wy_inverse!r}: one of {', '.join(_INVERSE_PRECISIONS)}")
     inverse = _INVERSE_PRECISIONS["ieee" if io_dtype == jnp.float32 else tuning.wy_inverse]
     chunk_spec, beta_spec, len_spec, shape = _chunk_specs(batch, t_pad, heads, io_dtype)
-    return pl.pallas_call(
+    return tiling.pallas_call(
         functools.partial(_wy_kernel, precision=precision, dot_dtype=dot_dtype, inverse_precision=inverse),
         grid=(batch, t_pad // CHUNK, heads),
         in_specs=[len_spec, chunk_spec(kp), chunk_spec(vp), beta_spec, chunk_spec(CHUNK)],
@@ -716,7 +716,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if output_chunk_states:
         out_specs.append(pl.BlockSpec((sq, n_chunks, sq, kp, block_v), lambda b, h, j: (b, 0, h, 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((batch, n_chunks, heads, kp, vp), jnp.float32))
-    outs = pl.pallas_call(
+    outs = tiling.pallas_call(
         functools.partial(_state_kernel, n_chunks=n_chunks, precision=_precision(io_dtype),
                           has_initial=initial_state is not None, chunk_states=output_chunk_states),
         grid=(batch, heads, vp // block_v),
@@ -841,7 +841,7 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
         h0 = initial_state.astype(jnp.float32)
         inputs.append(jnp.pad(h0, ((0, 0), (0, 0), (0, kp - key_dim), (0, vp - value_dim))))
         in_specs.append(state_spec)
-    o, final = pl.pallas_call(
+    o, final = tiling.pallas_call(
         functools.partial(_recurrent_kernel, steps=steps, scale=scale, l2norm=use_qk_l2norm_in_kernel,
                           has_initial=initial_state is not None,
                           output_before_update=tuning.decode_output_before_update),
@@ -893,7 +893,7 @@ def fused_recurrent_kda_slots(q, k, v, g, beta, state_pool, slots, layer=0, scal
     sq = pl.squeezed
     grid, order = _bhv_grid(batch, heads, vp // block_v, tuning.decode_v_fastest)
     row = _bhv_spec((1,), lambda b, h, j: (b,), order)
-    o, pool = pl.pallas_call(
+    o, pool = tiling.pallas_call(
         functools.partial(_slots_kernel, steps=steps, scale=scale, l2norm=use_qk_l2norm_in_kernel,
                           layer=layer, block_v=block_v, order=order,
                           output_before_update=tuning.decode_output_before_update),
