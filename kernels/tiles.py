@@ -3,6 +3,9 @@
 Triton tiles must have power-of-two extents, so a feature width is handled as its binary decomposition into
 power-of-two segments, largest first (the 576-wide MLA latent is 512 + 64: two loads and two dots). On a GPU every
 segment that feeds a dot must be at least 16 wide; interpret mode takes any width.
+
+Every kernel of the package is built through `pallas_call` here (the one place that decides how a kernel starts:
+`PROGRAMMATIC_LAUNCH`).
 """
 
 from __future__ import annotations
@@ -74,8 +77,8 @@ def mm_nt(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def pallas_call(kernel, *, interpret: bool = False, **kwargs):
     """`pl.pallas_call` for dayzero's kernels. Compiled for an sm_90+ NVIDIA GPU (`dispatch.grid_dependency_ptx`)
-    with `PROGRAMMATIC_LAUNCH` on, the kernel body starts with the two `grid_dependency` instructions in that
-    order: XLA launches Triton kernels as programmatic dependents, so once a kernel has let the next one launch, that
+    with `PROGRAMMATIC_LAUNCH` other than "off", the kernel body starts with the two `grid_dependency` instructions
+    in the order it names: XLA launches Triton kernels as programmatic dependents, so once a kernel has let the next one launch, that
     kernel's programs are resident and waiting as it ends, where otherwise they start only then. Every such kernel
     waits before its first load, so a kernel after one that lets it launch early reads finished outputs. Elsewhere
     (interpret mode, ROCm, vendor plugins) and with "off" the body is the kernel's own."""
