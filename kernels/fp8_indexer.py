@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import mxfp4
+
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
 _MIN_AMAX = 1e-12
@@ -45,7 +47,7 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     # (a scale one ulp off a power of two, or a ceil pushed up by log2's rounding)
     mantissa, exponent = jnp.frexp(amax / E4M3_MAX)  # = mantissa * 2 ** exponent, mantissa in [0.5, 1)
     exponent = jnp.where(mantissa == 0.5, exponent - 1, exponent)
-    scale = jax.lax.bitcast_convert_type(((exponent + 127) << 23).astype(jnp.int32), jnp.float32)
+    scale = mxfp4.pow2(exponent.astype(jnp.int32))
     return jnp.clip(x / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
 
 

@@ -66,7 +66,7 @@ FRONT_PACKED_MIN_TOKENS = 2
 # multiply and the router's select kernel gone; gate/up 7.1 -> 11.1 us, down 4.7 -> 6.3 us per layer). 0: never.
 SHARED_IN_PACKED_MAX_TOKENS = 1
 # Whether the front kernel, where it makes one token's choice (`MoE.front_select`), also writes the zeros the MXFP4
-# decode kernels take as turn counters (`MoE.front_select`): in place of XLA's zero fill per MoE layer (a ~1.2 us
+# decode kernels take as turn counters (`moe_mxfp4_gemv.turn_count`): in place of XLA's zero fill per MoE layer (a ~1.2 us
 # memset launch on the H200, 15 per token in the medium hybrid's batch-1 step).
 COUNTERS_FROM_FRONT = True
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
