@@ -10,9 +10,10 @@ with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized H
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
 `small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
-one wait) and waited on each time, then a 5-dispatch trace. Kernels are grouped by op (layer numbers folded:
-`layers_*`), reported per generated token (ms and kernel count). Prints the tables and appends one dated line
-(totals and the top ops) to the results file. Needs a GPU (on the CPU the trace holds no device kernels).
+one wait; with the host time of each dispatch call: the inputs' transfer and XLA's launch, which a pipelined engine
+must keep under the device's time) and waited on each time, then a 5-dispatch trace. Kernels are grouped by op (layer
+numbers folded: `layers_*`), reported per generated token (ms and kernel count). Prints the tables and appends one
+dated line (totals and the top ops) to the results file. Needs a GPU (on the CPU the trace holds no device kernels).
 """
 
 from __future__ import annotations
@@ -131,9 +132,12 @@ def latest_hlo(folder: str) -> str:
 
 def profile(engine: Engine, rows: StepRows, hlo_folder: str, repeats: int = 50) -> dict:
     engine.runner.run(rows, True)  # compiles (and dumps the HLO)
+    calls = []  # host seconds of each dispatch call (inputs' transfer, XLA's launch of the executable)
     start = time.perf_counter()
     for _ in range(repeats):
+        called = time.perf_counter()
         out = engine.runner.dispatch(rows, True)
+        calls.append(time.perf_counter() - called)
     jax.block_until_ready(out)
     pipelined = (time.perf_counter() - start) / repeats
     start = time.perf_counter()
@@ -144,6 +148,7 @@ def profile(engine: Engine, rows: StepRows, hlo_folder: str, repeats: int = 50) 
     events = traced_events(lambda: [engine.runner.run(rows, True) for _ in range(traced)])
     ops, total_ms, kernels = attribute(events, kernel_ops(latest_hlo(hlo_folder)), traced * STEPS)
     return {"pipelined_ms_per_token": pipelined / STEPS * 1e3, "waited_ms_per_token": waited / STEPS * 1e3,
+            "host_ms_per_dispatch": float(np.median(calls)) * 1e3,
             "gpu_ms_per_token": total_ms, "kernels_per_token": kernels, "ops": ops}
 
 
@@ -192,7 +197,8 @@ def run(args, hlo_folder: str) -> dict:
         result = profile(engine, decode_rows(batch, args.context, model.config.vocab_size), hlo_folder)
         print(f"\nbatch {batch}: {result['pipelined_ms_per_token']:.3f} ms per token pipelined, "
               f"{result['waited_ms_per_token']:.3f} ms waited on; GPU kernels {result['gpu_ms_per_token']:.3f} ms, "
-              f"{result['kernels_per_token']:.0f} kernels per token")
+              f"{result['kernels_per_token']:.0f} kernels per token; the dispatch call holds the host "
+              f"{result['host_ms_per_dispatch']:.3f} ms (median; {STEPS} tokens per dispatch)")
         print("| op | ms / token | kernels / token |\n|---|---|---|")
         for label, ms, n in result["ops"][:args.top]:
             print(f"| {label} | {ms:.4f} | {n:g} |")

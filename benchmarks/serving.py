@@ -3,19 +3,18 @@
     python3 benchmarks/serving.py [--experts bf16|mxfp4] [--peer SCRIPT] [--long-prompt N] [--repeats N]
                                   [--trace-batches 1,16] [--xla-option NAME=VALUE]
 
-Measures TTFT at prompts of 2K and 32K tokens, ITL and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens, 64 new
-tokens each), every shape compiled before it is timed, and the bandwidth floors of a batch-1 and a batch-16 decode
+Measures TTFT at prompts of 2K and 32K tokens, ITL, TTFT and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens, 64
+new tokens each), every shape compiled before it is timed, and the bandwidth floors of a batch-1 and a batch-16 decode
 step (the weights each reads at 4.0 TB/s: `decode_step_bytes`; `--experts mxfp4` gives the model random packed MXFP4
 routed experts, run by the MXFP4 kernels, and the floors count them at 4.25 bits). Each batch size's generate is timed
-`--repeats` times: its ITL is the median over the runs (each run's ITL the median of its requests' mean ITLs; one
-host stall in a 64-token run moves a single request's mean by as much as the stall / 63), and the runs' ITLs are
-reported too; a compilation during a timed run is named in the output (`compiled_while_timed`). With `--peer SCRIPT`
-it runs the peer stack's anchor script (../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same
-run and reports it beside ours, with the peer's batch-16 ITL over ours and over the batch-16 floor (the most any
-bf16 engine could reach against it); with `--trace-batches 1,16` those batches' generate runs once more under the
-profiler (GPU busy and idle time); `--xla-option` adds an XLA compile option to the model's GPU functions for the
-run (as decode_profile.py's does), named in the results line. Prints a table and appends one dated line to the
-results file.
+`--repeats` times: its ITL is the median over the runs (each run's ITL the median of its requests' mean ITLs; one host
+stall in a 64-token run moves a single request's mean by as much as the stall / 63), and the runs' ITLs are reported
+too; a compilation during a timed run is named in the output (`compiled_while_timed`). With `--peer SCRIPT` it runs the
+peer stack's anchor script (../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same run and reports
+it beside ours, with the peer's batch-16 ITL over ours and over the batch-16 floor (the most any bf16 engine could reach
+against it); with `--trace-batches 1,16` those batches' generate runs once more under the profiler (GPU busy and idle
+time); `--xla-option` adds an XLA compile option to the model's GPU functions for the run (as decode_profile.py's does),
+named in the results line. Prints a table and appends one dated line to the results file.
 """
 
 from __future__ import annotations
@@ -98,6 +97,9 @@ def main(argv=None) -> int:
                         help="decode steps per dispatch (the engine option)")
     parser.add_argument("--no-overlap-decode", action="store_true",
                         help="read each decode dispatch's tokens before launching the next (the engine option)")
+    parser.add_argument("--no-overlap-prefill", action="store_true",
+                        help="read a prefill's token before launching the prompt's first decode dispatch (the engine "
+                        "option)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generates per batch size (median ITL)")
     parser.add_argument("--trace-batches", default="", help="comma-separated batch sizes whose generate runs once "
                         "more under the profiler: GPU busy time, idle share and kernel time by XLA module")
@@ -121,7 +123,8 @@ def main(argv=None) -> int:
     engine = Engine(model, None, EngineConfig(
         max_num_seqs=64, max_model_len=args.long_prompt + 256, max_prefill_tokens=4096, max_prefill_rows=16,
         prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0,
-        decode_steps=args.decode_steps, overlap_decode=not args.no_overlap_decode))
+        decode_steps=args.decode_steps, overlap_decode=not args.no_overlap_decode,
+        overlap_prefill=not args.no_overlap_prefill))
     rng = np.random.default_rng(0)
     res = {}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -147,9 +150,11 @@ def main(argv=None) -> int:
         res[f"itl_B{batch}_ms"] = round(itl * 1e3, 3)
         res[f"itl_B{batch}_runs_ms"] = [round(t * 1e3, 3) for t in itls]
         res[f"tok_s_B{batch}"] = round(tokens / wall, 1)
+        # the median run's median TTFT: the price, if any, of launching the first decode before the token is read
+        res[f"ttft_B{batch}_ms"] = round(float(np.median([o.ttft for o in outs])) * 1e3, 2)
         print(f"batch {batch}: ITL (median of per-request means, median of {len(runs)} runs "
               f"{[round(t * 1e3, 3) for t in itls]}) {itl * 1e3:.2f} ms, {tokens / wall:.1f} tokens/s overall, "
-              f"decode-only {batch / itl:.1f} tokens/s")
+              f"decode-only {batch / itl:.1f} tokens/s, TTFT (median request) {res[f'ttft_B{batch}_ms']} ms")
         if batch in args.trace_batches:  # the same generate again, traced: where the ITL goes on the GPU
             events = traced_events(lambda: engine.generate(prompt_token_ids=prompts, sampling_params=params))
             traces[batch] = busy_summary(gpu_kernels(events))
@@ -181,7 +186,8 @@ def main(argv=None) -> int:
               f"weights could reach)")
     line = (f"- {datetime.date.today()} serving.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}"
             f" (routed experts {args.experts}; kernels: {kernel_choice()}; {args.decode_steps} decode steps per "
-            f"dispatch, overlapped: {not args.no_overlap_decode}; XLA options added {xla_options or 'none'}): "
+            f"dispatch, overlapped: {not args.no_overlap_decode}, first decode ahead of the prefill's token: "
+            f"{not (args.no_overlap_decode or args.no_overlap_prefill)}; XLA options added {xla_options or 'none'}): "
             f"dayzero {json.dumps(res)}; "
             f"peer transformers+fla same run {json.dumps(peer) if peer else 'not run'}"
             f"{'; ratios ' + json.dumps(ratios) if ratios else ''}\n")

@@ -107,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per device dispatch")
     parser.add_argument("--no-overlap-decode", action="store_true",
                         help="read each decode dispatch's tokens before launching the next")
+    parser.add_argument("--no-overlap-prefill", action="store_true",
+                        help="read a prefill's token before launching the prompt's first decode dispatch")
     parser.add_argument("--warmup", action="store_true", help="compile every bucketed shape before generating")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--mesh", help="run on a device mesh, e.g. expert=2,tensor=4 (axes data, expert, tensor; "
@@ -116,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.image and (args.input or not args.prompt):
         parser.error("--image goes with --prompt (in a JSONL file, give an \"image\" field)")
     options = dict(max_num_seqs=args.max_num_seqs, seed=args.seed, decode_steps=args.decode_steps,
-                   overlap_decode=not args.no_overlap_decode,
+                   overlap_decode=not args.no_overlap_decode, overlap_prefill=not args.no_overlap_prefill,
                    max_model_len=args.max_model_len or (4096 if args.model else 256),
                    max_prefill_tokens=args.max_prefill_tokens or (512 if args.model else 128))
     try:

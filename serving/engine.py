@@ -59,6 +59,7 @@ class EngineConfig:
     block_buckets: tuple[int, ...] | None = None        # blocks per row gathered (default: powers of four)
     decode_steps: int = 4  # decode steps per dispatch (sampled on the device; stop checks after each dispatch)
     overlap_decode: bool = True  # launch the next decode dispatch before reading this one's tokens
+    overlap_prefill: bool = True  # with overlap_decode: a prompt's first decode launched before its token is read
     max_image_patches: int = 65536  # patches of one request's images in all (vision models)
 
     def __post_init__(self):
@@ -219,19 +220,21 @@ class Engine:
 
     # ------------------------------------------------------------------ stepping
     def _rows(self, rows: list[ScheduledRow], decode: bool,
-              previous: list[tuple[int, int]] | None = None) -> StepRows:
-        """The step inputs of `rows`. `previous` (decode): per row, (its row, its steps) in the decode dispatch
-        launched just before, whose tokens are not read back: the row's input token is taken on the device from
-        that dispatch's last step, and its sampling keys continue after those steps."""
+              previous: list[tuple[int, int] | None] | None = None) -> StepRows:
+        """The step inputs of `rows`. `previous` (decode): per row, (its row, its steps) in the dispatch launched
+        just before, whose tokens are not read back (a prefill's row p: (p, 1)), or None for a row whose tokens are
+        all on the host: the row's input token is taken on the device from that dispatch's last step for it, and
+        its sampling keys continue after those steps."""
         n_rows = bucket(len(rows), self.decode_buckets if decode else self.prefill_row_buckets)
         n_tok = 1 if decode else bucket(max(r.length for r in rows), self.prefill_len_buckets)
         n_blk = bucket(max(len(r.request.table) for r in rows), self.block_buckets)
         out = self._padding(n_rows, n_tok, n_blk, decode)
         n_keys = out.keys.shape[1] if decode else 1  # a row's keys start at its generated count
+        previous = previous or [None] * len(rows)
         for i, row in enumerate(rows):
             req, p = row.request, row.request.params
             if decode:  # a decode row feeds its last token; the device feeds the rest
-                if previous is None:
+                if previous[i] is None:
                     out.tokens[i, 0] = req.token_slice(row.start, row.start + 1)[0]
                 else:
                     out.feed[i] = previous[i][0] * n_keys + previous[i][1] - 1  # its row's last step
@@ -250,7 +253,7 @@ class Engine:
                 offsets, features = req.images.chunk(row.start, row.start + row.length)
                 out.embeds[i, offsets] = features
                 out.embeds_mask[i, offsets] = True
-        done = [len(r.request.output_token_ids) + (previous[i][1] if previous else 0) for i, r in enumerate(rows)]
+        done = [len(r.request.output_token_ids) + (previous[i][1] if previous[i] else 0) for i, r in enumerate(rows)]
         keys = stream_keys([r.request.key_state for r in rows], done, n_keys)
         out.keys[:len(rows)] = keys if decode else keys[:, 0]
         return out
@@ -272,9 +275,12 @@ class Engine:
         building every running request's output each dispatch is host time the device waits for).
 
         With `overlap_decode`, the decode dispatch after this one is launched before this one's tokens are read
-        (`Scheduler.plan_ahead`), so the device does not wait for the host in between; its rows of requests that
-        stop here are dropped when it is read. Dispatches run in order on the device, so blocks and slots that
-        those requests free are rewritten by whoever gets them only after it."""
+        (`Scheduler.plan_ahead`), so the device does not wait for the host in between: after a decode dispatch, and
+        after a prefill step that completes every prompt it holds when nothing waits (the new rows' first input is
+        the prefill's sample, still on the device). Its rows of requests that stop here are dropped when it is
+        read. Dispatches run in order on the device, so blocks and slots that those requests free are rewritten by
+        whoever gets them only after it; a prefill's chunks are recorded (KDA snapshots saved) before the dispatch
+        ahead is launched, so a snapshot holds the prompt's state, not a later one."""
         if self._ahead is not None:
             plan, (tokens, logprobs) = self._ahead
             self._ahead = None
@@ -283,7 +289,10 @@ class Engine:
             if plan is None:
                 return [self._fail_stuck(r) for r in list(self.scheduler.waiting)]
             tokens, logprobs = self.runner.dispatch(self._rows(plan.rows, plan.decode), plan.decode)
-        if plan.decode and self.config.overlap_decode:
+            if not plan.decode:
+                for row in plan.rows:
+                    self.scheduler.after_prefill_chunk(row)
+        if self.config.overlap_decode:
             self._ahead = self._dispatch_ahead(plan, tokens)
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         now = time.perf_counter()
@@ -299,8 +308,7 @@ class Engine:
                     if req.status is Status.FINISHED:
                         break
             else:
-                self.scheduler.after_prefill_chunk(row)
-                if req.is_prefilling:
+                if req.is_prefilling:  # a chunk short of the prompt's end: no token yet
                     continue
                 self._append_token(req, int(tokens[i]), float(logprobs[i]), now)
             if not finished_only or req.status is Status.FINISHED:
@@ -308,13 +316,18 @@ class Engine:
         return updates
 
     def _dispatch_ahead(self, plan: StepPlan, tokens: jax.Array):
-        """Launches the decode dispatch after `plan` (whose tokens [B, n] are still on the device), or returns None
-        when it has to wait for them (see `Scheduler.plan_ahead`) or has fewer row buckets."""
-        rows = self.scheduler.plan_ahead(plan.rows)
-        if not rows or bucket(len(rows), self.decode_buckets) != tokens.shape[0]:
+        """Launches the decode dispatch after `plan` (whose sampled tokens, [B, n] for a decode and [B] for a
+        prefill, are still on the device), or returns None when it has to wait for them (see
+        `Scheduler.plan_ahead`) or, after a decode, has another row bucket."""
+        if not plan.decode and not self.config.overlap_prefill:
             return None
-        where = {id(row.request): (i, row.length) for i, row in enumerate(plan.rows)}
-        step_rows = self._rows(rows, True, previous=[where[id(row.request)] for row in rows])
+        there = {id(row.request): (i, row.length if plan.decode else 1)  # (its row in `tokens`, its tokens there)
+                 for i, row in enumerate(plan.rows) if plan.decode or not row.request.is_prefilling}
+        rows = self.scheduler.plan_ahead([(row.request, there[id(row.request)][1]) for row in plan.rows
+                                          if id(row.request) in there])
+        if not rows or (plan.decode and bucket(len(rows), self.decode_buckets) != tokens.shape[0]):
+            return None
+        step_rows = self._rows(rows, True, previous=[there.get(id(row.request)) for row in rows])
         return StepPlan(True, rows), self.runner.dispatch(step_rows, True, previous=tokens)
 
     def _append_token(self, req: Request, token: int, logprob: float, now: float) -> None:
@@ -414,8 +427,9 @@ class Engine:
 
     def warmup(self) -> int:
         """Compiles every bucketed prefill and decode shape now (rows of padding only: nothing is written but the
-        scratch block and slot), decode shapes in their all-greedy and sampling variants, so serving never
-        compiles. Returns the number of functions compiled."""
+        scratch block and slot), decode shapes in their all-greedy and sampling variants, and the layout of each
+        prefill bucket's tokens for each decode bucket (`overlap_decode`), so serving never compiles. Returns the
+        number of functions compiled."""
         shapes = [(False, r, t, b) for r in self.prefill_row_buckets for t in self.prefill_len_buckets
                   for b in self.block_buckets]
         shapes += [(True, r, 1, b) for r in self.decode_buckets for b in self.block_buckets]
@@ -426,6 +440,11 @@ class Engine:
                 rows.temperature[0] = 1.0 if sampled else 0.0
                 self.runner.run(rows, decode)
                 compiled += 1
+        if self.config.overlap_decode and self.config.overlap_prefill:  # a decode launched ahead of a prefill's tokens
+            for n_prefill in self.prefill_row_buckets:
+                for n_rows in self.decode_buckets:
+                    self.runner.warm_prefill_as_previous(n_prefill, (n_rows, self.config.decode_steps))
+                    compiled += 1
         return compiled
 
     # ------------------------------------------------------------------ introspection

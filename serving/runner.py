@@ -115,6 +115,13 @@ def _decode(module, params, cache, rows: dict, previous, all_greedy: bool):
     return tokens.T, logprobs.T, cache
 
 
+def _prefill_as_previous(tokens, shape: tuple[int, int]):
+    """A prefill step's sampled tokens [P] int32 laid out as a decode dispatch's `previous` [B, n] int32: token p at
+    [p, 0] (the rows past B are padding: a prefill feeding a decode dispatch has no more real rows than it)."""
+    rows = min(tokens.shape[0], shape[0])
+    return jnp.zeros(shape, jnp.int32).at[:rows, 0].set(tokens[:rows].astype(jnp.int32))
+
+
 def _reset(cache, slots):
     return {k: v.at[:, slots].set(0) if k in ("conv", "state") else v for k, v in cache.items()}
 
@@ -130,6 +137,7 @@ def _restore(cache, snaps, slot, snap):
 # Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
 _STEP = dispatch.PlatformJit(_step, static_argnums=(0, 4), donate_argnums=(2,))
 _DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 5), donate_argnums=(2,))
+_PREFILL_AS_PREVIOUS = jax.jit(_prefill_as_previous, static_argnums=(1,))
 _RESET = jax.jit(_reset, donate_argnums=(0,))
 _SAVE = jax.jit(_save, donate_argnums=(1,))
 _RESTORE = jax.jit(_restore, donate_argnums=(0,))
@@ -179,7 +187,8 @@ class ModelRunner:
 
     def dispatch(self, rows: StepRows, decode: bool, previous: jax.Array | None = None):
         """Launches one dispatch and returns device arrays without waiting (JAX dispatch is asynchronous).
-        `previous`: the tokens [B, n] of an earlier decode dispatch of the same shape, which `rows.feed` indexes."""
+        `previous` (decode): the sampled tokens of the dispatch just before, still on the device, which `rows.feed`
+        indexes: a decode dispatch's [B, n] of this one's shape, or a prefill step's [P] (token p read as [p, 0])."""
         steps = rows.keys.shape[1] if decode else 0
         greedy = decode and bool(np.all(rows.temperature < sampling.GREEDY_EPS))  # decode compiles both variants
         self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1], steps,
@@ -187,21 +196,32 @@ class ModelRunner:
         with platforms.activate(self.model.placement):  # the model's device in use: dispatch picks its kernels
             arrays = jax.device_put(dict(vars(rows)), self._inputs)  # one transfer for all inputs (None stays None)
             if decode:
-                shape = rows.keys.shape[:2]
-                if previous is None:
-                    if shape not in self._no_previous:
-                        self._no_previous[shape] = jax.device_put(np.zeros(shape, np.int32), self._inputs)
-                    previous = self._no_previous[shape]
-                elif previous.shape != shape:
-                    raise ValueError(f"previous tokens {previous.shape} do not match this dispatch's {shape}")
-                elif self._inputs is not None:
-                    previous = jax.device_put(previous, self._inputs)
+                previous = self._previous(previous, rows.keys.shape[:2])
                 tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays,
                                                        previous, greedy)
             else:
                 tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays,
                                                      False)
         return tokens, logprobs
+
+    def _previous(self, previous: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
+        """`previous` for a decode dispatch of `shape` [B, n]: zeros where there is none, a prefill's [P] tokens
+        laid out as [B, n] (one small function per (P, B, n), counted in `num_compilations`)."""
+        if previous is None:
+            if shape not in self._no_previous:
+                self._no_previous[shape] = jax.device_put(np.zeros(shape, np.int32), self._inputs)
+            return self._no_previous[shape]
+        if previous.ndim == 1:
+            self._shapes.add(("prefill_as_previous", previous.shape[0], shape))
+            previous = _PREFILL_AS_PREVIOUS(previous, shape)
+        elif previous.shape != shape:
+            raise ValueError(f"previous tokens {previous.shape} do not match this dispatch's {shape}")
+        return previous if self._inputs is None else jax.device_put(previous, self._inputs)
+
+    def warm_prefill_as_previous(self, prefill_rows: int, shape: tuple[int, int]) -> None:
+        """Compiles the layout of a prefill's [prefill_rows] tokens as a decode dispatch's [B, n] `previous`."""
+        with platforms.activate(self.model.placement):
+            self._previous(jnp.zeros((prefill_rows,), jnp.int32), shape).block_until_ready()
 
     def reset_slots(self, slots: list[int]) -> None:
         """Zeroes the KDA states of `slots` (a request starting from scratch)."""

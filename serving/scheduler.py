@@ -10,6 +10,7 @@ blocks and slot are released and it waits to be recomputed from its prompt plus 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dayzero.model.errors import RequestError
@@ -170,25 +171,29 @@ class Scheduler:
                 return extra
         return max(steps, 1)
 
-    def plan_ahead(self, rows: list[ScheduledRow]) -> list[ScheduledRow]:
-        """The rows of the decode dispatch after `rows` (a decode dispatch whose tokens are not read back yet),
-        assuming each request takes all its steps there without stopping. Requests that surely finish there (token
-        budget, model length) are left out. [] when the next dispatch has to wait for those tokens: requests
-        waiting or prefilling (their prefill goes first), or blocks that only a preemption would free."""
+    def plan_ahead(self, pending: Sequence[tuple[Request, int]]) -> list[ScheduledRow]:
+        """The rows of the decode dispatch launched right after one whose sampled tokens are not read back yet.
+        `pending` pairs requests with the tokens each has there: a decode row's steps, or 1 for a prompt whose
+        prefill completes there (recorded already by `after_prefill_chunk`); running requests not named hold all
+        their tokens on the host. Each is assumed to take its pending tokens without stopping; requests that surely
+        finish by then (token budget, model length) are left out. [] when the next dispatch has to wait for those
+        tokens: requests waiting or still prefilling (their prefill goes first), or blocks that only a preemption
+        would free."""
         if self.waiting or any(r.is_prefilling for r in self.running):
             return []
+        tokens_there_of = {id(request): n for request, n in pending}
         ahead = []
-        for row in rows:
-            request = row.request
+        for request in self.running:
             if request.status is not Status.RUNNING:
                 continue
-            num_tokens = request.num_tokens + row.length
-            generated = len(request.output_token_ids) + row.length
+            tokens_there = tokens_there_of.get(id(request), 0)
+            num_tokens = request.num_tokens + tokens_there
+            generated = len(request.output_token_ids) + tokens_there
             if generated >= request.params.max_tokens or num_tokens >= self.config.max_model_len:
                 continue
             if not self._ensure_blocks(request, num_tokens):
                 return []
-            ahead.append(ScheduledRow(request, num_tokens - 1, self._lookahead(request, row.length)))
+            ahead.append(ScheduledRow(request, num_tokens - 1, self._lookahead(request, tokens_there)))
         return ahead
 
     def _newest_other(self, request: Request) -> Request | None:

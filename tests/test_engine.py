@@ -205,6 +205,45 @@ def test_overlapped_decode_matches_waiting_for_each_dispatch(models):
     assert not sched.running and sched.slots.num_free == sched.slots.num_usable
 
 
+def test_decode_launched_ahead_of_a_prefill(models):
+    """The first decode dispatch of a prompt is launched before the prefill's token is read (its input taken on the
+    device): the same tokens and logprobs as waiting for the prefill, seeded sampling included; and a prompt of
+    whole blocks, whose KDA snapshot is saved at its end, leaves the prompt's state there, not a decode step's: a
+    later request restoring it gets the logprobs of a fresh prefill."""
+    model = models["kimi_linear"]
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 31)))
+    prompt = rng.integers(3, 190, 128).tolist()  # two whole blocks: a snapshot at the prompt's end
+    longer = prompt + rng.integers(3, 190, 9).tolist()
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True),
+              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=11, ignore_eos=True, logprobs=True)]
+    outs = {}
+    for name, options in (("waited", dict(overlap_decode=False)), ("decode only", dict(overlap_prefill=False)),
+                          ("ahead", {})):
+        engine = Engine(model, None, config(seed=0, **options))
+        after_prefill = []  # per dispatch ahead tried after a prefill step: launched or not
+        original = engine._dispatch_ahead
+
+        def counted(plan, tokens, original=original, after_prefill=after_prefill):
+            launched = original(plan, tokens)
+            if not plan.decode:
+                after_prefill.append(launched is not None)
+            return launched
+
+        engine._dispatch_ahead = counted
+        outs[name] = [engine.generate(prompt_token_ids=[prompt], sampling_params=p)[0] for p in params]
+        outs[name].append(engine.generate(prompt_token_ids=[longer], sampling_params=params[0])[0])
+        assert outs[name][-1].num_cached_tokens == 128, "the longer prompt missed the snapshot at 128"
+        assert any(after_prefill) == (name == "ahead"), (name, after_prefill)
+    for name in ("decode only", "ahead"):
+        for waited, ahead in zip(outs["waited"], outs[name]):
+            assert ahead.token_ids == waited.token_ids and len(ahead.itl) == len(ahead.token_ids) - 1, name
+            np.testing.assert_allclose(ahead.logprobs, waited.logprobs, rtol=1e-6, atol=1e-6, err_msg=name)
+    fresh = Engine(model, None, config(seed=0, enable_prefix_caching=False)).generate(
+        prompt_token_ids=[longer], sampling_params=params[0])[0]
+    assert outs["ahead"][-1].token_ids == fresh.token_ids
+    np.testing.assert_allclose(outs["ahead"][-1].logprobs, fresh.logprobs, rtol=1e-6, atol=1e-6)
+
+
 def test_stress_no_leaks_no_recompilation(models):
     """200+ requests with random lengths, shared prefixes and cancellations."""
     model = models["kimi_linear"]
