@@ -41,7 +41,7 @@ from dayzero.serving import Engine, EngineConfig
 from dayzero.serving.runner import StepRows
 
 from gpu_trace import gpu_kernels, traced_events  # benchmarks/gpu_trace.py
-from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
+from results import append_line, git_commit, xla_environment  # benchmarks/results.py (the script folder)
 
 STEPS = 4
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = \(?(\w+\[[\d,]*\])?.*?metadata=\{op_name="([^"]*)"')
@@ -321,14 +321,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder, \
             dispatch.use_policy({"cuda": args.pallas} if args.pallas else None), \
             dense_tiles_with(**tile_options):
+        environment = xla_environment()  # before the dump folder joins XLA_FLAGS
         dump_hlo_to(hlo_folder)
         summary = run(args, hlo_folder)
     device = jax.devices()[0]
     append_line(args.results, f"- {datetime.date.today()} decode_profile.py, {device.device_kind}, commit "
                               f"{git_commit()}, jax {jax.__version__}, {args.preset} (random, routed experts "
                               f"{args.experts}), engine options '{args.engine}', XLA options added "
-                              f"{extra or 'none'}, {STEPS} steps per dispatch at position {args.context}, per token: "
-                              f"{json.dumps(summary)}\n")
+                              f"{extra or 'none'}, XLA environment {environment}, {STEPS} steps per dispatch at "
+                              f"position {args.context}, per token: {json.dumps(summary)}\n")
     return 0
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+
+# Environment variables that change how XLA compiles or runs what a benchmark measures (read when the client starts).
+XLA_ENVIRONMENT = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_ALLOCATOR", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                   "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 
 def git_commit() -> str:
@@ -16,6 +21,13 @@ def git_commit() -> str:
         return head + ("+modified" if run("status", "--porcelain", "--untracked-files=no").strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def xla_environment() -> str:
+    """The `XLA_ENVIRONMENT` variables set in this process, as "NAME='value', ..." ("none" when none is): call it
+    before the script adds its own (a dump folder) so the results line names what the run was given."""
+    given = [f"{name}={os.environ[name]!r}" for name in XLA_ENVIRONMENT if os.environ.get(name)]
+    return ", ".join(given) or "none"
 
 
 def append_line(path: str, line: str) -> None:

@@ -35,7 +35,7 @@ from dayzero.serving import Engine, EngineConfig, SamplingParams
 
 from decode_profile import use_xla_options  # benchmarks/decode_profile.py
 from gpu_trace import busy_summary, gpu_kernels, traced_events  # benchmarks/gpu_trace.py
-from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
+from results import append_line, git_commit, xla_environment  # benchmarks/results.py (the script folder)
 
 
 def kernel_choice() -> str:
@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     line = (f"- {datetime.date.today()} serving.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}"
             f" (routed experts {args.experts}; kernels: {kernel_choice()}; {args.decode_steps} decode steps per "
             f"dispatch, overlapped: {not args.no_overlap_decode}, first decode ahead of the prefill's token: "
-            f"{not (args.no_overlap_decode or args.no_overlap_prefill)}; XLA options added {xla_options or 'none'}): "
+            f"{not (args.no_overlap_decode or args.no_overlap_prefill)}; XLA options added {xla_options or 'none'}; "
+            f"XLA environment {xla_environment()}): "
             f"dayzero {json.dumps(res)}; "
             f"peer transformers+fla same run {json.dumps(peer) if peer else 'not run'}"
             f"{'; ratios ' + json.dumps(ratios) if ratios else ''}\n")

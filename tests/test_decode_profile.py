@@ -85,3 +85,15 @@ def test_set_names_a_module_constant_and_parses_its_value():
             assert "--set" in str(e)
         else:
             raise AssertionError(f"{bad!r} was taken")
+
+
+def test_results_lines_name_the_xla_environment(monkeypatch):
+    import results
+
+    for name in results.XLA_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    assert results.xla_environment() == "none"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "vmm")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
+    assert results.xla_environment() == ("XLA_FLAGS='--xla_gpu_enable_command_buffer=', "
+                                         "XLA_PYTHON_CLIENT_ALLOCATOR='vmm'")
