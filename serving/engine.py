@@ -427,25 +427,24 @@ class Engine:
 
     def warmup(self) -> int:
         """Compiles every bucketed prefill and decode shape now (rows of padding only: nothing is written but the
-        scratch block and slot), decode shapes in their all-greedy and sampling variants, and the layout of each
-        prefill bucket's tokens for each decode bucket (`overlap_decode`), so serving never compiles. Returns the
-        number of functions compiled."""
+        scratch block and slot), decode shapes in their all-greedy and sampling variants, the layout of each
+        prefill bucket's tokens for each decode bucket (`overlap_prefill`), and the KDA slot and snapshot functions
+        (compiled, not run), so serving never compiles. Returns how many of them this engine had not needed yet."""
+        before = self.runner.num_compilations
         shapes = [(False, r, t, b) for r in self.prefill_row_buckets for t in self.prefill_len_buckets
                   for b in self.block_buckets]
         shapes += [(True, r, 1, b) for r in self.decode_buckets for b in self.block_buckets]
-        compiled = 0
         for decode, n_rows, n_tok, n_blk in shapes:
             for sampled in (False, True) if decode else (False,):  # decode: an all-greedy and a sampling variant
                 rows = self._padding(n_rows, n_tok, n_blk, decode)
                 rows.temperature[0] = 1.0 if sampled else 0.0
                 self.runner.run(rows, decode)
-                compiled += 1
         if self.config.overlap_decode and self.config.overlap_prefill:  # a decode launched ahead of a prefill's tokens
             for n_prefill in self.prefill_row_buckets:
                 for n_rows in self.decode_buckets:
                     self.runner.warm_prefill_as_previous(n_prefill, (n_rows, self.config.decode_steps))
-                    compiled += 1
-        return compiled
+        self.runner.warm_slot_functions()
+        return self.runner.num_compilations - before
 
     # ------------------------------------------------------------------ introspection
     @property

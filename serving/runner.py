@@ -176,7 +176,8 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """Distinct (kind, shape) step functions this runner has needed (each compiled once per process)."""
+        """Distinct (kind, shape) functions this runner has needed (each compiled once per process): the steps, the
+        layouts of a prefill's tokens for a decode launched ahead, and the KDA slot and snapshot functions."""
         return len(self._shapes)
 
     def run(self, rows: StepRows, decode: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -219,17 +220,40 @@ class ModelRunner:
         return previous if self._inputs is None else jax.device_put(previous, self._inputs)
 
     def warm_prefill_as_previous(self, prefill_rows: int, shape: tuple[int, int]) -> None:
-        """Compiles the layout of a prefill's [prefill_rows] tokens as a decode dispatch's [B, n] `previous`."""
+        """Compiles the layout of a prefill's [prefill_rows] tokens as a decode dispatch's [B, n] `previous` (the
+        tokens placed as the step inputs are: a step's outputs follow them)."""
         with platforms.activate(self.model.placement):
-            self._previous(jnp.zeros((prefill_rows,), jnp.int32), shape).block_until_ready()
+            tokens = jax.device_put(np.zeros((prefill_rows,), np.int32), self._inputs)
+            self._previous(tokens, shape).block_until_ready()
 
     def reset_slots(self, slots: list[int]) -> None:
         """Zeroes the KDA states of `slots` (a request starting from scratch)."""
         for slot in slots if self.has_kda else ():
-            self.cache = _RESET(self.cache, jnp.asarray([slot], jnp.int32))
+            self._shapes.add(("slot_reset",))
+            with platforms.activate(self.model.placement):
+                self.cache = _RESET(self.cache, np.asarray([slot], np.int32))
 
     def save_snapshot(self, slot: int, snapshot: int) -> None:
-        self.snapshots = _SAVE(self.cache, self.snapshots, jnp.int32(slot), jnp.int32(snapshot))
+        self._shapes.add(("snapshot_save",))
+        with platforms.activate(self.model.placement):
+            self.snapshots = _SAVE(self.cache, self.snapshots, np.int32(slot), np.int32(snapshot))
 
     def restore_snapshot(self, snapshot: int, slot: int) -> None:
-        self.cache = _RESTORE(self.cache, self.snapshots, jnp.int32(slot), jnp.int32(snapshot))
+        self._shapes.add(("snapshot_restore",))
+        with platforms.activate(self.model.placement):
+            self.cache = _RESTORE(self.cache, self.snapshots, np.int32(slot), np.int32(snapshot))
+
+    def warm_slot_functions(self) -> None:
+        """Compiles `reset_slots`, `save_snapshot` and `restore_snapshot` (those a model without KDA layers or
+        snapshots never calls are left out) without running them: nothing changes in the cache or snapshots. Like
+        every call here, under the model's placement (its default device is part of jit's cache key)."""
+        if not self.has_kda:
+            return
+        slot, index = np.zeros((1,), np.int32), np.int32(0)
+        with platforms.activate(self.model.placement):
+            self._shapes.add(("slot_reset",))
+            _RESET.lower(self.cache, slot).compile()
+            if self.snapshots:
+                self._shapes.update({("snapshot_save",), ("snapshot_restore",)})
+                _SAVE.lower(self.cache, self.snapshots, index, index).compile()
+                _RESTORE.lower(self.cache, self.snapshots, index, index).compile()

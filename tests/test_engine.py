@@ -3,6 +3,7 @@ hits, preemption), bad requests failing alone, reproducible sampling, and a stre
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -261,6 +262,13 @@ def test_stress_no_leaks_no_recompilation(models):
 
     warm = engine.warmup()
     assert engine.num_compilations == warm
+    backend_compiles = []  # every XLA compilation in this process from here on, whoever asks for it
+
+    def count(event, seconds, **kwargs):
+        if "backend_compile" in event:
+            backend_compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
     submitted, cancelled, finished = 0, 0, 0
     live = []
     while submitted < 200 or engine.has_unfinished():
@@ -288,7 +296,9 @@ def test_stress_no_leaks_no_recompilation(models):
         sched.snapshot_ids.free(snap)
     assert sched.pool.num_free == sched.pool.num_usable, f"leaked blocks (seed {seed})"
     assert sched.snapshot_ids.num_free == sched.snapshot_ids.num_usable, f"leaked snapshots (seed {seed})"
+    jax.monitoring.unregister_event_duration_listener(count)
     assert engine.num_compilations == warm, f"compiled after warm-up: {engine.num_compilations} > {warm}"
+    assert not backend_compiles, f"XLA compiled {len(backend_compiles)} functions after warm-up"
 
 
 def test_text_prompts_and_stop_strings_with_a_tokenizer(models, tmp_path):
