@@ -81,7 +81,52 @@ class StepRows:
                    feed=np.full((n_rows,), -1, np.int32) if decode_steps else None)
 
 
-def _step(module, params, cache, rows: dict, decode: bool):
+# StepRows fields that travel to the device packed in one int32 array (one transfer instead of one per field: the
+# host's share of a dispatch). The step functions read them through XLA ops only; block_tables, slots and positions,
+# which Pallas kernels take as operands, and embeds travel as they are (a slice of a packed buffer handed to a
+# kernel may cost a copy kernel).
+PACKED_FIELDS = ("tokens", "valid", "temperature", "top_k", "top_p", "min_p", "keys", "steps", "feed", "embeds_mask")
+_WORD = np.dtype(np.int32)
+
+
+def pack_rows(rows: StepRows) -> tuple[dict[str, np.ndarray | None], tuple]:
+    """-> (the arrays a step takes: "packed" int32 [N] holding every `PACKED_FIELDS` array that is not None, 4-byte
+    ones bit for bit and booleans as 0 / 1, and the other fields as they are; the packing's layout, a hashable
+    ((name, shape, dtype), ...) that `unpack_rows` takes as a static argument)."""
+    layout, words = [], []
+    for name in PACKED_FIELDS:
+        value = getattr(rows, name)
+        if value is None:
+            continue
+        if value.dtype == bool:
+            words.append(value.astype(_WORD))
+        elif value.dtype.itemsize == 4:
+            words.append(np.ascontiguousarray(value).view(_WORD))
+        else:
+            raise TypeError(f"step input {name} is {value.dtype}: only 4-byte and boolean fields are packed")
+        layout.append((name, value.shape, value.dtype.str))
+    arrays = {name: value for name, value in vars(rows).items() if name not in PACKED_FIELDS}
+    arrays["packed"] = np.concatenate([w.reshape(-1) for w in words]) if words else np.zeros((0,), _WORD)
+    return arrays, tuple(layout)
+
+
+def unpack_rows(arrays: dict, layout: tuple) -> dict:
+    """`pack_rows`' arrays (traced) -> every StepRows field by name (the packed ones None where they were None)."""
+    rows = {name: None for name in PACKED_FIELDS}
+    rows.update({name: value for name, value in arrays.items() if name != "packed"})
+    at = 0
+    for name, shape, dtype in layout:
+        size = int(np.prod(shape, dtype=np.int64))
+        words = arrays["packed"][at:at + size].reshape(shape)
+        at += size
+        dtype = np.dtype(dtype)
+        rows[name] = (words != 0 if dtype == bool else words if dtype == _WORD
+                      else jax.lax.bitcast_convert_type(words, dtype))
+    return rows
+
+
+def _step(module, params, cache, arrays: dict, layout: tuple, decode: bool):
+    rows = unpack_rows(arrays, layout)
     logits, cache = module.apply({"params": params}, rows["tokens"], rows["positions"], rows["valid"], cache,
                                  rows["block_tables"], rows["slots"], decode, rows["embeds"], rows["embeds_mask"],
                                  method="step")
@@ -90,12 +135,14 @@ def _step(module, params, cache, rows: dict, decode: bool):
     return tokens, logprobs, cache
 
 
-def _decode(module, params, cache, rows: dict, previous, all_greedy: bool):
+def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_greedy: bool):
     """n = keys.shape[1] decode steps in one dispatch: each step samples a token that is the next step's input.
     Row b runs rows["steps"][b] of them; its later steps are padding (no cache or state change). Row b's first
     input is previous.reshape(-1)[feed[b]] where feed[b] >= 0 (previous: an earlier decode dispatch's tokens
     [B, n] int32, still on the device), else tokens[b, 0]. `all_greedy` (static): every row is greedy, so no
-    sampling path is compiled in. Returns (tokens [B, n], logprobs [B, n], cache)."""
+    sampling path is compiled in. `arrays`, `layout`: the rows as `pack_rows` sends them. Returns (tokens [B, n],
+    logprobs [B, n], cache)."""
+    rows = unpack_rows(arrays, layout)
 
     def one(carry, xs):
         cache, tokens, positions = carry
@@ -135,8 +182,8 @@ def _restore(cache, snaps, slot, snap):
 
 
 # Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
-_STEP = dispatch.PlatformJit(_step, static_argnums=(0, 4), donate_argnums=(2,))
-_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 5), donate_argnums=(2,))
+_STEP = dispatch.PlatformJit(_step, static_argnums=(0, 4, 5), donate_argnums=(2,))
+_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6), donate_argnums=(2,))
 _PREFILL_AS_PREVIOUS = jax.jit(_prefill_as_previous, static_argnums=(1,))
 _RESET = jax.jit(_reset, donate_argnums=(0,))
 _SAVE = jax.jit(_save, donate_argnums=(1,))
@@ -195,14 +242,15 @@ class ModelRunner:
         self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1], steps,
                           greedy))
         with platforms.activate(self.model.placement):  # the model's device in use: dispatch picks its kernels
-            arrays = jax.device_put(dict(vars(rows)), self._inputs)  # one transfer for all inputs (None stays None)
+            arrays, layout = pack_rows(rows)
+            arrays = jax.device_put(arrays, self._inputs)  # None stays None
             if decode:
                 previous = self._previous(previous, rows.keys.shape[:2])
                 tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays,
-                                                       previous, greedy)
+                                                       layout, previous, greedy)
             else:
                 tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays,
-                                                     False)
+                                                     layout, False)
         return tokens, logprobs
 
     def _previous(self, previous: jax.Array | None, shape: tuple[int, int]) -> jax.Array:

@@ -343,10 +343,11 @@ def test_platform_argument_of_load_checkpoint_and_the_engine(tmp_path, no_env, m
     engine = Engine(model, None, None)
     seen = []
 
-    def step(module, params, cache, arrays, decode):
-        seen.append((dispatch.choose("kda"), arrays["tokens"].devices()))
-        return jnp.zeros(arrays["tokens"].shape[0], jnp.int32), jnp.zeros(arrays["tokens"].shape[0]), cache
+    def step(module, params, cache, arrays, layout, decode):
+        rows = runner_lib.unpack_rows(arrays, layout)
+        seen.append((dispatch.choose("kda"), arrays["packed"].devices(), rows["positions"].devices()))
+        return jnp.zeros(rows["tokens"].shape[0], jnp.int32), jnp.zeros(rows["tokens"].shape[0]), cache
 
     monkeypatch.setattr(runner_lib, "_STEP", step)
     engine.runner.dispatch(runner_lib.StepRows.padding(1, 1, 1), decode=False)
-    assert seen == [("pallas", {cpu})]
+    assert seen == [("pallas", {cpu}, {cpu})]
