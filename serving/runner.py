@@ -260,16 +260,17 @@ class ModelRunner:
             if shape not in self._no_previous:
                 self._no_previous[shape] = jax.device_put(np.zeros(shape, np.int32), self._inputs)
             return self._no_previous[shape]
+        if self._inputs is not None:  # placed as the step inputs are (as `warm_prefill_as_previous` compiled it)
+            previous = jax.device_put(previous, self._inputs)
         if previous.ndim == 1:
             self._shapes.add(("prefill_as_previous", previous.shape[0], shape))
-            previous = _PREFILL_AS_PREVIOUS(previous, shape)
-        elif previous.shape != shape:
+            return _PREFILL_AS_PREVIOUS(previous, shape)
+        if previous.shape != shape:
             raise ValueError(f"previous tokens {previous.shape} do not match this dispatch's {shape}")
-        return previous if self._inputs is None else jax.device_put(previous, self._inputs)
+        return previous
 
     def warm_prefill_as_previous(self, prefill_rows: int, shape: tuple[int, int]) -> None:
-        """Compiles the layout of a prefill's [prefill_rows] tokens as a decode dispatch's [B, n] `previous` (the
-        tokens placed as the step inputs are: a step's outputs follow them)."""
+        """Compiles the layout of a prefill's [prefill_rows] tokens as a decode dispatch's [B, n] `previous`."""
         with platforms.activate(self.model.placement):
             tokens = jax.device_put(np.zeros((prefill_rows,), np.int32), self._inputs)
             self._previous(tokens, shape).block_until_ready()

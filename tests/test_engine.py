@@ -3,6 +3,8 @@ hits, preemption), bad requests failing alone, reproducible sampling, and a stre
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import numpy as np
 import pytest
@@ -25,6 +27,23 @@ def config(**options) -> EngineConfig:
 def models(checkpoints):
     return {kind: load_checkpoint(checkpoints[kind], dtype="float32", progress=False)
             for kind in ("kimi_linear", "deepseek_v32")}
+
+
+@contextlib.contextmanager
+def xla_compilations():
+    """Within: the compilations XLA makes in this process, whoever asks for them (a list that fills as they
+    happen)."""
+    seen = []
+
+    def count(event, seconds, **kwargs):
+        if "backend_compile" in event:
+            seen.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
 
 
 def full_forward_greedy(model, prompt, n):
@@ -231,8 +250,12 @@ def test_decode_launched_ahead_of_a_prefill(models):
             return launched
 
         engine._dispatch_ahead = counted
-        outs[name] = [engine.generate(prompt_token_ids=[prompt], sampling_params=p)[0] for p in params]
-        outs[name].append(engine.generate(prompt_token_ids=[longer], sampling_params=params[0])[0])
+        if name == "ahead":
+            engine.warmup()  # what the dispatches ahead of a prefill's token need included
+        with xla_compilations() as compiled:
+            outs[name] = [engine.generate(prompt_token_ids=[prompt], sampling_params=p)[0] for p in params]
+            outs[name].append(engine.generate(prompt_token_ids=[longer], sampling_params=params[0])[0])
+        assert name != "ahead" or not compiled, f"XLA compiled {len(compiled)} functions after warm-up"
         assert outs[name][-1].num_cached_tokens == 128, "the longer prompt missed the snapshot at 128"
         assert any(after_prefill) == (name == "ahead"), (name, after_prefill)
     for name in ("decode only", "ahead"):
@@ -262,30 +285,24 @@ def test_stress_no_leaks_no_recompilation(models):
 
     warm = engine.warmup()
     assert engine.num_compilations == warm
-    backend_compiles = []  # every XLA compilation in this process from here on, whoever asks for it
-
-    def count(event, seconds, **kwargs):
-        if "backend_compile" in event:
-            backend_compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    submitted, cancelled, finished = 0, 0, 0
-    live = []
-    while submitted < 200 or engine.has_unfinished():
-        while submitted < 200 and len(live) < 12:
-            prompt, params = random_request()
-            live.append(engine.add_request(prompt_token_ids=prompt, sampling_params=params))
-            submitted += 1
-        if live and rng.random() < 0.1:
-            victim = live.pop(int(rng.integers(len(live))))
-            engine.abort(victim)
-            cancelled += 1
-        for out in engine.step():
-            if out.finished:
-                finished += 1
-                assert out.finish_reason in ("length", "stop"), out
-                if out.request_id in live:
-                    live.remove(out.request_id)
+    with xla_compilations() as backend_compiles:
+        submitted, cancelled, finished = 0, 0, 0
+        live = []
+        while submitted < 200 or engine.has_unfinished():
+            while submitted < 200 and len(live) < 12:
+                prompt, params = random_request()
+                live.append(engine.add_request(prompt_token_ids=prompt, sampling_params=params))
+                submitted += 1
+            if live and rng.random() < 0.1:
+                victim = live.pop(int(rng.integers(len(live))))
+                engine.abort(victim)
+                cancelled += 1
+            for out in engine.step():
+                if out.finished:
+                    finished += 1
+                    assert out.finish_reason in ("length", "stop"), out
+                    if out.request_id in live:
+                        live.remove(out.request_id)
     assert cancelled > 5 and finished + cancelled >= 200, (seed, cancelled, finished)
     sched = engine.scheduler
     assert not sched.running and not sched.waiting
@@ -296,7 +313,6 @@ def test_stress_no_leaks_no_recompilation(models):
         sched.snapshot_ids.free(snap)
     assert sched.pool.num_free == sched.pool.num_usable, f"leaked blocks (seed {seed})"
     assert sched.snapshot_ids.num_free == sched.snapshot_ids.num_usable, f"leaked snapshots (seed {seed})"
-    jax.monitoring.unregister_event_duration_listener(count)
     assert engine.num_compilations == warm, f"compiled after warm-up: {engine.num_compilations} > {warm}"
     assert not backend_compiles, f"XLA compiled {len(backend_compiles)} functions after warm-up"
 
