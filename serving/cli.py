@@ -182,11 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = engine.stats()
     print(f"\n{len(outputs)} requests ({len(outputs) - len(ok)} rejected), {tokens} tokens generated in {wall:.2f} s "
           f"= {tokens / max(wall, 1e-9):.1f} tokens/s (compilation included unless --warmup); load {load_s:.1f} s"
-          + (f", warm-up {warm_s:.1f} s ({shapes} shapes)" if shapes else ""))
+          + (f", warm-up {warm_s:.1f} s ({shapes} functions)" if shapes else ""))
     print(f"{'':10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
     print(f"{'TTFT':10} {percentiles([o.ttft for o in ok if o.ttft is not None])}")
     print(f"{'ITL':10} {percentiles(itl)}  (each request's mean gap between tokens)")
-    print(f"prefix-cache hit rate {stats['prefix_hit_rate']:.1%}; step shapes compiled during the run: "
+    print(f"prefix-cache hit rate {stats['prefix_hit_rate']:.1%}; functions compiled during the run: "
           f"{engine.num_compilations - compiled}; results in {args.output}")
     for out in outputs:
         if out.error:
