@@ -321,12 +321,12 @@ class Engine:
         `Scheduler.plan_ahead`) or, after a decode, has another row bucket."""
         if not plan.decode and not self.config.overlap_prefill:
             return None
-        there = {id(row.request): (i, row.length if plan.decode else 1)  # (its row in `tokens`, its tokens there)
-                 for i, row in enumerate(plan.rows) if plan.decode or not row.request.is_prefilling}
-        rows = self.scheduler.plan_ahead([(row.request, there[id(row.request)][1]) for row in plan.rows
-                                          if id(row.request) in there])
+        # each row's tokens there: its steps, or a prefill's one (a prompt still prefilling stops the plan anyway)
+        pending = [(row.request, row.length if plan.decode else 1) for row in plan.rows]
+        rows = self.scheduler.plan_ahead(pending)
         if not rows or (plan.decode and bucket(len(rows), self.decode_buckets) != tokens.shape[0]):
             return None
+        there = {id(request): (i, n) for i, (request, n) in enumerate(pending)}  # (its row in `tokens`, its tokens)
         step_rows = self._rows(rows, True, previous=[there.get(id(row.request)) for row in rows])
         return StepPlan(True, rows), self.runner.dispatch(step_rows, True, previous=tokens)
 

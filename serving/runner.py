@@ -106,7 +106,7 @@ def pack_rows(rows: StepRows) -> tuple[dict[str, np.ndarray | None], tuple]:
             raise TypeError(f"step input {name} is {value.dtype}: only 4-byte and boolean fields are packed")
         layout.append((name, value.shape, value.dtype.str))
     arrays = {name: value for name, value in vars(rows).items() if name not in PACKED_FIELDS}
-    arrays["packed"] = np.concatenate([w.reshape(-1) for w in words]) if words else np.zeros((0,), _WORD)
+    arrays["packed"] = np.concatenate([w.reshape(-1) for w in words])  # (tokens are always there)
     return arrays, tuple(layout)
 
 

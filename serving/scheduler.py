@@ -184,8 +184,6 @@ class Scheduler:
         tokens_there_of = {id(request): n for request, n in pending}
         ahead = []
         for request in self.running:
-            if request.status is not Status.RUNNING:
-                continue
             tokens_there = tokens_there_of.get(id(request), 0)
             num_tokens = request.num_tokens + tokens_there
             generated = len(request.output_token_ids) + tokens_there
