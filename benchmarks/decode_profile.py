@@ -47,7 +47,8 @@ STEPS = 4
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = \(?(\w+\[[\d,]*\])?.*?metadata=\{op_name="([^"]*)"')
 _NUMBERED = re.compile(r"(_\d+)+$")  # a kernel name's instance numbers: `gemm_fusion_dot_255` -> `gemm_fusion_dot`
 _DEDUPLICATED = re.compile(r'deduplicated_name="([\w.\-]+)"')
-_PREFIXES = ("jit(_decode)/while/body/eval_jaxpr/", "jit(_decode)/while/body/closed_call/", "jit(_decode)/")
+_PREFIXES = ("jit(_decode)/while/body/eval_jaxpr/", "jit(_decode)/while/body/closed_call/", "jit(_decode)/closed_call/",
+             "jit(_decode)/")  # the third: an unrolled dispatch's steps
 
 
 def op_label(op_name: str) -> str:
@@ -95,14 +96,15 @@ def attribute(events: list[dict], ops: dict[str, str], n_tokens: int) -> tuple[l
     return rows, sum(time_us.values()) / n_tokens / 1e3, sum(count.values()) / n_tokens
 
 
-def engine_for(model: Model, kind: str, batch: int) -> Engine:
+def engine_for(model: Model, kind: str, batch: int, unrolled_decode: bool = False) -> Engine:
     if kind == "serving":
         return Engine(model, None, EngineConfig(
             max_num_seqs=64, max_model_len=32768 + 256, max_prefill_tokens=4096, max_prefill_rows=16,
-            prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0))
+            prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0,
+            unrolled_decode=unrolled_decode))
     return Engine(model, None, EngineConfig(max_num_seqs=batch, max_model_len=256, max_prefill_tokens=256,
                                             prefill_len_buckets=(256,), block_buckets=(4,),
-                                            enable_prefix_caching=False))
+                                            enable_prefix_caching=False, unrolled_decode=unrolled_decode))
 
 
 def decode_rows(batch: int, context: int, vocab_size: int) -> StepRows:
@@ -148,7 +150,7 @@ def same_inputs_host_ms(engine: Engine, rows: StepRows, repeats: int) -> float:
         for _ in range(repeats):
             called = time.perf_counter()
             *out, runner.cache = runner_module._DECODE(engine.model.module, engine.model.params, runner.cache, arrays,
-                                                       layout, previous, greedy)
+                                                       layout, previous, greedy, runner.unrolled_decode)
             calls.append(time.perf_counter() - called)
         jax.block_until_ready(out)
     return float(np.median(calls)) * 1e3
@@ -218,7 +220,7 @@ def run(args, hlo_folder: str) -> dict:
                          dtype="bfloat16", seed=0)
     summary = {}
     for batch in (int(b) for b in args.batches.split(",")):
-        engine = engine_for(model, args.engine, batch)
+        engine = engine_for(model, args.engine, batch, args.unrolled_decode)
         result = profile(engine, decode_rows(batch, args.context, model.config.vocab_size), hlo_folder)
         print(f"\nbatch {batch}: {result['pipelined_ms_per_token']:.3f} ms per token pipelined, "
               f"{result['waited_ms_per_token']:.3f} ms waited on; GPU kernels {result['gpu_ms_per_token']:.3f} ms, "
@@ -264,6 +266,8 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
                         help="the routed experts' format (mxfp4: random packed experts, the MXFP4 kernels)")
     parser.add_argument("--engine", choices=("serving", "small"), default="serving")
+    parser.add_argument("--unrolled-decode", action="store_true",
+                        help="the engine option unrolled_decode: the dispatch's steps as straight-line code")
     parser.add_argument("--context", type=int, default=200, help="position of the decoded tokens (< 256)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
@@ -328,7 +332,8 @@ def main(argv=None) -> int:
     device = jax.devices()[0]
     append_line(args.results, f"- {datetime.date.today()} decode_profile.py, {device.device_kind}, commit "
                               f"{git_commit()}, jax {jax.__version__}, {args.preset} (random, routed experts "
-                              f"{args.experts}), engine options '{args.engine}', XLA options added "
+                              f"{args.experts}), engine options '{args.engine}'"
+                              f"{' with the steps unrolled' if args.unrolled_decode else ''}, XLA options added "
                               f"{extra or 'none'}, XLA environment {environment}, {STEPS} steps per dispatch at "
                               f"position {args.context}, per token: {json.dumps(summary)}\n")
     return 0

@@ -100,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-overlap-prefill", action="store_true",
                         help="read a prefill's token before launching the prompt's first decode dispatch (the engine "
                         "option)")
+    parser.add_argument("--unrolled-decode", action="store_true",
+                        help="each decode dispatch's steps as straight-line code, no XLA loop (the engine option)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generates per batch size (median ITL)")
     parser.add_argument("--trace-batches", default="", help="comma-separated batch sizes whose generate runs once "
                         "more under the profiler: GPU busy time, idle share and kernel time by XLA module")
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
         max_num_seqs=64, max_model_len=args.long_prompt + 256, max_prefill_tokens=4096, max_prefill_rows=16,
         prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0,
         decode_steps=args.decode_steps, overlap_decode=not args.no_overlap_decode,
-        overlap_prefill=not args.no_overlap_prefill))
+        overlap_prefill=not args.no_overlap_prefill, unrolled_decode=args.unrolled_decode))
     rng = np.random.default_rng(0)
     res = {}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -187,7 +189,8 @@ def main(argv=None) -> int:
     line = (f"- {datetime.date.today()} serving.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}"
             f" (routed experts {args.experts}; kernels: {kernel_choice()}; {args.decode_steps} decode steps per "
             f"dispatch, overlapped: {not args.no_overlap_decode}, first decode ahead of the prefill's token: "
-            f"{not (args.no_overlap_decode or args.no_overlap_prefill)}; XLA options added {xla_options or 'none'}; "
+            f"{not (args.no_overlap_decode or args.no_overlap_prefill)}; steps unrolled: {args.unrolled_decode}; "
+            f"XLA options added {xla_options or 'none'}; "
             f"XLA environment {xla_environment()}): "
             f"dayzero {json.dumps(res)}; "
             f"peer transformers+fla same run {json.dumps(peer) if peer else 'not run'}"

@@ -31,6 +31,7 @@ import jax
 
 from dayzero.kernels import dispatch
 from dayzero.model.errors import DayzeroError
+from dayzero.platforms import compilation_cache
 
 PLUGIN_ENV = "PJRT_NAMES_AND_LIBRARY_PATHS"
 PJRT_ENTRY_SYMBOL = "GetPjrtApi"
@@ -270,7 +271,8 @@ def activate(placement: Placement | None) -> Iterator[None]:
 
 
 def add_cli_options(parser: argparse.ArgumentParser) -> None:
-    """Adds --platform, --pjrt-plugin, --plugin-name and --pallas-kernels to a command-line tool."""
+    """Adds --platform, --pjrt-plugin, --plugin-name and --pallas-kernels to a command-line tool, and the persistent
+    compilation cache's options (`compilation_cache.add_cli_options`)."""
     group = parser.add_argument_group("platform")
     group.add_argument("--platform", help="JAX platform to run on (cpu, cuda, rocm, or a plugin's name such as musa;"
                                           " default: JAX's default backend)")
@@ -280,11 +282,15 @@ def add_cli_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pallas-kernels", metavar="NAMES", default="",
                        help=f"comma-separated kernels to run as Pallas (Triton) on this platform "
                             f"({', '.join(dispatch.KERNELS)}, or *)")
+    compilation_cache.add_cli_options(parser)
 
 
 def from_cli_args(args: argparse.Namespace, init: bool = False) -> PlatformConfig | None:
     """The PlatformConfig the options of `add_cli_options` ask for; None when none was given. `init=True` also
-    initialises it now (`init_platform`), for a tool that uses JAX before it loads the model."""
+    initialises it now (`init_platform`), for a tool that uses JAX before it loads the model. Also turns the
+    persistent compilation cache on unless the options say not to (`compilation_cache.from_cli_args`): call this
+    before anything compiles."""
+    compilation_cache.from_cli_args(args)
     kernels = tuple(k.strip() for k in (getattr(args, "pallas_kernels", "") or "").split(",") if k.strip())
     values = (getattr(args, "platform", None), getattr(args, "pjrt_plugin", None), getattr(args, "plugin_name", None))
     if not any(values) and not kernels:
@@ -296,4 +302,5 @@ def from_cli_args(args: argparse.Namespace, init: bool = False) -> PlatformConfi
 
 
 __all__ = ["PlatformConfig", "PlatformError", "Placement", "init_platform", "placement_for", "placement_of", "build_on",
-           "activate", "as_config", "backends_initialized", "add_cli_options", "from_cli_args", "PLUGIN_ENV"]
+           "activate", "as_config", "backends_initialized", "add_cli_options", "from_cli_args", "PLUGIN_ENV",
+           "compilation_cache"]

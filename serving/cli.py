@@ -15,8 +15,9 @@ import json
 import os
 import sys
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
+import jax
 import numpy as np
 
 from dayzero import platforms
@@ -83,6 +84,67 @@ def percentiles(values: list[float]) -> str:
     return f"{p[0]:8.2f} {p[1]:8.2f} {p[2]:8.2f}"
 
 
+class BatchRun(NamedTuple):
+    """What `_load_and_generate` did: the engine and its outputs, load / warm-up / generation seconds, the functions
+    warm-up compiled and those compiled while generating."""
+
+    engine: Engine
+    outputs: list
+    load_s: float
+    warm_s: float
+    warmed: int
+    compiled: int
+    wall: float
+
+
+def _load_and_generate(args: argparse.Namespace, parser: argparse.ArgumentParser, options: dict) -> BatchRun:
+    """Builds the engine the options ask for (a checkpoint, or the embedded preset) and generates every prompt."""
+    start = time.perf_counter()
+    platform = platforms.from_cli_args(args)
+    mesh = None
+    if args.mesh:  # over the platform's devices (initialised first: a plugin registers before JAX starts)
+        devices = platforms.init_platform(platform) if platform is not None else None
+        mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh), devices=devices)
+    if args.model:
+        engine = Engine.from_checkpoint(args.model, dtype=args.dtype, mesh=mesh, platform=platform, **options)
+        print(f"model: {args.model} ({engine.model.config.model_type}, {engine.model.dtype.name})")
+    else:
+        model = Model.random(get_preset(args.preset), dtype=args.dtype or "float32", seed=args.seed, mesh=mesh,
+                             platform=platform)
+        engine = Engine(model, None, EngineConfig(**options))
+        print(f"model: embedded preset '{args.preset}' with RANDOM weights (seed {args.seed}): the generated "
+              "tokens mean nothing; pass --model DIR for a real checkpoint")
+    load_s = time.perf_counter() - start
+    if args.input:
+        entries = read_prompts(args.input)
+    elif args.prompt:
+        entries = [{"prompt": p} for p in args.prompt]
+        if args.image and len(args.image) != len(args.prompt):
+            parser.error(f"{len(args.image)} --image for {len(args.prompt)} --prompt: give one image per prompt")
+        for entry, image in zip(entries, args.image or []):
+            entry["images"] = [image]
+    elif args.model:
+        parser.error("give --input FILE or --prompt TEXT with --model")
+    else:
+        entries = embedded_prompts(args.num_prompts, engine.model.config.vocab_size, args.seed)
+    base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, stop=tuple(args.stop), seed=None)
+    params = [SamplingParams(**{**base, **{k: e[k] for k in SAMPLING_FIELDS if k in e}}) for e in entries]
+    warm_start = time.perf_counter()
+    warmed = engine.warmup() if args.warmup else 0
+    warm_s = time.perf_counter() - warm_start
+    compiled_before = engine.num_compilations
+    run_start = time.perf_counter()
+    outputs = engine.generate(prompts=None if "prompt_token_ids" in entries[0] else [e.get("prompt") for e in entries],
+                              prompt_token_ids=[e["prompt_token_ids"] for e in entries]
+                              if "prompt_token_ids" in entries[0] else None,
+                              sampling_params=params, progress=not args.no_progress,
+                              images=[e.get("images") for e in entries]
+                              if any(e.get("images") for e in entries) else None)
+    wall = time.perf_counter() - run_start
+    return BatchRun(engine, outputs, load_s, warm_s, warmed, engine.num_compilations - compiled_before, wall)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dayzero-generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint directory (default: embedded tiny preset, random weights)")
@@ -109,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="read each decode dispatch's tokens before launching the next")
     parser.add_argument("--no-overlap-prefill", action="store_true",
                         help="read a prefill's token before launching the prompt's first decode dispatch")
+    parser.add_argument("--unrolled-decode", action="store_true",
+                        help="compile each dispatch's decode steps as straight-line code rather than a loop (longer "
+                             "compiles; on a GPU, one launch per dispatch)")
     parser.add_argument("--warmup", action="store_true", help="compile every bucketed shape before generating")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--mesh", help="run on a device mesh, e.g. expert=2,tensor=4 (axes data, expert, tensor; "
@@ -119,55 +184,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--image goes with --prompt (in a JSONL file, give an \"image\" field)")
     options = dict(max_num_seqs=args.max_num_seqs, seed=args.seed, decode_steps=args.decode_steps,
                    overlap_decode=not args.no_overlap_decode, overlap_prefill=not args.no_overlap_prefill,
+                   unrolled_decode=args.unrolled_decode,
                    max_model_len=args.max_model_len or (4096 if args.model else 256),
                    max_prefill_tokens=args.max_prefill_tokens or (512 if args.model else 128))
-    try:
-        start = time.perf_counter()
-        platform = platforms.from_cli_args(args)
-        mesh = None
-        if args.mesh:  # over the platform's devices (initialised first: a plugin registers before JAX starts)
-            devices = platforms.init_platform(platform) if platform is not None else None
-            mesh = sharding.make_mesh(**sharding.parse_mesh(args.mesh), devices=devices)
-        if args.model:
-            engine = Engine.from_checkpoint(args.model, dtype=args.dtype, mesh=mesh, platform=platform, **options)
-            print(f"model: {args.model} ({engine.model.config.model_type}, {engine.model.dtype.name})")
-        else:
-            model = Model.random(get_preset(args.preset), dtype=args.dtype or "float32", seed=args.seed, mesh=mesh,
-                                 platform=platform)
-            engine = Engine(model, None, EngineConfig(**options))
-            print(f"model: embedded preset '{args.preset}' with RANDOM weights (seed {args.seed}): the generated "
-                  "tokens mean nothing; pass --model DIR for a real checkpoint")
-        load_s = time.perf_counter() - start
-        if args.input:
-            entries = read_prompts(args.input)
-        elif args.prompt:
-            entries = [{"prompt": p} for p in args.prompt]
-            if args.image and len(args.image) != len(args.prompt):
-                parser.error(f"{len(args.image)} --image for {len(args.prompt)} --prompt: give one image per prompt")
-            for entry, image in zip(entries, args.image or []):
-                entry["images"] = [image]
-        elif args.model:
-            parser.error("give --input FILE or --prompt TEXT with --model")
-        else:
-            entries = embedded_prompts(args.num_prompts, engine.model.config.vocab_size, args.seed)
-        base = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    min_p=args.min_p, stop=tuple(args.stop), seed=None)
-        params = [SamplingParams(**{**base, **{k: e[k] for k in SAMPLING_FIELDS if k in e}}) for e in entries]
-        warm_start = time.perf_counter()
-        shapes = engine.warmup() if args.warmup else 0
-        warm_s = time.perf_counter() - warm_start
-        compiled = engine.num_compilations
-        run_start = time.perf_counter()
-        outputs = engine.generate(prompts=None if "prompt_token_ids" in entries[0] else [e.get("prompt") for e in entries],
-                                  prompt_token_ids=[e["prompt_token_ids"] for e in entries]
-                                  if "prompt_token_ids" in entries[0] else None,
-                                  sampling_params=params, progress=not args.no_progress,
-                                  images=[e.get("images") for e in entries]
-                                  if any(e.get("images") for e in entries) else None)
-        wall = time.perf_counter() - run_start
-    except (DayzeroError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    with platforms.compilation_cache.counting() as cache_use:
+        try:
+            run = _load_and_generate(args, parser, options)
+        except (DayzeroError, ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    outputs = run.outputs
     lines = [json.dumps({"request_id": o.request_id, "text": o.text, "token_ids": o.token_ids,
                          "finish_reason": o.finish_reason, "error": o.error, "ttft_s": o.ttft, "itl_s": o.itl,
                          "num_cached_tokens": o.num_cached_tokens}) for o in outputs]
@@ -179,15 +205,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = [o for o in outputs if o.error is None]
     tokens = sum(len(o.token_ids) for o in ok)
     itl = [o.mean_itl for o in ok if o.mean_itl is not None]  # per request: decode dispatches return bursts
-    stats = engine.stats()
-    print(f"\n{len(outputs)} requests ({len(outputs) - len(ok)} rejected), {tokens} tokens generated in {wall:.2f} s "
-          f"= {tokens / max(wall, 1e-9):.1f} tokens/s (compilation included unless --warmup); load {load_s:.1f} s"
-          + (f", warm-up {warm_s:.1f} s ({shapes} functions)" if shapes else ""))
+    stats = run.engine.stats()
+    print(f"\n{len(outputs)} requests ({len(outputs) - len(ok)} rejected), {tokens} tokens generated in "
+          f"{run.wall:.2f} s = {tokens / max(run.wall, 1e-9):.1f} tokens/s (compilation included unless --warmup); "
+          f"load {run.load_s:.1f} s" + (f", warm-up {run.warm_s:.1f} s ({run.warmed} functions)" if run.warmed else ""))
     print(f"{'':10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
     print(f"{'TTFT':10} {percentiles([o.ttft for o in ok if o.ttft is not None])}")
     print(f"{'ITL':10} {percentiles(itl)}  (each request's mean gap between tokens)")
-    print(f"prefix-cache hit rate {stats['prefix_hit_rate']:.1%}; functions compiled during the run: "
-          f"{engine.num_compilations - compiled}; results in {args.output}")
+    print(f"prefix-cache hit rate {stats['prefix_hit_rate']:.1%}; functions compiled during the run: {run.compiled}; "
+          f"results in {args.output}")
+    cache = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
+    print(f"compilation cache: {cache}: {cache_use.hits} compilations read back, {cache_use.written} written"
+          if cache else "compilation cache: off")
     for out in outputs:
         if out.error:
             print(f"rejected {out.request_id}: {out.error}", file=sys.stderr)

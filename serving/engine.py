@@ -60,6 +60,7 @@ class EngineConfig:
     decode_steps: int = 4  # decode steps per dispatch (sampled on the device; stop checks after each dispatch)
     overlap_decode: bool = True  # launch the next decode dispatch before reading this one's tokens
     overlap_prefill: bool = True  # with overlap_decode: a prompt's first decode launched before its token is read
+    unrolled_decode: bool = False  # a dispatch's decode steps compiled as straight-line code, not an XLA loop
     max_image_patches: int = 65536  # patches of one request's images in all (vision models)
 
     def __post_init__(self):
@@ -88,7 +89,7 @@ class Engine:
         hybrid = LAYER_KDA in mcfg.layer_types
         num_slots = config.max_num_seqs + 1
         self.runner = ModelRunner(model, num_blocks, num_slots, config.num_snapshots if hybrid else 0,
-                                  config.block_size)
+                                  config.block_size, config.unrolled_decode)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_prefill_tokens, config.max_prefill_rows,
                             config.max_model_len, config.block_size, config.enable_prefix_caching,

@@ -135,13 +135,15 @@ def _step(module, params, cache, arrays: dict, layout: tuple, decode: bool):
     return tokens, logprobs, cache
 
 
-def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_greedy: bool):
+def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_greedy: bool, unrolled: bool = False):
     """n = keys.shape[1] decode steps in one dispatch: each step samples a token that is the next step's input.
     Row b runs rows["steps"][b] of them; its later steps are padding (no cache or state change). Row b's first
     input is previous.reshape(-1)[feed[b]] where feed[b] >= 0 (previous: an earlier decode dispatch's tokens
     [B, n] int32, still on the device), else tokens[b, 0]. `all_greedy` (static): every row is greedy, so no
-    sampling path is compiled in. `arrays`, `layout`: the rows as `pack_rows` sends them. Returns (tokens [B, n],
-    logprobs [B, n], cache)."""
+    sampling path is compiled in. `unrolled` (static): the n steps as straight-line code instead of a loop (no XLA
+    while loop: on a GPU, one launch of the whole dispatch rather than the loop body's kernels launched from the host
+    each step; compiles about n times the code). `arrays`, `layout`: the rows as `pack_rows` sends them. Returns
+    (tokens [B, n], logprobs [B, n], cache)."""
     rows = unpack_rows(arrays, layout)
 
     def one(carry, xs):
@@ -158,7 +160,7 @@ def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_gr
     fed = previous.reshape(-1)[jnp.maximum(rows["feed"], 0)].astype(rows["tokens"].dtype)
     first = jnp.where((rows["feed"] >= 0)[:, None], fed[:, None], rows["tokens"])
     xs = (jnp.arange(n, dtype=jnp.int32), jnp.swapaxes(rows["keys"], 0, 1))
-    (cache, _, _), (tokens, logprobs) = jax.lax.scan(one, (cache, first, rows["positions"]), xs)
+    (cache, _, _), (tokens, logprobs) = jax.lax.scan(one, (cache, first, rows["positions"]), xs, unroll=unrolled)
     return tokens.T, logprobs.T, cache
 
 
@@ -183,7 +185,7 @@ def _restore(cache, snaps, slot, snap):
 
 # Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
 _STEP = dispatch.PlatformJit(_step, static_argnums=(0, 4, 5), donate_argnums=(2,))
-_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6), donate_argnums=(2,))
+_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6, 7), donate_argnums=(2,))
 _PREFILL_AS_PREVIOUS = jax.jit(_prefill_as_previous, static_argnums=(1,))
 _RESET = jax.jit(_reset, donate_argnums=(0,))
 _SAVE = jax.jit(_save, donate_argnums=(1,))
@@ -203,11 +205,14 @@ def _zeros(config, shapes: dict[str, tuple[tuple[int, ...], Any]], mesh) -> dict
 class ModelRunner:
     """Owns the cache (and snapshot) arrays of one model and runs steps on them. For a model on a mesh
     (`Model.mesh`), the cache and snapshots live on their `sharding.CACHE_RULES` shardings (KDA heads over
-    `tensor`; latents and indexer keys replicated) and the step inputs are replicated over the mesh."""
+    `tensor`; latents and indexer keys replicated) and the step inputs are replicated over the mesh.
+    `unrolled_decode`: decode dispatches compiled as straight-line steps (`_decode`'s `unrolled`)."""
 
-    def __init__(self, model: Model, num_blocks: int, num_slots: int, num_snapshots: int, block_size: int = 64):
+    def __init__(self, model: Model, num_blocks: int, num_slots: int, num_snapshots: int, block_size: int = 64,
+                 unrolled_decode: bool = False):
         self.model = model
         self.block_size = block_size
+        self.unrolled_decode = unrolled_decode
         self.has_kda = LAYER_KDA in model.config.layer_types
         self.snapshots = {}
         with platforms.activate(model.placement):  # the cache lives on the model's device (or its mesh)
@@ -247,7 +252,7 @@ class ModelRunner:
             if decode:
                 previous = self._previous(previous, rows.keys.shape[:2])
                 tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays,
-                                                       layout, previous, greedy)
+                                                       layout, previous, greedy, self.unrolled_decode)
             else:
                 tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays,
                                                      layout, False)

@@ -11,6 +11,10 @@ _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "") and not os.path.exists("/dev/nvidiactl"):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
+# The command-line tools turn JAX's persistent compilation cache on (in ~/.cache by default); the tests that call
+# them in this process must not write there. tests/test_compilation_cache.py runs the tools with it on, apart.
+os.environ.setdefault("JAX_ENABLE_COMPILATION_CACHE", "false")
+
 import gc  # noqa: E402
 
 import jax  # noqa: E402

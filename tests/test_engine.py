@@ -4,6 +4,7 @@ hits, preemption), bad requests failing alone, reproducible sampling, and a stre
 from __future__ import annotations
 
 import contextlib
+import re
 
 import jax
 import numpy as np
@@ -174,6 +175,35 @@ def test_multi_step_decode_matches_single_steps(models):
         temperature=0.0, max_tokens=9, stop_token_ids=[stop], ignore_eos=True))[0]
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == outs[1][1].token_ids[:outs[1][1].token_ids.index(stop) + 1]
+
+
+def test_unrolled_decode_matches_the_loop(models, monkeypatch):
+    """`unrolled_decode` compiles a dispatch's steps as straight-line code (no while loop in the lowered function)
+    and gives the loop's tokens and logprobs: greedy and seeded sampling, max_tokens not a multiple of the steps."""
+    from dayzero.serving import runner as runner_module
+
+    model = models["kimi_linear"]
+    prompts = [[9, 8, 7, 6, 5], list(range(3, 40))]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=7, seed=5, ignore_eos=True, logprobs=True),
+              SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=True)]
+    outs, asked = {}, []  # the `unrolled` argument of every decode dispatch
+    decode = runner_module._DECODE
+    monkeypatch.setattr(runner_module, "_DECODE", lambda *args: asked.append(args[7]) or decode(*args))
+    for unrolled in (False, True):
+        engine = Engine(model, None, config(decode_steps=3, unrolled_decode=unrolled))
+        outs[unrolled] = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert asked and set(asked) == {unrolled}, asked
+        asked.clear()
+        rows = runner_module.StepRows.padding(2, 1, 4, decode_steps=3)
+        arrays, layout = runner_module.pack_rows(rows)
+        compiled = jax.jit(runner_module._decode, static_argnums=(0, 4, 6, 7)).lower(
+            model.module, model.params, engine.runner.cache, arrays, layout, np.zeros((2, 3), np.int32), False,
+            unrolled).compile().as_text()  # the model's own loops (inside each step) are named below the step
+        steps_loop = re.search(r'op_name="jit\(_decode\)/while"', compiled) is not None
+        assert steps_loop != unrolled, f"unrolled={unrolled}, but a loop over the steps: {steps_loop}"
+    for loop, straight in zip(outs[False], outs[True]):
+        assert straight.token_ids == loop.token_ids and len(straight.token_ids) in (7, 8)
+        np.testing.assert_allclose(straight.logprobs, loop.logprobs, rtol=1e-5, atol=1e-5)
 
 
 def test_overlapped_decode_matches_waiting_for_each_dispatch(models):
