@@ -3,19 +3,21 @@
 Two passes. The first reads only headers: every tensor name is mapped to a param (published names of kimi_linear,
 deepseek_v3/v32 and kimi_k2), and missing, unexpected, shape- or dtype-mismatched tensors are collected and raised
 together as one CheckpointError. The second streams tensors one at a time (FP8 e4m3 weights dequantized with their
-128x128 `weight_scale_inv` blocks, linear weights transposed to [in, out], experts stacked per projection), casts
-each to its param dtype and places it on the device(s) at once, so host memory stays near one tensor (one stacked
-expert projection) at a time.
+128x128 `weight_scale_inv` blocks, experts stacked per projection) and places each on the device(s) at once, so
+host memory stays near one tensor (one stacked expert projection) at a time; linear and expert weights travel as
+published ([out, in]) and are transposed to [in, out] and cast to their param dtype on the device (`load_params`).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from .config import ModelConfig
@@ -242,27 +244,49 @@ def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tupl
     return weight.astype(np.float32) * scale[:out_dim, :in_dim]
 
 
-def _read(files, info: TensorInfo, plan: LoadPlan, config: ModelConfig) -> np.ndarray:
-    array = files[info.name].read(info.name)
-    if info.name in plan.scales:
-        scale = plan.scales[info.name]
-        array = dequantize_fp8_blocks(array, files[scale.name].read(scale.name), config.weight_block_size)
-    return array
+def _read(files, info: TensorInfo, plan: LoadPlan, config: ModelConfig, out: np.ndarray | None = None) -> np.ndarray:
+    """Tensor `info` (FP8 weights dequantized to float32), as a new array or copied (and cast) into `out`."""
+    if info.name not in plan.scales:
+        return files[info.name].read(info.name, out)
+    scale = plan.scales[info.name]
+    array = dequantize_fp8_blocks(files[info.name].read(info.name), files[scale.name].read(scale.name),
+                                  config.weight_block_size)
+    if out is None:
+        return array
+    out[...] = array
+    return out
+
+
+def _read_dtype(info: TensorInfo, plan: LoadPlan) -> np.dtype:
+    """The dtype `_read` returns for `info`."""
+    return np.dtype(np.float32) if info.name in plan.scales else DTYPES[info.dtype]
 
 
 def _transform(array: np.ndarray, target: Target, shape: tuple[int, ...]) -> np.ndarray:
-    if target.kind in ("linear", "expert"):
-        return array.T
+    """A stored tensor laid out as its param (or its expert's slot), without the [out, in] -> [in, out] swap of linear
+    and expert projections, which `stream_stored`'s callers make."""
     if target.kind == "patch":
         return array.reshape(array.shape[0], -1).T
+    if target.kind in ("linear", "expert"):
+        return array
     return array.reshape(shape)
 
 
-def stream_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
-                  progress: bool | None = None, desc: str = "loading"):
-    """Yields (path, host numpy array of the param's dtype) for every param of `expected`, in order, one at a time
-    (an expert projection is stacked from its per-expert tensors first), so callers hold about one param at once.
+def _stored_dtype(source: np.dtype, param: np.dtype) -> np.dtype:
+    """The dtype a swapped projection travels in: the param's where that is narrower than the source (cast on the host,
+    tensor by tensor), else the source's (widened where it is swapped)."""
+    return param if param.itemsize < source.itemsize else source
 
+
+def stream_stored(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
+                  progress: bool | None = None, desc: str = "loading", swap: bool = False):
+    """Yields (path, host numpy array, swapped) for every param of `expected`, in order, one at a time (an expert
+    projection is stacked from its per-expert tensors first), so callers hold about one param at once.
+
+    `swapped` (linear and expert projections, unless `swap`): the array is the param with its last two axes swapped
+    ([..., out, in] as published) and in a dtype of its own (`_stored_dtype`); the caller swaps and casts it where that
+    is cheapest (on the device: `load_params`). Otherwise the array is the param, in the param's dtype (`swap`: the
+    projections swapped here, on the host).
     Raises CheckpointError listing every problem before any tensor data is read.
     """
     files = open_checkpoint_files(directory)
@@ -275,19 +299,56 @@ def stream_params(directory: str, config: ModelConfig, expected: dict[ParamPath,
     for path, want in expected.items():
         dtype = np.dtype(want.dtype)
         sources = plan.sources[path]
+        swapped = sources[0][1].kind in ("linear", "expert") and not swap
         if sources[0][1].kind == "expert":
-            host = np.empty(want.shape, dtype)
-            for info, target in sources:
-                host[target.expert] = _transform(_read(files, info, plan, config), target, want.shape[1:])
-                bar.update(1)
+            if swapped:  # each expert read in place (cast where narrower)
+                host = np.empty((want.shape[0], *want.shape[1:][::-1]),
+                                _stored_dtype(_read_dtype(sources[0][0], plan), dtype))
+                for info, target in sources:
+                    _read(files, info, plan, config, out=host[target.expert])
+                    bar.update(1)
+            else:
+                host = np.empty(want.shape, dtype)
+                for info, target in sources:
+                    host[target.expert] = _read(files, info, plan, config).T
+                    bar.update(1)
         else:
             info, target = sources[0]
-            host = np.ascontiguousarray(_transform(_read(files, info, plan, config), target, want.shape)).astype(
-                dtype, copy=False)
+            host = _transform(_read(files, info, plan, config), target, want.shape)
+            if swapped:
+                host = np.ascontiguousarray(host.astype(_stored_dtype(host.dtype, dtype), copy=False))
+            else:
+                host = np.ascontiguousarray(host.T if target.kind == "linear" else host).astype(dtype, copy=False)
             bar.update(1)
-        yield path, host
+        yield path, host, swapped
         del host
     bar.close()
+
+
+def stream_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
+                  progress: bool | None = None, desc: str = "loading"):
+    """Yields (path, host numpy array of the param's dtype and shape) for every param of `expected`, in order, one at a
+    time (`stream_stored` with the projections swapped on the host). Raises CheckpointError listing every problem
+    before any tensor data is read."""
+    for path, host, _ in stream_stored(directory, config, expected, progress, desc, swap=True):
+        yield path, host
+
+
+def _swap_and_cast(array: jax.Array, dtype) -> jax.Array:
+    return jnp.swapaxes(array, -1, -2).astype(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _swapper(sharding: NamedSharding | None):
+    """`_swap_and_cast` jitted to place its result on `sharding` (None: where its input is)."""
+    return jax.jit(_swap_and_cast, static_argnums=(1,), out_shardings=sharding)
+
+
+def _swapped_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
+    """The sharding of a param's [..., out, in] form: `sharding` with its last two axes' entries swapped."""
+    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
+    spec[-2:] = spec[-1], spec[-2]
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
 
 
 def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
@@ -295,15 +356,23 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
     """Streams the checkpoint in `directory` into device arrays keyed by param path.
 
     `sharding_for(path) -> jax.sharding.Sharding | None` places each param as it is read (None: default device).
-    Raises CheckpointError listing every problem before any tensor data is read.
+    Linear and expert projections go to the device as published ([..., out, in]) and are swapped to [..., in, out]
+    (and cast) there: a device transpose is ~free on a GPU, where the host's strided copy dominated the load (and
+    ~3x faster than numpy's on a CPU). Raises CheckpointError listing every problem before any tensor data is read.
     """
     params: dict[ParamPath, jax.Array] = {}
-    for path, host in stream_params(directory, config, expected, progress):
+    for path, host, swapped in stream_stored(directory, config, expected, progress):
         sharding = sharding_for(path) if sharding_for is not None else None
-        params[path] = place(host, sharding) if sharding is not None else jnp.asarray(host)
+        if swapped:
+            stored = (place(host, _swapped_sharding(sharding, host.ndim)) if sharding is not None
+                      else jnp.asarray(host))
+            params[path] = _swapper(sharding)(stored, np.dtype(expected[path].dtype))
+            del stored
+        else:
+            params[path] = place(host, sharding) if sharding is not None else jnp.asarray(host)
         del host
     return params
 
 
-__all__ = ["load_params", "stream_params", "plan_load", "map_tensor_name", "published_name",
+__all__ = ["load_params", "stream_params", "stream_stored", "plan_load", "map_tensor_name", "published_name",
            "dequantize_fp8_blocks", "DTYPES"]

@@ -41,7 +41,8 @@ class TensorInfo:
 
 
 class SafetensorsFile:
-    """One .safetensors file: `tensors` maps names to TensorInfo; `read(name)` returns a numpy array copy."""
+    """One .safetensors file: `tensors` maps names to TensorInfo; `read(name)` returns a numpy array copy (or fills
+    one given)."""
 
     def __init__(self, path: str):
         self.path = path
@@ -86,16 +87,23 @@ class SafetensorsFile:
                                       f"which has only {data_size} bytes")
             self.tensors[name] = TensorInfo(name, path, dtype, shape, begin, end)
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, out: np.ndarray | None = None) -> np.ndarray:
+        """Tensor `name` as a new array, or copied (and cast) into `out` of its shape, which is returned."""
         info = self.tensors[name]
         dtype = DTYPES[info.dtype]
         count = (info.end - info.begin) // dtype.itemsize
         if count == 0:
-            return np.zeros(info.shape, dtype)
+            if out is None:
+                return np.zeros(info.shape, dtype)
+            out[...] = 0
+            return out
         try:
             mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.data_start + info.begin,
                            shape=(info.end - info.begin,))
-            return np.array(mm).view(dtype).reshape(info.shape)
+            if out is None:
+                return np.array(mm).view(dtype).reshape(info.shape)
+            np.copyto(out, mm.view(dtype).reshape(info.shape), casting="unsafe")
+            return out
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{self.path}: cannot read tensor '{name}': {e}") from None
 
