@@ -273,20 +273,19 @@ def _transform(array: np.ndarray, target: Target, shape: tuple[int, ...]) -> np.
 
 
 def _stored_dtype(source: np.dtype, param: np.dtype) -> np.dtype:
-    """The dtype a swapped projection travels in: the param's where that is narrower than the source (cast on the host,
-    tensor by tensor), else the source's (widened where it is swapped)."""
+    """The dtype a projection travels in as published: the param's where that is narrower than the source (cast on the
+    host, tensor by tensor), else the source's (widened where it is swapped)."""
     return param if param.itemsize < source.itemsize else source
 
 
 def stream_stored(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
-                  progress: bool | None = None, desc: str = "loading", swap: bool = False):
-    """Yields (path, host numpy array, swapped) for every param of `expected`, in order, one at a time (an expert
+                  progress: bool | None = None, desc: str = "loading", swap_on_host: bool = False):
+    """Yields (path, host numpy array, as_published) for every param of `expected`, in order, one at a time (an expert
     projection is stacked from its per-expert tensors first), so callers hold about one param at once.
 
-    `swapped` (linear and expert projections, unless `swap`): the array is the param with its last two axes swapped
-    ([..., out, in] as published) and in a dtype of its own (`_stored_dtype`); the caller swaps and casts it where that
-    is cheapest (on the device: `load_params`). Otherwise the array is the param, in the param's dtype (`swap`: the
-    projections swapped here, on the host).
+    `as_published` (linear and expert projections, unless `swap_on_host`): the array is the param with its last two
+    axes swapped ([..., out, in] as published) and in a dtype of its own (`_stored_dtype`); the caller swaps and casts
+    it where that is cheapest (on the device: `load_params`). Otherwise the array is the param, in the param's dtype.
     Raises CheckpointError listing every problem before any tensor data is read.
     """
     files = open_checkpoint_files(directory)
@@ -299,9 +298,9 @@ def stream_stored(directory: str, config: ModelConfig, expected: dict[ParamPath,
     for path, want in expected.items():
         dtype = np.dtype(want.dtype)
         sources = plan.sources[path]
-        swapped = sources[0][1].kind in ("linear", "expert") and not swap
+        as_published = sources[0][1].kind in ("linear", "expert") and not swap_on_host
         if sources[0][1].kind == "expert":
-            if swapped:  # each expert read in place (cast where narrower)
+            if as_published:  # each expert read in place (cast where narrower)
                 host = np.empty((want.shape[0], *want.shape[1:][::-1]),
                                 _stored_dtype(_read_dtype(sources[0][0], plan), dtype))
                 for info, target in sources:
@@ -315,12 +314,12 @@ def stream_stored(directory: str, config: ModelConfig, expected: dict[ParamPath,
         else:
             info, target = sources[0]
             host = _transform(_read(files, info, plan, config), target, want.shape)
-            if swapped:
+            if as_published:
                 host = np.ascontiguousarray(host.astype(_stored_dtype(host.dtype, dtype), copy=False))
             else:
                 host = np.ascontiguousarray(host.T if target.kind == "linear" else host).astype(dtype, copy=False)
             bar.update(1)
-        yield path, host, swapped
+        yield path, host, as_published
         del host
     bar.close()
 
@@ -330,7 +329,7 @@ def stream_params(directory: str, config: ModelConfig, expected: dict[ParamPath,
     """Yields (path, host numpy array of the param's dtype and shape) for every param of `expected`, in order, one at a
     time (`stream_stored` with the projections swapped on the host). Raises CheckpointError listing every problem
     before any tensor data is read."""
-    for path, host, _ in stream_stored(directory, config, expected, progress, desc, swap=True):
+    for path, host, _ in stream_stored(directory, config, expected, progress, desc, swap_on_host=True):
         yield path, host
 
 
@@ -361,9 +360,9 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
     ~3x faster than numpy's on a CPU). Raises CheckpointError listing every problem before any tensor data is read.
     """
     params: dict[ParamPath, jax.Array] = {}
-    for path, host, swapped in stream_stored(directory, config, expected, progress):
+    for path, host, as_published in stream_stored(directory, config, expected, progress):
         sharding = sharding_for(path) if sharding_for is not None else None
-        if swapped:
+        if as_published:
             stored = (place(host, _swapped_sharding(sharding, host.ndim)) if sharding is not None
                       else jnp.asarray(host))
             params[path] = _swapper(sharding)(stored, np.dtype(expected[path].dtype))
