@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import warnings
 from collections.abc import Iterator
@@ -27,7 +28,11 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 # Every compilation kept, however short (JAX's default keeps those of 1 s or more): on the 2-core CPU the README's
 # first command's second run took 7.4 s with this against 12.3 s with JAX's threshold (82 entries, 2.3 MB, against 7).
 MIN_COMPILE_SECONDS = 0.0
+# The directory's size at most: past it the least recently used entries go (JAX's default is no limit, and every
+# model, kernel choice and XLA option tried adds entries).
+MAX_BYTES = 8 << 30
 _JAX_MIN_COMPILE_ENV = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+_JAX_MAX_SIZE_ENV = "JAX_COMPILATION_CACHE_MAX_SIZE"
 # jax.monitoring events of the persistent cache (jax 0.10 and 0.11 alike)
 _HIT = "/jax/compilation_cache/cache_hits"
 _WRITTEN = "/jax/compilation_cache/cache_misses"  # recorded as a missed entry is written
@@ -39,12 +44,14 @@ def default_directory() -> Path:
     return Path(root) / "dayzero" / "xla"
 
 
-def enable(directory: str | os.PathLike | None = None, min_compile_seconds: float = MIN_COMPILE_SECONDS) -> Path | None:
+def enable(directory: str | os.PathLike | None = None, min_compile_seconds: float = MIN_COMPILE_SECONDS,
+           max_bytes: int = MAX_BYTES) -> Path | None:
     """Keeps every compilation of this process that takes at least `min_compile_seconds` in `directory` (default:
-    the directory JAX is already configured with, else `default_directory()`), and reads them back there; where JAX's
-    own JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is set, it decides the threshold. Returns the directory, or None
-    where the cache stays off: JAX's `jax_enable_compilation_cache` is False, or the directory cannot be created (a
-    warning says why; the run goes on compiling as before)."""
+    the directory JAX is already configured with, else `default_directory()`), least recently used entries dropped
+    past `max_bytes`, and reads them back there; JAX's own JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS and
+    JAX_COMPILATION_CACHE_MAX_SIZE, where set, decide instead. Returns the directory, or None where the cache stays
+    off: JAX's `jax_enable_compilation_cache` is False, or the directory cannot be created (a warning says why; the
+    run goes on compiling as before)."""
     if not jax.config.jax_enable_compilation_cache:
         return None
     path = Path(directory or jax.config.jax_compilation_cache_dir or default_directory()).expanduser()
@@ -56,6 +63,8 @@ def enable(directory: str | os.PathLike | None = None, min_compile_seconds: floa
     jax.config.update("jax_compilation_cache_dir", str(path))
     if _JAX_MIN_COMPILE_ENV not in os.environ:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+    if _JAX_MAX_SIZE_ENV not in os.environ and importlib.util.find_spec("filelock") is not None:  # JAX evicts under it
+        jax.config.update("jax_compilation_cache_max_size", max_bytes)
     jax_cache.reset_cache()  # takes effect even if this process has compiled before
     return path
 
