@@ -234,11 +234,13 @@ def test_mxfp4_model_kernels_match_dense_experts(seed):
             assert rel_err(got, dense) < 2e-3, f"{mode}: {rel_err(got, dense):.2e} (seed={seed})"
 
 
-def test_mxfp4_engine_greedy_is_the_forward_top_token(seed):
+@pytest.mark.parametrize("unrolled", [False, True])
+def test_mxfp4_engine_greedy_is_the_forward_top_token(seed, unrolled):
     """The serving engine over the tiny hybrid with MXFP4 experts on the GPU (float32; the Pallas MXFP4 kernels: the
     decode kernels for decode steps, the fused MMA kernels for the prefills): every greedy token is the top logit of
     a full forward over the prompt and the tokens before it, to the kernels' rounding (near ties within 1e-3 of the
-    logits' scale either way). The DSA indexer keeps every key (see the test above)."""
+    logits' scale either way). The DSA indexer keeps every key (see the test above). `unrolled`: the decode
+    dispatches compiled as straight-line steps (`EngineConfig.unrolled_decode`)."""
     from dayzero.model import Model
     from dayzero.model.config import MXFP4Execution
     from dayzero.model.presets import tiny
@@ -249,7 +251,8 @@ def test_mxfp4_engine_greedy_is_the_forward_top_token(seed):
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, config.vocab_size, n).tolist() for n in (37, 5, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    engine = Engine(model, None, EngineConfig(max_num_seqs=4, max_model_len=160, enable_prefix_caching=False))
+    engine = Engine(model, None, EngineConfig(max_num_seqs=4, max_model_len=160, enable_prefix_caching=False,
+                                              unrolled_decode=unrolled))
     with jax.default_matmul_precision("highest"):
         outs = engine.generate(prompt_token_ids=prompts, sampling_params=params)
         for prompt, out in zip(prompts, outs):
