@@ -5,7 +5,8 @@ deepseek_v3/v32 and kimi_k2), and missing, unexpected, shape- or dtype-mismatche
 together as one CheckpointError. The second streams tensors one at a time (FP8 e4m3 weights dequantized with their
 128x128 `weight_scale_inv` blocks, experts stacked per projection) and places each on the device(s) at once, so
 host memory stays near one tensor (one stacked expert projection) at a time; linear and expert weights travel as
-published ([out, in]) and are transposed to [in, out] and cast to their param dtype on the device (`load_params`).
+published ([out, in], FP8 ones as float8 bytes with their scales) and are dequantized, transposed to [in, out] and
+cast to their param dtype on the device (`load_params`).
 """
 
 from __future__ import annotations
@@ -238,10 +239,32 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
 
 
 def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """w [out, in] float8 with scale_inv [ceil(out/b0), ceil(in/b1)] -> float32 w * scale per block."""
+    """w [out, in] float8 with scale_inv [ceil(out/b0), ceil(in/b1)] -> float32 w * scale per block (contiguous).
+    The float8 values come from a 256-entry table (numpy's float8 cast is ~10x slower) and each scale multiplies its
+    block in place: ~450 MB/s of float8 on one CPU core, bit for bit the cast-and-multiply."""
     out_dim, in_dim = weight.shape
-    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
-    return weight.astype(np.float32) * scale[:out_dim, :in_dim]
+    (b0, b1), (rows, cols) = block, scale_inv.shape
+    values = np.arange(256, dtype=np.uint8).view(weight.dtype).astype(np.float32)[weight.view(np.uint8)]
+    if (rows * b0, cols * b1) != (out_dim, in_dim):  # partial blocks at the edges
+        values = np.pad(values, ((0, rows * b0 - out_dim), (0, cols * b1 - in_dim)))
+    blocks = values.reshape(rows, b0, cols, b1)
+    blocks *= scale_inv.astype(np.float32)[:, None, :, None]
+    values = blocks.reshape(rows * b0, cols * b1)
+    return values if values.shape == (out_dim, in_dim) else np.ascontiguousarray(values[:out_dim, :in_dim])
+
+
+@dataclass(frozen=True)
+class Fp8Blocks:
+    """FP8 weights as published with their block scales, for the device to dequantize (`load_params`): weight
+    [..., out, in] float8, scale_inv [..., ceil(out/b0), ceil(in/b1)] float32, block (b0, b1)."""
+
+    weight: np.ndarray
+    scale_inv: np.ndarray
+    block: tuple[int, int]
+
+    @property
+    def ndim(self) -> int:
+        return self.weight.ndim
 
 
 def _read(files, info: TensorInfo, plan: LoadPlan, config: ModelConfig, out: np.ndarray | None = None) -> np.ndarray:
@@ -285,7 +308,8 @@ def stream_stored(directory: str, config: ModelConfig, expected: dict[ParamPath,
 
     `as_published` (linear and expert projections, unless `swap_on_host`): the array is the param with its last two
     axes swapped ([..., out, in] as published) and in a dtype of its own (`_stored_dtype`); the caller swaps and casts
-    it where that is cheapest (on the device: `load_params`). Otherwise the array is the param, in the param's dtype.
+    it where that is cheapest (on the device: `load_params`); FP8 projections then come as `Fp8Blocks` (the float8
+    bytes and their scales, dequantized there too). Otherwise the array is the param, in the param's dtype.
     Raises CheckpointError listing every problem before any tensor data is read.
     """
     files = open_checkpoint_files(directory)
@@ -299,7 +323,11 @@ def stream_stored(directory: str, config: ModelConfig, expected: dict[ParamPath,
         dtype = np.dtype(want.dtype)
         sources = plan.sources[path]
         as_published = sources[0][1].kind in ("linear", "expert") and not swap_on_host
-        if sources[0][1].kind == "expert":
+        if as_published and all(info.name in plan.scales for info, _ in sources) \
+                and len({info.dtype for info, _ in sources}) == 1:  # FP8 as published, for the device to dequantize
+            host = _fp8_blocks(files, sources, plan, config, want.shape)
+            bar.update(len(sources))
+        elif sources[0][1].kind == "expert":
             if as_published:  # each expert read in place (cast where narrower)
                 host = np.empty((want.shape[0], *want.shape[1:][::-1]),
                                 _stored_dtype(_read_dtype(sources[0][0], plan), dtype))
@@ -324,6 +352,24 @@ def stream_stored(directory: str, config: ModelConfig, expected: dict[ParamPath,
     bar.close()
 
 
+def _fp8_blocks(files, sources: list[tuple[TensorInfo, Target]], plan: LoadPlan, config: ModelConfig,
+                shape: tuple[int, ...]) -> Fp8Blocks:
+    """A projection's FP8 tensors as published and their block scales (float32): one [out, in] weight, or the
+    experts' read in place into [E, out, in] (param `shape` [E, in, out])."""
+    first, target = sources[0]
+    scale = plan.scales[first.name]
+    read_scale = lambda info, out=None: files[plan.scales[info.name].name].read(plan.scales[info.name].name, out)
+    if target.kind != "expert":
+        return Fp8Blocks(files[first.name].read(first.name), read_scale(first).astype(np.float32, copy=False),
+                         config.weight_block_size)
+    weight = np.empty((shape[0], *shape[1:][::-1]), DTYPES[first.dtype])
+    scales = np.empty((shape[0], *scale.shape), np.float32)
+    for info, target in sources:
+        files[info.name].read(info.name, out=weight[target.expert])
+        read_scale(info, out=scales[target.expert])
+    return Fp8Blocks(weight, scales, config.weight_block_size)
+
+
 def stream_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
                   progress: bool | None = None, desc: str = "loading"):
     """Yields (path, host numpy array of the param's dtype and shape) for every param of `expected`, in order, one at a
@@ -341,6 +387,26 @@ def _swap_and_cast(array: jax.Array, dtype) -> jax.Array:
 def _swapper(sharding: NamedSharding | None):
     """`_swap_and_cast` jitted to place its result on `sharding` (None: where its input is)."""
     return jax.jit(_swap_and_cast, static_argnums=(1,), out_shardings=sharding)
+
+
+def _dequantize_swap_and_cast(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int], dtype) -> jax.Array:
+    """`Fp8Blocks` on the device -> the param: w * scale per block in float32 (as `dequantize_fp8_blocks`), [..., out,
+    in] -> [..., in, out], cast to `dtype`."""
+    out_dim, in_dim = weight.shape[-2:]
+    scale = jnp.repeat(jnp.repeat(scale_inv, block[0], axis=-2), block[1], axis=-1)[..., :out_dim, :in_dim]
+    return jnp.swapaxes(weight.astype(jnp.float32) * scale, -1, -2).astype(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _dequantizer(sharding: NamedSharding | None):
+    """`_dequantize_swap_and_cast` jitted to place its result on `sharding` (None: where its inputs are)."""
+    return jax.jit(_dequantize_swap_and_cast, static_argnums=(2, 3), out_shardings=sharding)
+
+
+def _scale_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
+    """Block scales placed as their weight's leading (expert) axes; their last two axes replicated (tiny)."""
+    spec = (list(sharding.spec) + [None] * ndim)[:ndim - 2]
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec, None, None))
 
 
 def _swapped_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
@@ -362,7 +428,13 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
     params: dict[ParamPath, jax.Array] = {}
     for path, host, as_published in stream_stored(directory, config, expected, progress):
         sharding = sharding_for(path) if sharding_for is not None else None
-        if as_published:
+        if isinstance(host, Fp8Blocks):
+            weight, scales = ((place(host.weight, _swapped_sharding(sharding, host.ndim)),
+                               place(host.scale_inv, _scale_sharding(sharding, host.ndim))) if sharding is not None
+                              else (jnp.asarray(host.weight), jnp.asarray(host.scale_inv)))
+            params[path] = _dequantizer(sharding)(weight, scales, tuple(host.block), np.dtype(expected[path].dtype))
+            del weight, scales
+        elif as_published:
             stored = (place(host, _swapped_sharding(sharding, host.ndim)) if sharding is not None
                       else jnp.asarray(host))
             params[path] = _swapper(sharding)(stored, np.dtype(expected[path].dtype))
@@ -373,5 +445,5 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
     return params
 
 
-__all__ = ["load_params", "stream_params", "stream_stored", "plan_load", "map_tensor_name", "published_name",
+__all__ = ["load_params", "stream_params", "stream_stored", "Fp8Blocks", "plan_load", "map_tensor_name", "published_name",
            "dequantize_fp8_blocks", "DTYPES"]

@@ -8,7 +8,8 @@ Checks, each against the same model on one device (fp32, max relative logits err
 - a tiny KDA + MLA/DSA + MoE hybrid (`presets.tiny()` with 4 heads and 8 experts) on expert=8, expert=2 x tensor=4
   and data=2 x expert=4, with fp32 and MXFP4 experts;
 - a tiny deepseek_v32 checkpoint saved by transformers, loaded with `load_checkpoint(mesh=)` (every param on its
-  rule's sharding, spot-checked against the expected specs), as is and quantized to MXFP4;
+  rule's sharding, spot-checked against the expected specs), as is, quantized to MXFP4, and with FP8 projections
+  (routed experts included: dequantized on the devices as they load);
 - the Engine's greedy output on a mesh (KDA state sharded over heads), and its cache shardings;
 - the fallback of dims that do not divide the mesh (`presets.tiny()`: 3 heads, 6 experts).
 Prints one "ok ..." line per check; any failure raises.
@@ -32,6 +33,7 @@ from dayzero.model.model import Model, expected_params
 from dayzero.model.presets import tiny
 from dayzero.model.quantize import quantize_checkpoint
 from dayzero.serving import Engine, EngineConfig, SamplingParams
+from tiny_checkpoints import fp8_checkpoint  # tests/ (this script's folder)
 
 TOLERANCE = 1e-5
 MESHES = (dict(expert=8), dict(expert=2, tensor=4), dict(data=2, expert=4))
@@ -130,7 +132,7 @@ def check_checkpoint(path: str, ids: np.ndarray, meshes, expect_quantized: bool)
         assert shard.shape[0] == experts[key].shape[0] // dict(mesh.shape)["expert"], shard.shape
         err = relative_error(model(ids), ref)
         assert err <= TOLERANCE, (path, axes, err)
-        report(f"deepseek_v32{' mxfp4' if expect_quantized else ''} load_checkpoint(mesh={axes}): shardings as "
+        report(f"deepseek_v32 {os.path.basename(path)} load_checkpoint(mesh={axes}): shardings as "
                f"the rules say, logits relative error {err:.2e}")
 
 
@@ -211,6 +213,9 @@ def main(argv: list[str]) -> None:
         quantized = os.path.join(os.path.dirname(os.path.abspath(path)), "mxfp4")
         quantize_checkpoint(path, quantized)
         check_checkpoint(quantized, ids, MESHES[:1], expect_quantized=True)
+        fp8 = os.path.join(os.path.dirname(os.path.abspath(path)), "fp8")  # dequantized on the devices, sharded
+        assert fp8_checkpoint(path, fp8, experts=True) > 20
+        check_checkpoint(fp8, ids, MESHES[1:2], expect_quantized=False)
         check_cli(path)
     else:
         raise SystemExit(f"unknown group {argv[0]!r}: models | checkpoint DIR")

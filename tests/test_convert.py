@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from tiny_checkpoints import SEQ_LEN, rewrite_config
+from tiny_checkpoints import SEQ_LEN, fp8_checkpoint, rewrite_config
 from dayzero.model import CheckpointError, load_checkpoint
 from dayzero.model.convert import MARKER, PARAMS_DIR, convert_checkpoint, is_converted, main, restore_converted
 from dayzero.model.quantize import quantize_checkpoint
-from dayzero.model.safetensors_io import open_checkpoint_files, save_file
 
 
 def _ids(seed, vocab):
@@ -103,38 +102,42 @@ def test_deepseek_v32_mxfp4_experts_stay_packed(checkpoints, tmp_path, seed):
     np.testing.assert_array_equal(np.asarray(conv(ids)), np.asarray(hub(ids)))
 
 
-def _fp8_checkpoint(src: str, out, block: int = 16) -> int:
-    """A copy of `src` whose 2-D projection weights are e4m3 with weight_scale_inv blocks; returns how many."""
-    shutil.copytree(src, out)
-    files = open_checkpoint_files(src)
-    tensors, n = {}, 0
-    for name, f in files.items():
-        w = f.read(name)
-        if name.endswith("_proj.weight") and "experts" not in name and w.ndim == 2:
-            rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
-            padded = np.zeros((rows * block, cols * block), np.float32)
-            padded[:w.shape[0], :w.shape[1]] = w
-            scale = np.maximum(np.abs(padded.reshape(rows, block, cols, block)).max(axis=(1, 3)), 1e-12) / 448.0
-            expanded = np.repeat(np.repeat(scale, block, 0), block, 1)[:w.shape[0], :w.shape[1]]
-            tensors[name] = (w / expanded).astype(ml_dtypes.float8_e4m3fn)
-            tensors[name + "_scale_inv"] = scale.astype(np.float32)
-            n += 1
-        else:
-            tensors[name] = w
-    save_file(str(out / "model.safetensors"), tensors)
-    rewrite_config(str(out), lambda c: c.update(dtype="bfloat16", quantization_config={
-        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}))
-    return n
-
-
 def test_fp8_weights_are_stored_dequantized(checkpoints, tmp_path):
     fp8 = tmp_path / "fp8"
-    assert _fp8_checkpoint(checkpoints["deepseek_v3"], fp8) > 5
+    assert fp8_checkpoint(checkpoints["deepseek_v3"], fp8) > 5
     report = convert_checkpoint(fp8, tmp_path / "conv", progress=False)
     assert report.dtype == "bfloat16"
     conv = load_checkpoint(tmp_path / "conv", progress=False)
     assert conv.params["layers_0"]["self_attn"]["o_proj"]["kernel"].dtype == ml_dtypes.bfloat16
     assert_same_params(conv, load_checkpoint(fp8, progress=False))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fp8_experts_dequantized_on_the_device_as_on_the_host(checkpoints, tmp_path, dtype):
+    """FP8 projections, routed experts included, travel to the device as float8 bytes with their block scales
+    (`Fp8Blocks`) and are dequantized there: the params equal the host dequantization's (`stream_params`) bit for
+    bit, and stay within e4m3's rounding of the float32 original."""
+    from dayzero.model.checkpoint import Fp8Blocks, stream_params, stream_stored
+    from dayzero.model.config import ModelConfig
+    from dayzero.model.model import expected_params
+
+    fp8 = tmp_path / "fp8"
+    assert fp8_checkpoint(checkpoints["deepseek_v3"], fp8, block=16, experts=True) > 20
+    config = ModelConfig.from_pretrained(fp8)
+    expected = expected_params(config, np.dtype(getattr(ml_dtypes, dtype, None) or dtype))
+    device_side = {path for path, host, _ in stream_stored(str(fp8), config, expected, progress=False)
+                   if isinstance(host, Fp8Blocks)}
+    assert ("layers_1", "mlp", "experts", "w_gate") in device_side and len(device_side) > 20, sorted(device_side)
+    model = load_checkpoint(fp8, dtype=dtype, progress=False)
+    ours = traverse_util.flatten_dict(model.params)
+    for path, host in stream_params(str(fp8), config, expected, progress=False):
+        assert ours[path].dtype == host.dtype and ours[path].shape == host.shape, path
+        np.testing.assert_array_equal(np.asarray(ours[path]), host, err_msg=str(path))
+    original = traverse_util.flatten_dict(load_checkpoint(checkpoints["deepseek_v3"], dtype="float32",
+                                                          progress=False).params)
+    for path in device_side:
+        ref, got = original[path], np.asarray(ours[path]).astype(np.float32)
+        assert np.abs(got - ref).max() <= 0.07 * np.abs(ref).max() + 1e-6, path  # e4m3: 3 mantissa bits
 
 
 @pytest.fixture

@@ -109,6 +109,37 @@ def rewrite_config(path: str, edit) -> None:
 KIMI_K25_IMAGE_TOKEN = 209
 
 
+def fp8_checkpoint(src: str, out, block: int = 16, experts: bool = False) -> int:
+    """A copy of checkpoint `src` in `out` whose 2-D projection weights (routed experts' too with `experts`) are e4m3
+    with `weight_scale_inv` blocks of `block` x `block` (partial blocks at odd edges); returns how many."""
+    import shutil
+
+    import ml_dtypes
+
+    from dayzero.model.safetensors_io import open_checkpoint_files, save_file
+
+    shutil.copytree(src, out)
+    files = open_checkpoint_files(src)
+    tensors, n = {}, 0
+    for name, f in files.items():
+        w = f.read(name)
+        if name.endswith("_proj.weight") and (experts or "experts" not in name) and w.ndim == 2:
+            rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+            padded = np.zeros((rows * block, cols * block), np.float32)
+            padded[:w.shape[0], :w.shape[1]] = w
+            scale = np.maximum(np.abs(padded.reshape(rows, block, cols, block)).max(axis=(1, 3)), 1e-12) / 448.0
+            expanded = np.repeat(np.repeat(scale, block, 0), block, 1)[:w.shape[0], :w.shape[1]]
+            tensors[name] = (w / expanded).astype(ml_dtypes.float8_e4m3fn)
+            tensors[name + "_scale_inv"] = scale.astype(np.float32)
+            n += 1
+        else:
+            tensors[name] = w
+    save_file(os.path.join(out, "model.safetensors"), tensors)
+    rewrite_config(str(out), lambda c: c.update(dtype="bfloat16", quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}))
+    return n
+
+
 def kimi_k25_config(**overrides):
     """A tiny kimi_k25: deepseek_v3 text (2 layers, MoE) and a 2-layer MoonViT whose 8x8 position table is resampled
     both up and down by the fixture images' grids."""
