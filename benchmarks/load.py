@@ -67,7 +67,10 @@ def hub_config(config: ModelConfig, dtype: str) -> dict:
         "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
         "pad_token_id": config.pad_token_id, "model_max_length": config.max_position_embeddings,
     }
-    if config.quant_method is not None:
+    if config.quant_method == "fp8":
+        raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                      "weight_block_size": list(config.weight_block_size)}
+    elif config.quant_method is not None:
         raw["quantization_config"] = {"quant_method": config.quant_method}
     parsed = ModelConfig.from_hf_dict(raw)
     if parsed != config.replace(checkpoint_dtype=dtype):
@@ -90,10 +93,22 @@ def _random_tensor(rng, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
 
 
+def _fp8_blocks(array: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """[out, in] float32 -> (e4m3 weight, float32 weight_scale_inv [ceil(out/b0), ceil(in/b1)]), DeepSeek's format."""
+    (b0, b1), (out_dim, in_dim) = block, array.shape
+    rows, cols = -(-out_dim // b0), -(-in_dim // b1)
+    padded = np.zeros((rows * b0, cols * b1), np.float32)
+    padded[:out_dim, :in_dim] = array
+    scale = np.maximum(np.abs(padded.reshape(rows, b0, cols, b1)).max(axis=(1, 3)), 1e-12) / 448.0
+    quantized = (padded.reshape(rows, b0, cols, b1) / scale[:, None, :, None]).reshape(padded.shape)
+    return quantized[:out_dim, :in_dim].astype(ml_dtypes.float8_e4m3fn), scale
+
+
 def write_hub_checkpoint(config: ModelConfig, directory: str, dtype: str = "bfloat16", seed: int = 0,
                          shard_bytes: int = 4 << 30) -> int:
     """Writes random weights of `config` as a hub checkpoint (published names, [out, in] linears, one tensor per
-    expert or packed MXFP4 experts), one tensor at a time; returns the bytes written."""
+    expert or packed MXFP4 experts; with `config.quant_method` "fp8", every 2-D projection as e4m3 with its block
+    scales), one tensor at a time; returns the bytes written."""
     from dayzero.model.model import expected_params
 
     np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
@@ -117,7 +132,12 @@ def write_hub_checkpoint(config: ModelConfig, directory: str, dtype: str = "bflo
                 shape = shape[::-1]
             elif target.kind == "conv":
                 shape = (shape[0], 1, shape[1])
-            array = _random_tensor(rng, tensor, shape, leaf.dtype if leaf.dtype == np.float32 else np_dtype)
+            if config.quant_method == "fp8" and target.kind in ("linear", "expert") and tensor.endswith("_proj.weight"):
+                array, scale = _fp8_blocks(_random_tensor(rng, tensor, shape, np.float32), config.weight_block_size)
+                total += scale.nbytes
+                writer.add(tensor + "_scale_inv", scale)
+            else:
+                array = _random_tensor(rng, tensor, shape, leaf.dtype if leaf.dtype == np.float32 else np_dtype)
             total += array.nbytes
             writer.add(tensor, array)
     writer.close()
@@ -167,6 +187,8 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="medium_hybrid", choices=sorted(PRESETS))
     parser.add_argument("--layers", type=int, help="keep only the first N layers (smaller runs)")
     parser.add_argument("--dtype", default="bfloat16", help="hub, converted and loaded param dtype")
+    parser.add_argument("--fp8", action="store_true",
+                        help="projections written as e4m3 with 128x128 block scales (DeepSeek V3 / Kimi K2's format)")
     parser.add_argument("--item-gib", type=float, default=1.0, help="dayzero-convert's orbax item size")
     parser.add_argument("--repeat", type=int, default=1, help="loads per method (the fastest is reported)")
     parser.add_argument("--workdir", help="where to write the checkpoints (default: a temporary directory)")
@@ -178,6 +200,8 @@ def main(argv=None) -> int:
     if args.layers:
         n = args.layers
         config = config.replace(num_layers=n, layer_types=config.layer_types[:n], mlp_types=config.mlp_types[:n])
+    if args.fp8:
+        config = config.replace(quant_method="fp8", weight_block_size=(128, 128))
     with tempfile.TemporaryDirectory(dir=args.workdir) as root:
         hub, conv = os.path.join(root, "hub"), os.path.join(root, "converted")
         start = time.perf_counter()
@@ -213,7 +237,8 @@ def main(argv=None) -> int:
     label = f" {args.label}" if args.label else ""
     line = (f"- {datetime.date.today()} load.py{label}, {hardware}, commit {git_commit()}, jax {jax.__version__}, "
             f"orbax-checkpoint {version('orbax-checkpoint')}: preset {args.preset}"
-            f"{f' ({args.layers} layers)' if args.layers else ''} {args.dtype}, each load in a fresh process "
+            f"{f' ({args.layers} layers)' if args.layers else ''}{' FP8 e4m3 projections (128x128 blocks),' if args.fp8 else ''}"
+            f" {args.dtype}, each load in a fresh process "
             f"(files just written, so in the page cache): {json.dumps(res)}\n")
     if args.no_append:
         print(line)
