@@ -117,6 +117,8 @@ def _load_and_generate(args: argparse.Namespace, parser: argparse.ArgumentParser
     load_s = time.perf_counter() - start
     if args.input:
         entries = read_prompts(args.input)
+        if not entries:
+            raise ValueError(f"{args.input}: no prompts in the file")
     elif args.prompt:
         entries = [{"prompt": p} for p in args.prompt]
         if args.image and len(args.image) != len(args.prompt):

@@ -29,3 +29,10 @@ def test_jsonl_input_with_a_bad_line(tmp_path, capsys):
     assert [len(r["token_ids"]) for r in rows] == [2, 0, 1]
     assert rows[1]["finish_reason"] == "error" and "empty" in rows[1]["error"]
     assert "rejected" in capsys.readouterr().err
+
+
+def test_empty_input_file_is_a_clear_error(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n")
+    assert main(["--input", str(src), "--output", str(tmp_path / "out.jsonl"), "--no-progress"]) == 2
+    assert "no prompts" in capsys.readouterr().err
