@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import importlib.util
 import os
+import platform
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,10 +40,23 @@ _HIT = "/jax/compilation_cache/cache_hits"
 _WRITTEN = "/jax/compilation_cache/cache_misses"  # recorded as a missed entry is written
 
 
+def host_fingerprint() -> str:
+    """12 hex digits naming this host's CPU (model and instruction-set flags). JAX's key names the backend and
+    device kind but not the host CPU's features, and XLA:CPU executables are machine code for them: hosts sharing
+    a home directory (a cluster's) keep apart caches."""
+    described = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo") as f:
+            described += sorted({line.strip() for line in f if line.startswith(("model name", "flags", "Features"))})
+    except OSError:
+        pass
+    return hashlib.sha256("\n".join(described).encode()).hexdigest()[:12]
+
+
 def default_directory() -> Path:
-    """$XDG_CACHE_HOME/dayzero/xla, or ~/.cache/dayzero/xla."""
+    """$XDG_CACHE_HOME/dayzero/xla/<host_fingerprint()>, or ~/.cache/dayzero/xla/<host_fingerprint()>."""
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "dayzero" / "xla"
+    return Path(root) / "dayzero" / "xla" / host_fingerprint()
 
 
 def enable(directory: str | os.PathLike | None = None, min_compile_seconds: float = MIN_COMPILE_SECONDS,
@@ -114,4 +129,4 @@ def counting() -> Iterator[CacheUse]:
         jax.monitoring.unregister_event_listener(use)
 
 
-__all__ = ["default_directory", "enable", "add_cli_options", "from_cli_args", "CacheUse", "counting"]
+__all__ = ["host_fingerprint", "default_directory", "enable", "add_cli_options", "from_cli_args", "CacheUse", "counting"]

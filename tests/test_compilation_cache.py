@@ -55,3 +55,10 @@ def test_directory_that_cannot_be_made_leaves_it_off(tmp_path):
         assert jax.config.jax_compilation_cache_dir == before[0]
     finally:
         jax.config.update("jax_enable_compilation_cache", before[1])
+
+
+def test_default_directory_per_host_under_xdg_cache_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = compilation_cache.default_directory()
+    assert path.parent == tmp_path / "dayzero" / "xla" and re.fullmatch(r"[0-9a-f]{12}", path.name)
+    assert path.name == compilation_cache.host_fingerprint()
