@@ -237,8 +237,9 @@ def main(argv=None) -> int:
     label = f" {args.label}" if args.label else ""
     line = (f"- {datetime.date.today()} load.py{label}, {hardware}, commit {git_commit()}, jax {jax.__version__}, "
             f"orbax-checkpoint {version('orbax-checkpoint')}: preset {args.preset}"
-            f"{f' ({args.layers} layers)' if args.layers else ''}{' FP8 e4m3 projections (128x128 blocks),' if args.fp8 else ''}"
-            f" {args.dtype}, each load in a fresh process "
+            f"{f' ({args.layers} layers)' if args.layers else ''}"
+            f"{' FP8 e4m3 projections (128x128 blocks),' if args.fp8 else ''} {args.dtype}, each load in a fresh "
+            "process "
             f"(files just written, so in the page cache): {json.dumps(res)}\n")
     if args.no_append:
         print(line)

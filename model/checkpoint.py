@@ -358,7 +358,11 @@ def _fp8_blocks(files, sources: list[tuple[TensorInfo, Target]], plan: LoadPlan,
     experts' read in place into [E, out, in] (param `shape` [E, in, out])."""
     first, target = sources[0]
     scale = plan.scales[first.name]
-    read_scale = lambda info, out=None: files[plan.scales[info.name].name].read(plan.scales[info.name].name, out)
+
+    def read_scale(info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
+        name = plan.scales[info.name].name
+        return files[name].read(name, out)
+
     if target.kind != "expert":
         return Fp8Blocks(files[first.name].read(first.name), read_scale(first).astype(np.float32, copy=False),
                          config.weight_block_size)
@@ -445,5 +449,5 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
     return params
 
 
-__all__ = ["load_params", "stream_params", "stream_stored", "Fp8Blocks", "plan_load", "map_tensor_name", "published_name",
-           "dequantize_fp8_blocks", "DTYPES"]
+__all__ = ["load_params", "stream_params", "stream_stored", "Fp8Blocks", "plan_load", "map_tensor_name",
+           "published_name", "dequantize_fp8_blocks", "DTYPES"]

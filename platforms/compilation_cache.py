@@ -129,4 +129,5 @@ def counting() -> Iterator[CacheUse]:
         jax.monitoring.unregister_event_listener(use)
 
 
-__all__ = ["host_fingerprint", "default_directory", "enable", "add_cli_options", "from_cli_args", "CacheUse", "counting"]
+__all__ = ["host_fingerprint", "default_directory", "enable", "add_cli_options", "from_cli_args", "CacheUse",
+           "counting"]
