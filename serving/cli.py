@@ -214,8 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'':10} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
     print(f"{'TTFT':10} {percentiles([o.ttft for o in ok if o.ttft is not None])}")
     print(f"{'ITL':10} {percentiles(itl)}  (each request's mean gap between tokens)")
-    print(f"prefix-cache hit rate {stats['prefix_hit_rate']:.1%}; functions compiled during the run: {run.compiled}; "
-          f"results in {args.output}")
+    print(f"prefix-cache hit rate {stats['prefix_hit_rate']:.1%}; functions first needed during the run (compiled, "
+          f"or read from the compilation cache): {run.compiled}; results in {args.output}")
     cache = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
     print(f"compilation cache: {cache}: {cache_use.hits} compilations read back, {cache_use.written} written"
           if cache else "compilation cache: off")
