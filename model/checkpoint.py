@@ -156,7 +156,19 @@ class LoadPlan:
 
     sources: dict[ParamPath, list[tuple[TensorInfo, Target]]] = field(default_factory=dict)
     scales: dict[str, TensorInfo] = field(default_factory=dict)
+    packed: dict[str, "PackedInt"] = field(default_factory=dict)  # `X.weight_packed` -> its scales and shape
     problems: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PackedInt:
+    """A compressed-tensors `pack-quantized` weight's companions: `X.weight_scale` [out, ceil(in / group)], the
+    optional `X.weight_shape` [2] (the unpacked [out, in]), the unpacked width and the scheme (bits, group size)."""
+
+    scale: TensorInfo
+    shape: TensorInfo | None
+    in_dim: int
+    scheme: tuple[int, int]
 
 
 def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.ShapeDtypeStruct],
@@ -165,13 +177,17 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
     plan = LoadPlan()
     infos = {name: f.tensors[name] for name, f in files.items()}
     scale_names = {n for n in infos if n.endswith(".weight_scale_inv")}
+    if config.packed_int is not None:  # compressed-tensors: X.weight_packed with X.weight_scale and X.weight_shape
+        scale_names |= {n[:-len("_packed")] + suffix for n in infos if n.endswith(".weight_packed")
+                        for suffix in ("_scale", "_shape") if n[:-len("_packed")] + suffix in infos}
     unexpected, missing, mismatched, bad_dtype = [], [], [], []
     rejected: set[tuple[ParamPath, int]] = set()  # present but unusable: reported once, not also as missing
     for name in sorted(infos):
         if name in scale_names:
             continue
         info = infos[name]
-        target = map_tensor_name(name, config)
+        packed_int = config.packed_int is not None and name.endswith(".weight_packed")
+        target = map_tensor_name(name[:-len("_packed")] if packed_int else name, config)
         if target is IGNORE:
             continue
         if target is None or target.path not in expected:
@@ -180,6 +196,13 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
         want = expected[target.path]
         rejected.add((target.path, target.expert))
         want_shape = want.shape[1:] if target.kind == "expert" else want.shape
+        if packed_int:
+            problem = _plan_packed_int(name, info, infos, target, tuple(want_shape), config.packed_int, plan)
+            if problem is not None:
+                (mismatched if problem.startswith("shape") else bad_dtype).append(problem)
+            else:
+                plan.sources.setdefault(target.path, []).append((info, target))
+            continue
         got = _transformed_shape(target, info.shape, tuple(want_shape))
         if got != tuple(want_shape):
             hint = _SHAPE_HINTS.get(target.kind, "")
@@ -213,7 +236,7 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
             bad_dtype.append(f"dtype mismatch: '{name}' is {info.dtype}, expected a floating-point tensor")
             continue
         plan.sources.setdefault(target.path, []).append((info, target))
-    for name in sorted(scale_names):
+    for name in sorted(n for n in scale_names if n.endswith("_scale_inv")):
         weight = name[: -len("weight_scale_inv")] + "weight"
         if weight not in infos:
             unexpected.append(f"unexpected tensor '{name}' (no weight '{weight}' beside it)")
@@ -236,6 +259,45 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
                               + ", ".join(i.name for i, _ in srcs))
     plan.problems = missing + unexpected + mismatched + bad_dtype
     return plan
+
+
+def _plan_packed_int(name: str, info: TensorInfo, infos: dict[str, TensorInfo], target: Target,
+                     want_shape: tuple[int, ...], scheme: tuple[int, int], plan: LoadPlan) -> str | None:
+    """Checks a `X.weight_packed` tensor of a linear or expert projection and its companions against the param
+    ([in, out]) and records them in `plan.packed`; returns the problem, or None."""
+    bits, group = scheme
+    base = name[:-len("_packed")]
+    if target.kind not in ("linear", "expert"):
+        return f"dtype mismatch: '{name}' is packed integers, but '{base}' is not a projection"
+    if info.dtype != "I32":
+        return f"dtype mismatch: '{name}' is {info.dtype}, expected I32 (compressed-tensors pack-quantized)"
+    scale = infos.get(base + "_scale")
+    if scale is None:
+        return f"dtype mismatch: '{name}' is packed integers but '{base}_scale' (its group scales) is absent"
+    if scale.dtype not in FLOAT_SOURCES:
+        return f"dtype mismatch: '{base}_scale' is {scale.dtype}, expected a floating-point tensor"
+    in_dim, out_dim = want_shape
+    need_packed, need_scale = (out_dim, -(-in_dim * bits // 32)), (out_dim, -(-in_dim // group))
+    if info.shape != need_packed or scale.shape != need_scale:
+        return (f"shape mismatch: '{name}' is {list(info.shape)} and '{base}_scale' {list(scale.shape)}; the model's "
+                f"[{out_dim}, {in_dim}] at {bits} bits in groups of {group} needs {list(need_packed)} and "
+                f"{list(need_scale)}")
+    plan.packed[name] = PackedInt(scale, infos.get(base + "_shape"), in_dim, scheme)
+    return None
+
+
+def dequantize_packed_int(packed: np.ndarray, scale: np.ndarray, in_dim: int, bits: int, group: int) -> np.ndarray:
+    """compressed-tensors `pack-quantized` -> float32 [out, in_dim]: packed int32 [out, ceil(in_dim * bits / 32)] holds
+    each row's values densely along the input, LSB first (value j at bit j * bits of the row's little-endian words),
+    each as the unsigned q + 2 ** (bits - 1); scale [out, ceil(in_dim / group)] multiplies q group by group."""
+    out_dim = packed.shape[0]
+    words = packed.astype("<i4", copy=False).view(np.uint8).reshape(out_dim, -1)  # the row's bytes, lowest first
+    per_byte = 8 // bits
+    shifts = np.arange(per_byte, dtype=np.uint8) * bits
+    fields = (words[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)
+    q = fields.reshape(out_dim, -1)[:, :in_dim].astype(np.float32) - float(1 << (bits - 1))
+    factors = np.repeat(scale.astype(np.float32), group, axis=1)[:, :in_dim]
+    return q * factors
 
 
 def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -268,7 +330,14 @@ class Fp8Blocks:
 
 
 def _read(files, info: TensorInfo, plan: LoadPlan, config: ModelConfig, out: np.ndarray | None = None) -> np.ndarray:
-    """Tensor `info` (FP8 weights dequantized to float32), as a new array or copied (and cast) into `out`."""
+    """Tensor `info` (FP8 and packed integer weights dequantized to float32), as a new array or copied (and cast)
+    into `out`."""
+    if info.name in plan.packed:
+        array = _read_packed_int(files, info, plan.packed[info.name])
+        if out is None:
+            return array
+        out[...] = array
+        return out
     if info.name not in plan.scales:
         return files[info.name].read(info.name, out)
     scale = plan.scales[info.name]
@@ -280,9 +349,20 @@ def _read(files, info: TensorInfo, plan: LoadPlan, config: ModelConfig, out: np.
     return out
 
 
+def _read_packed_int(files, info: TensorInfo, packed: PackedInt) -> np.ndarray:
+    """A `X.weight_packed` tensor dequantized (float32 [out, in]); its `X.weight_shape`, where present, must agree."""
+    if packed.shape is not None:
+        stored = files[packed.shape.name].read(packed.shape.name).reshape(-1).tolist()
+        if stored != [info.shape[0], packed.in_dim]:
+            raise CheckpointError(f"{info.file}: '{packed.shape.name}' says {stored}, the model's projection is "
+                                  f"[{info.shape[0]}, {packed.in_dim}]")
+    return dequantize_packed_int(files[info.name].read(info.name), files[packed.scale.name].read(packed.scale.name),
+                                 packed.in_dim, *packed.scheme)
+
+
 def _read_dtype(info: TensorInfo, plan: LoadPlan) -> np.dtype:
     """The dtype `_read` returns for `info`."""
-    return np.dtype(np.float32) if info.name in plan.scales else DTYPES[info.dtype]
+    return np.dtype(np.float32) if info.name in plan.scales or info.name in plan.packed else DTYPES[info.dtype]
 
 
 def _transform(array: np.ndarray, target: Target, shape: tuple[int, ...]) -> np.ndarray:
@@ -450,4 +530,4 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
 
 
 __all__ = ["load_params", "stream_params", "stream_stored", "Fp8Blocks", "plan_load", "map_tensor_name",
-           "published_name", "dequantize_fp8_blocks", "DTYPES"]
+           "published_name", "dequantize_fp8_blocks", "dequantize_packed_int", "DTYPES"]

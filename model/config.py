@@ -133,6 +133,7 @@ class VisionConfig:
                  "projector normalises each patch before merging")
 
 
+QUANT_METHODS = ("fp8", "mxfp4", "compressed-tensors")
 MXFP4_MODES = ("auto", "fused", "workspace", "offline")
 
 
@@ -223,6 +224,7 @@ class ModelConfig:
     checkpoint_dtype: str | None = None
     quant_method: str | None = None
     weight_block_size: tuple[int, int] | None = None
+    packed_int: tuple[int, int] | None = None  # compressed-tensors pack-quantized: (bits, group size)
     num_mtp_layers: int = 0
     mxfp4: MXFP4Execution = field(default_factory=MXFP4Execution)
     # vision (kimi_k25): the MoonViT tower and the token id whose positions receive image features
@@ -321,8 +323,8 @@ class ModelConfig:
             need("image_token_id", isinstance(self.image_token_id, int) and 0 <= self.image_token_id < self.vocab_size,
                  f"({self.image_token_id}) must be a token id in 0..{self.vocab_size - 1}")
         if self.quant_method is not None:
-            need("quantization_config.quant_method", self.quant_method in ("fp8", "mxfp4"),
-                 f"'{self.quant_method}' is not supported (fp8, mxfp4)")
+            need("quantization_config.quant_method", self.quant_method in QUANT_METHODS,
+                 f"'{self.quant_method}' is not supported ({', '.join(QUANT_METHODS)})")
         if self.quant_method == "mxfp4" and MLP_MOE in self.mlp_types:
             need("moe_intermediate_size", self.moe_intermediate_size % 2 == 0,
                  f"({self.moe_intermediate_size}) must be even for MXFP4 experts")
@@ -499,7 +501,38 @@ def _quant_fields(r: _Reader) -> dict[str, Any]:
         if fmt != "e4m3":
             raise ConfigError("quantization_config.fmt", f"'{fmt}' is not supported (e4m3)")
         out["weight_block_size"] = (block[0], block[1])
+    elif method == "compressed-tensors":
+        out["packed_int"] = _packed_int_scheme(qr)
     return out
+
+
+def _packed_int_scheme(qr: _Reader) -> tuple[int, int]:
+    """compressed-tensors' `pack-quantized` format with one weight scheme: symmetric integers of `num_bits` (<= 8)
+    with one scale per `group_size` inputs (Moonshot's INT4 Kimi K2-Thinking / K2.5) -> (bits, group size)."""
+    field = "quantization_config."
+    groups = qr.get("config_groups", kind=dict, required=True)
+    if len(groups) != 1:
+        raise ConfigError(field + "config_groups", f"one weight scheme is supported, got {len(groups)}")
+    name, group = next(iter(groups.items()))
+    where = f"{field}config_groups.{name}"
+    if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+        raise ConfigError(where + ".weights", "expected an object")
+    if group.get("input_activations") is not None:
+        raise ConfigError(where + ".input_activations", "quantized activations are not supported (weights only)")
+    fmt = group.get("format") or qr.get("format", kind=str)
+    if fmt != "pack-quantized":
+        raise ConfigError(field + "format", f"'{fmt}' is not supported (pack-quantized)")
+    weights = group["weights"]
+    expected = {"type": "int", "symmetric": True, "strategy": "group"}
+    for key, value in expected.items():
+        if weights.get(key) != value:
+            raise ConfigError(f"{where}.weights.{key}", f"{weights.get(key)!r} is not supported ({value!r})")
+    bits, size = weights.get("num_bits"), weights.get("group_size")
+    if not (isinstance(bits, int) and 1 <= bits <= 8 and 32 % bits == 0):
+        raise ConfigError(where + ".weights.num_bits", f"expected 1, 2, 4 or 8, got {bits!r}")
+    if not (isinstance(size, int) and size > 0):
+        raise ConfigError(where + ".weights.group_size", f"expected a positive integer, got {size!r}")
+    return bits, size
 
 
 def _common(r: _Reader, n_layers: int) -> dict[str, Any]:
