@@ -349,13 +349,18 @@ def _read(files, info: TensorInfo, plan: LoadPlan, config: ModelConfig, out: np.
     return out
 
 
-def _read_packed_int(files, info: TensorInfo, packed: PackedInt) -> np.ndarray:
-    """A `X.weight_packed` tensor dequantized (float32 [out, in]); its `X.weight_shape`, where present, must agree."""
+def _check_weight_shape(files, info: TensorInfo, packed: PackedInt) -> None:
+    """A `X.weight_packed` tensor's `X.weight_shape`, where present, must be the model's [out, in]."""
     if packed.shape is not None:
         stored = files[packed.shape.name].read(packed.shape.name).reshape(-1).tolist()
         if stored != [info.shape[0], packed.in_dim]:
             raise CheckpointError(f"{info.file}: '{packed.shape.name}' says {stored}, the model's projection is "
                                   f"[{info.shape[0]}, {packed.in_dim}]")
+
+
+def _read_packed_int(files, info: TensorInfo, packed: PackedInt) -> np.ndarray:
+    """A `X.weight_packed` tensor dequantized (float32 [out, in]); its `X.weight_shape`, where present, must agree."""
+    _check_weight_shape(files, info, packed)
     return dequantize_packed_int(files[info.name].read(info.name), files[packed.scale.name].read(packed.scale.name),
                                  packed.in_dim, *packed.scheme)
 
@@ -389,7 +394,8 @@ def stream_stored(directory: str, config: ModelConfig, expected: dict[ParamPath,
     `as_published` (linear and expert projections, unless `swap_on_host`): the array is the param with its last two
     axes swapped ([..., out, in] as published) and in a dtype of its own (`_stored_dtype`); the caller swaps and casts
     it where that is cheapest (on the device: `load_params`); FP8 projections then come as `Fp8Blocks` (the float8
-    bytes and their scales, dequantized there too). Otherwise the array is the param, in the param's dtype.
+    bytes and their scales) and packed integer ones as `PackedIntWords`, dequantized there too. Otherwise the array
+    is the param, in the param's dtype.
     Raises CheckpointError listing every problem before any tensor data is read.
     """
     files = open_checkpoint_files(directory)
@@ -406,6 +412,9 @@ def stream_stored(directory: str, config: ModelConfig, expected: dict[ParamPath,
         if as_published and all(info.name in plan.scales for info, _ in sources) \
                 and len({info.dtype for info, _ in sources}) == 1:  # FP8 as published, for the device to dequantize
             host = _fp8_blocks(files, sources, plan, config, want.shape)
+            bar.update(len(sources))
+        elif as_published and all(info.name in plan.packed for info, _ in sources):  # packed ints, the same way
+            host = _packed_int_words(files, sources, plan, want.shape)
             bar.update(len(sources))
         elif sources[0][1].kind == "expert":
             if as_published:  # each expert read in place (cast where narrower)
@@ -454,6 +463,41 @@ def _fp8_blocks(files, sources: list[tuple[TensorInfo, Target]], plan: LoadPlan,
     return Fp8Blocks(weight, scales, config.weight_block_size)
 
 
+@dataclass(frozen=True)
+class PackedIntWords:
+    """compressed-tensors `pack-quantized` weights as published, for the device to dequantize (`load_params`): words
+    int32 [..., out, ceil(in * bits / 32)], scales [..., out, ceil(in / group)] (as stored), in_dim, (bits, group)."""
+
+    words: np.ndarray
+    scales: np.ndarray
+    in_dim: int
+    scheme: tuple[int, int]
+
+    @property
+    def ndim(self) -> int:
+        return self.words.ndim
+
+
+def _packed_int_words(files, sources: list[tuple[TensorInfo, Target]], plan: LoadPlan,
+                      shape: tuple[int, ...]) -> PackedIntWords:
+    """A projection's packed words and group scales as published: one [out, words] weight, or the experts' read in
+    place into [E, out, words] (param `shape` [E, in, out]); each `weight_shape` checked as `_read_packed_int` does."""
+    first, target = sources[0]
+    packed = plan.packed[first.name]
+    for info, _ in sources:
+        _check_weight_shape(files, info, plan.packed[info.name])
+    if target.kind != "expert":
+        return PackedIntWords(files[first.name].read(first.name), files[packed.scale.name].read(packed.scale.name),
+                              packed.in_dim, packed.scheme)
+    words = np.empty((shape[0], *first.shape), np.int32)
+    scales = np.empty((shape[0], *packed.scale.shape), DTYPES[packed.scale.dtype])
+    for info, target in sources:
+        scale = plan.packed[info.name].scale
+        files[info.name].read(info.name, out=words[target.expert])
+        files[scale.name].read(scale.name, out=scales[target.expert])
+    return PackedIntWords(words, scales, packed.in_dim, packed.scheme)
+
+
 def stream_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
                   progress: bool | None = None, desc: str = "loading"):
     """Yields (path, host numpy array of the param's dtype and shape) for every param of `expected`, in order, one at a
@@ -487,6 +531,24 @@ def _dequantizer(sharding: NamedSharding | None):
     return jax.jit(_dequantize_swap_and_cast, static_argnums=(2, 3), out_shardings=sharding)
 
 
+def _unpack_swap_and_cast(words: jax.Array, scales: jax.Array, in_dim: int, scheme: tuple[int, int],
+                          dtype) -> jax.Array:
+    """`PackedIntWords` on the device -> the param, as `dequantize_packed_int` then [..., out, in] -> [..., in, out]
+    and a cast to `dtype`: value j of a row at bits j * bits of its words (LSB first), stored as q + 2 ** (bits - 1)."""
+    bits, group = scheme
+    shifts = jnp.arange(32 // bits, dtype=jnp.uint32) * bits
+    fields = (jax.lax.bitcast_convert_type(words, jnp.uint32)[..., None] >> shifts) & ((1 << bits) - 1)
+    q = fields.reshape(*words.shape[:-1], -1)[..., :in_dim].astype(jnp.float32) - float(1 << (bits - 1))
+    factors = jnp.repeat(scales.astype(jnp.float32), group, axis=-1)[..., :in_dim]
+    return jnp.swapaxes(q * factors, -1, -2).astype(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _unpacker(sharding: NamedSharding | None):
+    """`_unpack_swap_and_cast` jitted to place its result on `sharding` (None: where its inputs are)."""
+    return jax.jit(_unpack_swap_and_cast, static_argnums=(2, 3, 4), out_shardings=sharding)
+
+
 def _scale_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
     """Block scales placed as their weight's leading (expert) axes; their last two axes replicated (tiny)."""
     spec = (list(sharding.spec) + [None] * ndim)[:ndim - 2]
@@ -518,6 +580,13 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
                               else (jnp.asarray(host.weight), jnp.asarray(host.scale_inv)))
             params[path] = _dequantizer(sharding)(weight, scales, tuple(host.block), np.dtype(expected[path].dtype))
             del weight, scales
+        elif isinstance(host, PackedIntWords):  # the scales placed as the words: replicated but for the expert axis
+            words, scales = ((place(host.words, _scale_sharding(sharding, host.ndim)),
+                              place(host.scales, _scale_sharding(sharding, host.ndim))) if sharding is not None
+                             else (jnp.asarray(host.words), jnp.asarray(host.scales)))
+            params[path] = _unpacker(sharding)(words, scales, host.in_dim, tuple(host.scheme),
+                                               np.dtype(expected[path].dtype))
+            del words, scales
         elif as_published:
             stored = (place(host, _swapped_sharding(sharding, host.ndim)) if sharding is not None
                       else jnp.asarray(host))
@@ -529,5 +598,5 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
     return params
 
 
-__all__ = ["load_params", "stream_params", "stream_stored", "Fp8Blocks", "plan_load", "map_tensor_name",
-           "published_name", "dequantize_fp8_blocks", "dequantize_packed_int", "DTYPES"]
+__all__ = ["load_params", "stream_params", "stream_stored", "Fp8Blocks", "PackedIntWords", "plan_load",
+           "map_tensor_name", "published_name", "dequantize_fp8_blocks", "dequantize_packed_int", "DTYPES"]

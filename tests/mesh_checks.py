@@ -8,8 +8,9 @@ Checks, each against the same model on one device (fp32, max relative logits err
 - a tiny KDA + MLA/DSA + MoE hybrid (`presets.tiny()` with 4 heads and 8 experts) on expert=8, expert=2 x tensor=4
   and data=2 x expert=4, with fp32 and MXFP4 experts;
 - a tiny deepseek_v32 checkpoint saved by transformers, loaded with `load_checkpoint(mesh=)` (every param on its
-  rule's sharding, spot-checked against the expected specs), as is, quantized to MXFP4, and with FP8 projections
-  (routed experts included: dequantized on the devices as they load);
+  rule's sharding, spot-checked against the expected specs), as is, quantized to MXFP4, with FP8 projections
+  (routed experts included) and with INT4 routed experts (compressed-tensors), dequantized on the devices as they
+  load;
 - the Engine's greedy output on a mesh (KDA state sharded over heads), and its cache shardings;
 - the fallback of dims that do not divide the mesh (`presets.tiny()`: 3 heads, 6 experts).
 Prints one "ok ..." line per check; any failure raises.
@@ -33,7 +34,7 @@ from dayzero.model.model import Model, expected_params
 from dayzero.model.presets import tiny
 from dayzero.model.quantize import quantize_checkpoint
 from dayzero.serving import Engine, EngineConfig, SamplingParams
-from tiny_checkpoints import fp8_checkpoint  # tests/ (this script's folder)
+from tiny_checkpoints import fp8_checkpoint, int4_checkpoint  # tests/ (this script's folder)
 
 TOLERANCE = 1e-5
 MESHES = (dict(expert=8), dict(expert=2, tensor=4), dict(data=2, expert=4))
@@ -216,6 +217,9 @@ def main(argv: list[str]) -> None:
         fp8 = os.path.join(os.path.dirname(os.path.abspath(path)), "fp8")  # dequantized on the devices, sharded
         assert fp8_checkpoint(path, fp8, experts=True) > 20
         check_checkpoint(fp8, ids, MESHES[1:2], expect_quantized=False)
+        int4 = os.path.join(os.path.dirname(os.path.abspath(path)), "int4")  # unpacked on the devices, sharded
+        assert len(int4_checkpoint(path, int4)) > 20
+        check_checkpoint(int4, ids, MESHES[1:2], expect_quantized=False)
         check_cli(path)
     else:
         raise SystemExit(f"unknown group {argv[0]!r}: models | checkpoint DIR")

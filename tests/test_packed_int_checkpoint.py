@@ -6,62 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
-import ml_dtypes
 import numpy as np
 import pytest
-import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from flax import traverse_util
 
-from tiny_checkpoints import SEQ_LEN, rewrite_config
+from tiny_checkpoints import INT4_GROUP as GROUP, SEQ_LEN, int4_checkpoint, int4_quantization_config
 from dayzero.model import CheckpointError, ConfigError, load_checkpoint
 from dayzero.model.config import ModelConfig
 from dayzero.model.safetensors_io import open_checkpoint_files, save_file
-
-GROUP = 16  # the tiny experts' widths (40, 24) are not multiples of it: partial groups at the row ends
-
-
-def quantization_config(**weights) -> dict:
-    scheme = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP, **weights}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme, "format": "pack-quantized"}},
-            "ignore": ["lm_head"]}
-
-
-def int4_checkpoint(src: str, out, twin=None) -> dict[str, np.ndarray]:
-    """A copy of `src` whose routed experts are packed INT4 with bf16 group scales (and, in `twin`, the same checkpoint
-    with those experts as the float32 values compressed-tensors unpacks them to). Returns {weight name: values}."""
-    shutil.copytree(src, out)
-    if twin is not None:
-        shutil.copytree(src, twin)
-    files = open_checkpoint_files(src)
-    packed, plain, values = {}, {}, {}
-    for name, f in files.items():
-        w = f.read(name)
-        plain[name] = packed[name] = w
-        if ".experts." not in name or not name.endswith("_proj.weight"):
-            continue
-        out_dim, in_dim = w.shape
-        groups = -(-in_dim // GROUP)
-        padded = np.zeros((out_dim, groups * GROUP), np.float32)
-        padded[:, :in_dim] = w
-        scale = (np.abs(padded.reshape(out_dim, groups, GROUP)).max(axis=2) / 7.5).astype(ml_dtypes.bfloat16)
-        factors = np.repeat(scale.astype(np.float32), GROUP, axis=1)[:, :in_dim]
-        q = np.clip(np.round(w / factors), -8, 7).astype(np.int8)
-        del packed[name]
-        base = name[:-len(".weight")]
-        packed[base + ".weight_packed"] = pack_to_int32(torch.from_numpy(q), 4).numpy()
-        packed[base + ".weight_scale"] = scale
-        packed[base + ".weight_shape"] = np.asarray([out_dim, in_dim], np.int64)
-        unpacked = unpack_from_int32(torch.from_numpy(packed[base + ".weight_packed"]), 4, torch.Size(w.shape))
-        values[name] = plain[name] = unpacked.numpy().astype(np.float32) * factors
-    save_file(os.path.join(out, "model.safetensors"), packed)
-    rewrite_config(str(out), lambda c: c.update(quantization_config=quantization_config()))
-    if twin is not None:
-        save_file(os.path.join(twin, "model.safetensors"), plain)
-    return values
-
 
 def test_int4_experts_load_as_compressed_tensors_unpacks_them(checkpoints, tmp_path):
     values = int4_checkpoint(checkpoints["deepseek_v3"], tmp_path / "int4", tmp_path / "twin")
@@ -86,7 +39,7 @@ def test_int4_experts_load_as_compressed_tensors_unpacks_them(checkpoints, tmp_p
 ])
 def test_unsupported_schemes_name_the_field(checkpoints, change, field):
     with open(os.path.join(checkpoints["deepseek_v3"], "config.json")) as f:
-        raw = {**json.load(f), "quantization_config": quantization_config(**change)}
+        raw = {**json.load(f), "quantization_config": int4_quantization_config(**change)}
     with pytest.raises(ConfigError) as info:
         ModelConfig.from_hf_dict(raw)
     assert field in str(info.value), str(info.value)
@@ -119,3 +72,22 @@ def test_weight_shape_that_disagrees_is_named(checkpoints, tmp_path):
         load_checkpoint(tmp_path / "int4", progress=False)
     assert json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]["format"] \
         == "pack-quantized"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_unpacked_on_the_device_as_on_the_host(checkpoints, tmp_path, dtype):
+    """The experts travel as packed words and scales (`PackedIntWords`) and are unpacked on the device: the params
+    equal the host's unpacking (`stream_params`, which dayzero-convert uses) bit for bit."""
+    from dayzero.model.checkpoint import PackedIntWords, stream_params, stream_stored
+    from dayzero.model.model import expected_params, resolve_dtype
+
+    int4_checkpoint(checkpoints["deepseek_v3"], tmp_path / "int4")
+    config = ModelConfig.from_pretrained(tmp_path / "int4")
+    expected = expected_params(config, resolve_dtype(dtype, config))
+    device_side = {path for path, host, _ in stream_stored(str(tmp_path / "int4"), config, expected, progress=False)
+                   if isinstance(host, PackedIntWords)}
+    assert ("layers_1", "mlp", "experts", "w_down") in device_side, sorted(device_side)
+    ours = traverse_util.flatten_dict(load_checkpoint(tmp_path / "int4", dtype=dtype, progress=False).params)
+    for path, host in stream_params(str(tmp_path / "int4"), config, expected, progress=False):
+        assert ours[path].dtype == host.dtype and ours[path].shape == host.shape, path
+        np.testing.assert_array_equal(np.asarray(ours[path]), host, err_msg=str(path))

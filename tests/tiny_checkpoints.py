@@ -140,6 +140,60 @@ def fp8_checkpoint(src: str, out, block: int = 16, experts: bool = False) -> int
     return n
 
 
+INT4_GROUP = 16  # the tiny experts' widths (40, 24) are not multiples of it: partial groups at the row ends
+
+
+def int4_quantization_config(**weights) -> dict:
+    """compressed-tensors' quantization_config of a pack-quantized INT4 group scheme (fields of `weights` changed)."""
+    scheme = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": INT4_GROUP, **weights}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme, "format": "pack-quantized"}},
+            "ignore": ["lm_head"]}
+
+
+def int4_checkpoint(src: str, out, twin=None) -> dict[str, np.ndarray]:
+    """A copy of `src` whose routed experts are packed INT4 with bf16 group scales by the compressed-tensors package
+    (and, in `twin`, the same checkpoint with those experts as the float32 values compressed-tensors unpacks them
+    to). Returns {weight name: those values}."""
+    import shutil
+
+    import ml_dtypes
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    from dayzero.model.safetensors_io import open_checkpoint_files, save_file
+
+    shutil.copytree(src, out)
+    if twin is not None:
+        shutil.copytree(src, twin)
+    files = open_checkpoint_files(src)
+    packed, plain, values = {}, {}, {}
+    for name, f in files.items():
+        w = f.read(name)
+        plain[name] = packed[name] = w
+        if ".experts." not in name or not name.endswith("_proj.weight"):
+            continue
+        out_dim, in_dim = w.shape
+        groups = -(-in_dim // INT4_GROUP)
+        padded = np.zeros((out_dim, groups * INT4_GROUP), np.float32)
+        padded[:, :in_dim] = w
+        scale = (np.abs(padded.reshape(out_dim, groups, INT4_GROUP)).max(axis=2) / 7.5).astype(ml_dtypes.bfloat16)
+        factors = np.repeat(scale.astype(np.float32), INT4_GROUP, axis=1)[:, :in_dim]
+        q = np.clip(np.round(w / factors), -8, 7).astype(np.int8)
+        del packed[name]
+        base = name[:-len(".weight")]
+        packed[base + ".weight_packed"] = pack_to_int32(torch.from_numpy(q), 4).numpy()
+        packed[base + ".weight_scale"] = scale
+        packed[base + ".weight_shape"] = np.asarray([out_dim, in_dim], np.int64)
+        unpacked = unpack_from_int32(torch.from_numpy(packed[base + ".weight_packed"]), 4, torch.Size(w.shape))
+        values[name] = plain[name] = unpacked.numpy().astype(np.float32) * factors
+    save_file(os.path.join(out, "model.safetensors"), packed)
+    rewrite_config(str(out), lambda c: c.update(quantization_config=int4_quantization_config()))
+    if twin is not None:
+        save_file(os.path.join(twin, "model.safetensors"), plain)
+    return values
+
+
 def kimi_k25_config(**overrides):
     """A tiny kimi_k25: deepseek_v3 text (2 layers, MoE) and a 2-layer MoonViT whose 8x8 position table is resampled
     both up and down by the fixture images' grids."""
