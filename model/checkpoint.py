@@ -196,6 +196,9 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
         want = expected[target.path]
         rejected.add((target.path, target.expert))
         want_shape = want.shape[1:] if target.kind == "expert" else want.shape
+        if target.kind == "expert" and not 0 <= target.expert < want.shape[0]:
+            unexpected.append(f"unexpected tensor '{name}': expert {target.expert} is outside 0..{want.shape[0] - 1}")
+            continue
         if packed_int:
             problem = _plan_packed_int(name, info, infos, target, tuple(want_shape), config.packed_int, plan)
             if problem is not None:
@@ -208,9 +211,6 @@ def plan_load(files: dict[str, SafetensorsFile], expected: dict[ParamPath, jax.S
             hint = _SHAPE_HINTS.get(target.kind, "")
             mismatched.append(f"shape mismatch: '{name}' is {list(info.shape)}, the model expects "
                               f"{list(want_shape)}{hint}")
-            continue
-        if target.kind == "expert" and not 0 <= target.expert < want.shape[0]:
-            unexpected.append(f"unexpected tensor '{name}': expert {target.expert} is outside 0..{want.shape[0] - 1}")
             continue
         if info.dtype in FP8_SOURCES:
             scale = name[: -len("weight")] + "weight_scale_inv"

@@ -53,12 +53,15 @@ def test_mismatched_packed_tensors_are_named(checkpoints, tmp_path):
     victim = next(n for n in sorted(tensors) if n.endswith("experts.0.down_proj.weight_packed"))
     tensors[victim] = tensors[victim][:, :-1]  # one word short
     del tensors[victim.replace("0.down_proj.weight_packed", "1.down_proj.weight_scale")]  # a scale gone
+    stray = victim.replace("experts.0.", "experts.99.")  # an expert the model does not have
+    tensors[stray] = tensors[victim.replace("experts.0.", "experts.2.")]
     save_file(str(path), tensors)
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(tmp_path / "int4", progress=False)
     text = str(info.value)
     assert victim in text and "shape mismatch" in text, text
     assert victim.replace("0.down_proj.weight_packed", "1.down_proj.weight_scale") in text, text
+    assert f"'{stray}': expert 99 is outside" in text, text
 
 
 def test_weight_shape_that_disagrees_is_named(checkpoints, tmp_path):
