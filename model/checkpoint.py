@@ -290,14 +290,16 @@ def dequantize_packed_int(packed: np.ndarray, scale: np.ndarray, in_dim: int, bi
     """compressed-tensors `pack-quantized` -> float32 [out, in_dim]: packed int32 [out, ceil(in_dim * bits / 32)] holds
     each row's values densely along the input, LSB first (value j at bit j * bits of the row's little-endian words),
     each as the unsigned q + 2 ** (bits - 1); scale [out, ceil(in_dim / group)] multiplies q group by group."""
-    out_dim = packed.shape[0]
-    words = packed.astype("<i4", copy=False).view(np.uint8).reshape(out_dim, -1)  # the row's bytes, lowest first
-    per_byte = 8 // bits
-    shifts = np.arange(per_byte, dtype=np.uint8) * bits
-    fields = (words[:, :, None] >> shifts) & np.uint8((1 << bits) - 1)
-    q = fields.reshape(out_dim, -1)[:, :in_dim].astype(np.float32) - float(1 << (bits - 1))
-    factors = np.repeat(scale.astype(np.float32), group, axis=1)[:, :in_dim]
-    return q * factors
+    return _packed_int_values(packed.astype("<i4", copy=False).view(np.uint32), scale, in_dim, (bits, group), np)
+
+
+def _packed_int_values(words, scales, in_dim: int, scheme: tuple[int, int], xp):
+    """`dequantize_packed_int` in array module `xp` (numpy on the host, jax.numpy on the device): words uint32
+    [..., out, W], scales [..., out, G] -> float32 [..., out, in_dim]."""
+    bits, group = scheme
+    fields = (words[..., None] >> (xp.arange(32 // bits, dtype=xp.uint32) * bits)) & ((1 << bits) - 1)
+    q = fields.reshape(*words.shape[:-1], -1)[..., :in_dim].astype(xp.float32) - float(1 << (bits - 1))
+    return q * xp.repeat(scales.astype(xp.float32), group, axis=-1)[..., :in_dim]
 
 
 def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -334,15 +336,12 @@ def _read(files, info: TensorInfo, plan: LoadPlan, config: ModelConfig, out: np.
     into `out`."""
     if info.name in plan.packed:
         array = _read_packed_int(files, info, plan.packed[info.name])
-        if out is None:
-            return array
-        out[...] = array
-        return out
-    if info.name not in plan.scales:
+    elif info.name in plan.scales:
+        scale = plan.scales[info.name]
+        array = dequantize_fp8_blocks(files[info.name].read(info.name), files[scale.name].read(scale.name),
+                                      config.weight_block_size)
+    else:
         return files[info.name].read(info.name, out)
-    scale = plan.scales[info.name]
-    array = dequantize_fp8_blocks(files[info.name].read(info.name), files[scale.name].read(scale.name),
-                                  config.weight_block_size)
     if out is None:
         return array
     out[...] = array
@@ -441,25 +440,26 @@ def stream_stored(directory: str, config: ModelConfig, expected: dict[ParamPath,
     bar.close()
 
 
+def _as_stored(files, sources: list[tuple[TensorInfo, Target]], tensor_of, n_experts: int, dtype) -> np.ndarray:
+    """The tensors `tensor_of(info)` (a weight, or its scales) of a projection's sources, cast to `dtype`: one
+    tensor as stored, or the experts' read in place into [n_experts, ...]."""
+    first, target = sources[0]
+    if target.kind != "expert":
+        tensor = tensor_of(first)
+        return files[tensor.name].read(tensor.name).astype(dtype, copy=False)
+    out = np.empty((n_experts, *tensor_of(first).shape), dtype)
+    for info, target in sources:
+        tensor = tensor_of(info)
+        files[tensor.name].read(tensor.name, out=out[target.expert])
+    return out
+
+
 def _fp8_blocks(files, sources: list[tuple[TensorInfo, Target]], plan: LoadPlan, config: ModelConfig,
                 shape: tuple[int, ...]) -> Fp8Blocks:
     """A projection's FP8 tensors as published and their block scales (float32): one [out, in] weight, or the
     experts' read in place into [E, out, in] (param `shape` [E, in, out])."""
-    first, target = sources[0]
-    scale = plan.scales[first.name]
-
-    def read_scale(info: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
-        name = plan.scales[info.name].name
-        return files[name].read(name, out)
-
-    if target.kind != "expert":
-        return Fp8Blocks(files[first.name].read(first.name), read_scale(first).astype(np.float32, copy=False),
-                         config.weight_block_size)
-    weight = np.empty((shape[0], *shape[1:][::-1]), DTYPES[first.dtype])
-    scales = np.empty((shape[0], *scale.shape), np.float32)
-    for info, target in sources:
-        files[info.name].read(info.name, out=weight[target.expert])
-        read_scale(info, out=scales[target.expert])
+    weight = _as_stored(files, sources, lambda info: info, shape[0], DTYPES[sources[0][0].dtype])
+    scales = _as_stored(files, sources, lambda info: plan.scales[info.name], shape[0], np.float32)
     return Fp8Blocks(weight, scales, config.weight_block_size)
 
 
@@ -482,19 +482,12 @@ def _packed_int_words(files, sources: list[tuple[TensorInfo, Target]], plan: Loa
                       shape: tuple[int, ...]) -> PackedIntWords:
     """A projection's packed words and group scales as published: one [out, words] weight, or the experts' read in
     place into [E, out, words] (param `shape` [E, in, out]); each `weight_shape` checked as `_read_packed_int` does."""
-    first, target = sources[0]
-    packed = plan.packed[first.name]
+    packed = plan.packed[sources[0][0].name]
     for info, _ in sources:
         _check_weight_shape(files, info, plan.packed[info.name])
-    if target.kind != "expert":
-        return PackedIntWords(files[first.name].read(first.name), files[packed.scale.name].read(packed.scale.name),
-                              packed.in_dim, packed.scheme)
-    words = np.empty((shape[0], *first.shape), np.int32)
-    scales = np.empty((shape[0], *packed.scale.shape), DTYPES[packed.scale.dtype])
-    for info, target in sources:
-        scale = plan.packed[info.name].scale
-        files[info.name].read(info.name, out=words[target.expert])
-        files[scale.name].read(scale.name, out=scales[target.expert])
+    words = _as_stored(files, sources, lambda info: info, shape[0], np.int32)
+    scales = _as_stored(files, sources, lambda info: plan.packed[info.name].scale, shape[0],
+                        DTYPES[packed.scale.dtype])
     return PackedIntWords(words, scales, packed.in_dim, packed.scheme)
 
 
@@ -511,52 +504,44 @@ def _swap_and_cast(array: jax.Array, dtype) -> jax.Array:
     return jnp.swapaxes(array, -1, -2).astype(dtype)
 
 
-@functools.lru_cache(maxsize=256)
-def _swapper(sharding: NamedSharding | None):
-    """`_swap_and_cast` jitted to place its result on `sharding` (None: where its input is)."""
-    return jax.jit(_swap_and_cast, static_argnums=(1,), out_shardings=sharding)
-
-
 def _dequantize_swap_and_cast(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int], dtype) -> jax.Array:
     """`Fp8Blocks` on the device -> the param: w * scale per block in float32 (as `dequantize_fp8_blocks`), [..., out,
     in] -> [..., in, out], cast to `dtype`."""
     out_dim, in_dim = weight.shape[-2:]
     scale = jnp.repeat(jnp.repeat(scale_inv, block[0], axis=-2), block[1], axis=-1)[..., :out_dim, :in_dim]
-    return jnp.swapaxes(weight.astype(jnp.float32) * scale, -1, -2).astype(dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _dequantizer(sharding: NamedSharding | None):
-    """`_dequantize_swap_and_cast` jitted to place its result on `sharding` (None: where its inputs are)."""
-    return jax.jit(_dequantize_swap_and_cast, static_argnums=(2, 3), out_shardings=sharding)
+    return _swap_and_cast(weight.astype(jnp.float32) * scale, dtype)
 
 
 def _unpack_swap_and_cast(words: jax.Array, scales: jax.Array, in_dim: int, scheme: tuple[int, int],
                           dtype) -> jax.Array:
-    """`PackedIntWords` on the device -> the param, as `dequantize_packed_int` then [..., out, in] -> [..., in, out]
-    and a cast to `dtype`: value j of a row at bits j * bits of its words (LSB first), stored as q + 2 ** (bits - 1)."""
-    bits, group = scheme
-    shifts = jnp.arange(32 // bits, dtype=jnp.uint32) * bits
-    fields = (jax.lax.bitcast_convert_type(words, jnp.uint32)[..., None] >> shifts) & ((1 << bits) - 1)
-    q = fields.reshape(*words.shape[:-1], -1)[..., :in_dim].astype(jnp.float32) - float(1 << (bits - 1))
-    factors = jnp.repeat(scales.astype(jnp.float32), group, axis=-1)[..., :in_dim]
-    return jnp.swapaxes(q * factors, -1, -2).astype(dtype)
+    """`PackedIntWords` on the device -> the param: `dequantize_packed_int`'s values, [..., out, in] -> [..., in, out],
+    cast to `dtype`."""
+    values = _packed_int_values(jax.lax.bitcast_convert_type(words, jnp.uint32), scales, in_dim, scheme, jnp)
+    return _swap_and_cast(values, dtype)
 
 
 @functools.lru_cache(maxsize=256)
-def _unpacker(sharding: NamedSharding | None):
-    """`_unpack_swap_and_cast` jitted to place its result on `sharding` (None: where its inputs are)."""
-    return jax.jit(_unpack_swap_and_cast, static_argnums=(2, 3, 4), out_shardings=sharding)
+def _placed_jit(fun, static_argnums: tuple[int, ...], sharding: NamedSharding | None):
+    """`fun` jitted to place its result on `sharding` (None: where its inputs are)."""
+    return jax.jit(fun, static_argnums=static_argnums, out_shardings=sharding)
 
 
-def _scale_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
-    """Block scales placed as their weight's leading (expert) axes; their last two axes replicated (tiny)."""
+def _put(host: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
+    return place(host, sharding) if sharding is not None else jnp.asarray(host)
+
+
+def _leading_sharding(sharding: NamedSharding | None, ndim: int) -> NamedSharding | None:
+    """Scales (and packed words) placed by their weight's leading (expert) axes; their last two axes replicated."""
+    if sharding is None:
+        return None
     spec = (list(sharding.spec) + [None] * ndim)[:ndim - 2]
     return NamedSharding(sharding.mesh, PartitionSpec(*spec, None, None))
 
 
-def _swapped_sharding(sharding: NamedSharding, ndim: int) -> NamedSharding:
+def _swapped_sharding(sharding: NamedSharding | None, ndim: int) -> NamedSharding | None:
     """The sharding of a param's [..., out, in] form: `sharding` with its last two axes' entries swapped."""
+    if sharding is None:
+        return None
     spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
     spec[-2:] = spec[-1], spec[-2]
     return NamedSharding(sharding.mesh, PartitionSpec(*spec))
@@ -574,26 +559,21 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
     params: dict[ParamPath, jax.Array] = {}
     for path, host, as_published in stream_stored(directory, config, expected, progress):
         sharding = sharding_for(path) if sharding_for is not None else None
+        dtype = np.dtype(expected[path].dtype)
         if isinstance(host, Fp8Blocks):
-            weight, scales = ((place(host.weight, _swapped_sharding(sharding, host.ndim)),
-                               place(host.scale_inv, _scale_sharding(sharding, host.ndim))) if sharding is not None
-                              else (jnp.asarray(host.weight), jnp.asarray(host.scale_inv)))
-            params[path] = _dequantizer(sharding)(weight, scales, tuple(host.block), np.dtype(expected[path].dtype))
-            del weight, scales
-        elif isinstance(host, PackedIntWords):  # the scales placed as the words: replicated but for the expert axis
-            words, scales = ((place(host.words, _scale_sharding(sharding, host.ndim)),
-                              place(host.scales, _scale_sharding(sharding, host.ndim))) if sharding is not None
-                             else (jnp.asarray(host.words), jnp.asarray(host.scales)))
-            params[path] = _unpacker(sharding)(words, scales, host.in_dim, tuple(host.scheme),
-                                               np.dtype(expected[path].dtype))
-            del words, scales
+            inputs = (_put(host.weight, _swapped_sharding(sharding, host.ndim)),
+                      _put(host.scale_inv, _leading_sharding(sharding, host.ndim)))
+            params[path] = _placed_jit(_dequantize_swap_and_cast, (2, 3), sharding)(*inputs, tuple(host.block), dtype)
+        elif isinstance(host, PackedIntWords):
+            inputs = (_put(host.words, _leading_sharding(sharding, host.ndim)),
+                      _put(host.scales, _leading_sharding(sharding, host.ndim)))
+            params[path] = _placed_jit(_unpack_swap_and_cast, (2, 3, 4), sharding)(
+                *inputs, host.in_dim, tuple(host.scheme), dtype)
         elif as_published:
-            stored = (place(host, _swapped_sharding(sharding, host.ndim)) if sharding is not None
-                      else jnp.asarray(host))
-            params[path] = _swapper(sharding)(stored, np.dtype(expected[path].dtype))
-            del stored
+            stored = _put(host, _swapped_sharding(sharding, host.ndim))
+            params[path] = _placed_jit(_swap_and_cast, (1,), sharding)(stored, dtype)
         else:
-            params[path] = place(host, sharding) if sharding is not None else jnp.asarray(host)
+            params[path] = _put(host, sharding)
         del host
     return params
 
