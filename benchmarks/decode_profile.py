@@ -38,7 +38,7 @@ from dayzero.kernels import dispatch, projection
 from dayzero.model import Model
 from dayzero.model.presets import get_preset
 from dayzero.serving import Engine, EngineConfig
-from dayzero.serving.runner import StepRows
+from dayzero.serving.runner import StepRows, unrolled_by_default
 
 from gpu_trace import gpu_kernels, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit, xla_environment  # benchmarks/results.py (the script folder)
@@ -96,7 +96,7 @@ def attribute(events: list[dict], ops: dict[str, str], n_tokens: int) -> tuple[l
     return rows, sum(time_us.values()) / n_tokens / 1e3, sum(count.values()) / n_tokens
 
 
-def engine_for(model: Model, kind: str, batch: int, unrolled_decode: bool = False) -> Engine:
+def engine_for(model: Model, kind: str, batch: int, unrolled_decode: bool | None = None) -> Engine:
     if kind == "serving":
         return Engine(model, None, EngineConfig(
             max_num_seqs=64, max_model_len=32768 + 256, max_prefill_tokens=4096, max_prefill_rows=16,
@@ -266,8 +266,9 @@ def main(argv=None) -> int:
     parser.add_argument("--experts", choices=("bf16", "mxfp4"), default="bf16",
                         help="the routed experts' format (mxfp4: random packed experts, the MXFP4 kernels)")
     parser.add_argument("--engine", choices=("serving", "small"), default="serving")
-    parser.add_argument("--unrolled-decode", action="store_true",
-                        help="the engine option unrolled_decode: the dispatch's steps as straight-line code")
+    parser.add_argument("--unrolled-decode", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine option unrolled_decode: the dispatch's steps as straight-line code "
+                             "(default: on a GPU)")
     parser.add_argument("--context", type=int, default=200, help="position of the decoded tokens (< 256)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
@@ -302,6 +303,8 @@ def main(argv=None) -> int:
                              "(kernels.projection.TILES), or with 'one.' of one weight (ONE_WEIGHT_TILES: o_proj), "
                              "e.g. one.k_slices=16 (repeatable)")
     args = parser.parse_args(argv)
+    if args.unrolled_decode is None:  # the engine's default, resolved here so the results line names it
+        args.unrolled_decode = unrolled_by_default(jax.default_backend())
     extra = use_xla_options(args.xla_option)
     for target, _, text in (pair.partition("=") for pair in args.projection_tiles):
         constant, field = ("ONE_WEIGHT_TILES", target[4:]) if target.startswith("one.") else ("TILES", target)
@@ -333,7 +336,8 @@ def main(argv=None) -> int:
     append_line(args.results, f"- {datetime.date.today()} decode_profile.py, {device.device_kind}, commit "
                               f"{git_commit()}, jax {jax.__version__}, {args.preset} (random, routed experts "
                               f"{args.experts}), engine options '{args.engine}'"
-                              f"{' with the steps unrolled' if args.unrolled_decode else ''}, XLA options added "
+                              f"{' with the steps unrolled' if args.unrolled_decode else ', steps in a loop'}, XLA options and module "
+                              f"constants set "
                               f"{extra or 'none'}, XLA environment {environment}, {STEPS} steps per dispatch at "
                               f"position {args.context}, per token: {json.dumps(summary)}\n")
     return 0

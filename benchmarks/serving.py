@@ -32,6 +32,7 @@ import numpy as np
 from dayzero.model import Model
 from dayzero.model.presets import decode_step_bytes, get_preset
 from dayzero.serving import Engine, EngineConfig, SamplingParams
+from dayzero.serving.runner import unrolled_by_default
 
 from decode_profile import use_xla_options  # benchmarks/decode_profile.py
 from gpu_trace import busy_summary, gpu_kernels, traced_events  # benchmarks/gpu_trace.py
@@ -100,14 +101,17 @@ def main(argv=None) -> int:
     parser.add_argument("--no-overlap-prefill", action="store_true",
                         help="read a prefill's token before launching the prompt's first decode dispatch (the engine "
                         "option)")
-    parser.add_argument("--unrolled-decode", action="store_true",
-                        help="each decode dispatch's steps as straight-line code, no XLA loop (the engine option)")
+    parser.add_argument("--unrolled-decode", action=argparse.BooleanOptionalAction, default=None,
+                        help="each decode dispatch's steps as straight-line code, no XLA loop (the engine option; "
+                             "default: on a GPU)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generates per batch size (median ITL)")
     parser.add_argument("--trace-batches", default="", help="comma-separated batch sizes whose generate runs once "
                         "more under the profiler: GPU busy time, idle share and kernel time by XLA module")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an XLA option added to dayzero's GPU compile options (repeatable), to try one")
     args = parser.parse_args(argv)
+    if args.unrolled_decode is None:  # the engine's default, resolved here so the results line names it
+        args.unrolled_decode = unrolled_by_default(jax.default_backend())
     xla_options = use_xla_options(args.xla_option)
     args.trace_batches = {int(b) for b in args.trace_batches.split(",") if b}
     device = jax.devices()[0]

@@ -173,9 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="read each decode dispatch's tokens before launching the next")
     parser.add_argument("--no-overlap-prefill", action="store_true",
                         help="read a prefill's token before launching the prompt's first decode dispatch")
-    parser.add_argument("--unrolled-decode", action="store_true",
+    parser.add_argument("--unrolled-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="compile each dispatch's decode steps as straight-line code rather than a loop (longer "
-                             "compiles; on a GPU, one launch per dispatch)")
+                             "compiles, faster GPU decode; default: on a GPU, off elsewhere)")
     parser.add_argument("--warmup", action="store_true", help="compile every bucketed shape before generating")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--mesh", help="run on a device mesh, e.g. expert=2,tensor=4 (axes data, expert, tensor; "

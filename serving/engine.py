@@ -60,7 +60,9 @@ class EngineConfig:
     decode_steps: int = 4  # decode steps per dispatch (sampled on the device; stop checks after each dispatch)
     overlap_decode: bool = True  # launch the next decode dispatch before reading this one's tokens
     overlap_prefill: bool = True  # with overlap_decode: a prompt's first decode launched before its token is read
-    unrolled_decode: bool = False  # a dispatch's decode steps compiled as straight-line code, not an XLA loop
+    # a dispatch's decode steps compiled as straight-line code, not an XLA loop; None: where the model runs on a GPU
+    # (`runner.unrolled_by_default`)
+    unrolled_decode: bool | None = None
     max_image_patches: int = 65536  # patches of one request's images in all (vision models)
 
     def __post_init__(self):

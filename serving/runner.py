@@ -202,17 +202,39 @@ def _zeros(config, shapes: dict[str, tuple[tuple[int, ...], Any]], mesh) -> dict
             for name, (shape, dtype) in shapes.items()}
 
 
+UNROLLED_PLATFORMS = ("cuda", "rocm")  # where a decode dispatch's steps compile unrolled by default
+
+
+def unrolled_by_default(platform: str) -> bool:
+    """Whether decode dispatches on `platform` compile their steps unrolled when the engine option is None. On
+    XLA:GPU a scan's while loop runs from the host, launching the body's command buffers step by step, and unrolled
+    the H200 decodes faster at every batch (benchmarks/NOTES_serving.md, thirty-third session); XLA:CPU copies the
+    conv and latent caches more often in the unrolled program and compiles it several times longer."""
+    return platform in UNROLLED_PLATFORMS
+
+
+def model_platform(model: Model) -> str:
+    """The platform `model`'s calls run on: its placement's, its mesh's, else JAX's default backend."""
+    if model.placement is not None:
+        return model.placement.platform
+    if model.mesh is not None:
+        return model.mesh.devices.flat[0].platform
+    return jax.default_backend()
+
+
 class ModelRunner:
     """Owns the cache (and snapshot) arrays of one model and runs steps on them. For a model on a mesh
     (`Model.mesh`), the cache and snapshots live on their `sharding.CACHE_RULES` shardings (KDA heads over
     `tensor`; latents and indexer keys replicated) and the step inputs are replicated over the mesh.
-    `unrolled_decode`: decode dispatches compiled as straight-line steps (`_decode`'s `unrolled`)."""
+    `unrolled_decode`: decode dispatches compiled as straight-line steps (`_decode`'s `unrolled`); None: where the
+    model runs on a GPU (`unrolled_by_default`)."""
 
     def __init__(self, model: Model, num_blocks: int, num_slots: int, num_snapshots: int, block_size: int = 64,
-                 unrolled_decode: bool = False):
+                 unrolled_decode: bool | None = None):
         self.model = model
         self.block_size = block_size
-        self.unrolled_decode = unrolled_decode
+        self.unrolled_decode = (unrolled_by_default(model_platform(model)) if unrolled_decode is None
+                                else unrolled_decode)
         self.has_kda = LAYER_KDA in model.config.layer_types
         self.snapshots = {}
         with platforms.activate(model.placement):  # the cache lives on the model's device (or its mesh)

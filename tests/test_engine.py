@@ -4,6 +4,7 @@ hits, preemption), bad requests failing alone, reproducible sampling, and a stre
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 
 import jax
@@ -204,6 +205,25 @@ def test_unrolled_decode_matches_the_loop(models, monkeypatch):
     for loop, straight in zip(outs[False], outs[True]):
         assert straight.token_ids == loop.token_ids and len(straight.token_ids) in (7, 8)
         np.testing.assert_allclose(straight.logprobs, loop.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_unrolled_decode_defaults_to_the_gpu(models):
+    """The engine option's default (None) unrolls the steps on XLA:GPU platforms only; an explicit value wins."""
+    from dayzero import platforms
+    from dayzero.serving import runner as runner_module
+
+    assert runner_module.unrolled_by_default("cuda") and runner_module.unrolled_by_default("rocm")
+    assert not runner_module.unrolled_by_default("cpu")
+    model = models["kimi_linear"]
+    assert runner_module.model_platform(model) == "cpu"
+    assert Engine(model, None, config()).runner.unrolled_decode is False
+    assert Engine(model, None, config(unrolled_decode=True)).runner.unrolled_decode is True
+
+    class FakeGpu:  # a placement's device only lends its platform name here
+        platform = "cuda"
+
+    gpu_model = dataclasses.replace(model, placement=platforms.Placement(FakeGpu()))
+    assert runner_module.model_platform(gpu_model) == "cuda"
 
 
 def test_overlapped_decode_matches_waiting_for_each_dispatch(models):
