@@ -336,8 +336,8 @@ def main(argv=None) -> int:
     append_line(args.results, f"- {datetime.date.today()} decode_profile.py, {device.device_kind}, commit "
                               f"{git_commit()}, jax {jax.__version__}, {args.preset} (random, routed experts "
                               f"{args.experts}), engine options '{args.engine}'"
-                              f"{' with the steps unrolled' if args.unrolled_decode else ', steps in a loop'}, XLA options and module "
-                              f"constants set "
+                              f"{' with the steps unrolled' if args.unrolled_decode else ', steps in a loop'}, "
+                              f"XLA options and module constants set "
                               f"{extra or 'none'}, XLA environment {environment}, {STEPS} steps per dispatch at "
                               f"position {args.context}, per token: {json.dumps(summary)}\n")
     return 0
