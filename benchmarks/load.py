@@ -2,7 +2,8 @@
 
 Writes a preset's random weights as a hub checkpoint (published kimi_linear names, bf16, 4 GiB shards) into a
 temporary directory, converts it with `dayzero-convert`, then loads each form with `load_checkpoint` in a fresh
-subprocess per run, measuring the load time (until every param is on the device) and the process's peak host memory
+subprocess per run, measuring the load time (until every param is on the device), the XLA compile time within it
+(the jitted transposes, casts and dequantisation; none persisted between runs) and the process's peak host memory
 (VmHWM, the RSS high-water mark, and the RSS after JAX started, before loading). The conversion is measured the same
 way. Prints a table and appends one dated line to the results file.
 """
@@ -151,6 +152,9 @@ from load import memory_status
 import jax
 kind, path, dtype, out, item_bytes = sys.argv[1:6]
 device = jax.devices()[0]
+compiles = []  # XLA backend compile durations (s) during the load: the jitted transposes, casts, dequantisation
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: compiles.append(seconds) if "backend_compile" in event else None)
 before = memory_status()["VmRSS"]
 start = time.perf_counter()
 if kind == "convert":
@@ -163,7 +167,8 @@ else:
 seconds = time.perf_counter() - start
 mem = memory_status()
 print("RESULT " + json.dumps({{"seconds": seconds, "peak_rss": mem["VmHWM"], "rss_before": before,
-                             "device": device.device_kind, "platform": device.platform}}))
+                             "device": device.device_kind, "platform": device.platform,
+                             "compiles": len(compiles), "compile_seconds": sum(compiles)}}))
 """
 
 
@@ -216,18 +221,23 @@ def main(argv=None) -> int:
         sizes = {"hub": dir_bytes(hub), "converted": dir_bytes(conv)}
     device = runs["hub"][0]
     res = {"convert_s": round(convert["seconds"], 2), "convert_peak_rss_GB": round(convert["peak_rss"] / 1e9, 3),
-           "convert_item_GiB": args.item_gib}
-    print("\n| method | load s | peak RSS GB | RSS before load GB | on disk GB |\n|---|---|---|---|---|")
-    print(f"| dayzero-convert (once) | {convert['seconds']:.2f} | {convert['peak_rss'] / 1e9:.3f} | "
-          f"{convert['rss_before'] / 1e9:.3f} | {sizes['converted'] / 1e9:.3f} |")
+           "convert_item_GiB": args.item_gib, "convert_compile_s": round(convert["compile_seconds"], 2)}
+    print("\n| method | load s | of which XLA compiles s (count) | peak RSS GB | RSS before load GB | on disk GB |\n"
+          "|---|---|---|---|---|---|")
+    print(f"| dayzero-convert (once) | {convert['seconds']:.2f} | {convert['compile_seconds']:.2f} "
+          f"({convert['compiles']}) | {convert['peak_rss'] / 1e9:.3f} | {convert['rss_before'] / 1e9:.3f} | "
+          f"{sizes['converted'] / 1e9:.3f} |")
     for kind in ("hub", "converted"):
         best = min(runs[kind], key=lambda r: r["seconds"])
         peak = max(r["peak_rss"] for r in runs[kind])
         res[f"{kind}_load_s"] = round(best["seconds"], 2)
         res[f"{kind}_peak_rss_GB"] = round(peak / 1e9, 3)
         res[f"{kind}_rss_before_GB"] = round(best["rss_before"] / 1e9, 3)
+        res[f"{kind}_compiles"] = best["compiles"]
+        res[f"{kind}_compile_s"] = round(best["compile_seconds"], 2)
         print(f"| {kind} ({'safetensors stream' if kind == 'hub' else 'orbax restore'}) | {best['seconds']:.2f} | "
-              f"{peak / 1e9:.3f} | {best['rss_before'] / 1e9:.3f} | {sizes[kind] / 1e9:.3f} |")
+              f"{best['compile_seconds']:.2f} ({best['compiles']}) | {peak / 1e9:.3f} | "
+              f"{best['rss_before'] / 1e9:.3f} | {sizes[kind] / 1e9:.3f} |")
     res["params_GB"] = round(nbytes / 1e9, 3)
     hardware = f"{device['device']} ({device['platform']})"
     from importlib.metadata import version

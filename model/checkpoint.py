@@ -527,7 +527,7 @@ def _placed_jit(fun, static_argnums: tuple[int, ...], sharding: NamedSharding | 
 
 
 def _put(host: np.ndarray, sharding: NamedSharding | None) -> jax.Array:
-    return place(host, sharding) if sharding is not None else jnp.asarray(host)
+    return place(host, sharding) if sharding is not None else jax.device_put(host)
 
 
 def _leading_sharding(sharding: NamedSharding | None, ndim: int) -> NamedSharding | None:
