@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from dayzero.kernels.mxfp4 import random_scale_centre
-from dayzero.model.checkpoint import EXPERT_PARAMS, map_tensor_name, published_name
+from dayzero.model.checkpoint import EXPERT_PARAMS, map_tensor_name, published_name, quantize_fp8_blocks
 from dayzero.model.config import LAYER_KDA, MLP_MOE, ModelConfig
 from dayzero.model.presets import PRESETS, get_preset
 from dayzero.model.quantize import _ShardWriter
@@ -94,17 +94,6 @@ def _random_tensor(rng, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(dtype)
 
 
-def _fp8_blocks(array: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """[out, in] float32 -> (e4m3 weight, float32 weight_scale_inv [ceil(out/b0), ceil(in/b1)]), DeepSeek's format."""
-    (b0, b1), (out_dim, in_dim) = block, array.shape
-    rows, cols = -(-out_dim // b0), -(-in_dim // b1)
-    padded = np.zeros((rows * b0, cols * b1), np.float32)
-    padded[:out_dim, :in_dim] = array
-    scale = np.maximum(np.abs(padded.reshape(rows, b0, cols, b1)).max(axis=(1, 3)), 1e-12) / 448.0
-    quantized = (padded.reshape(rows, b0, cols, b1) / scale[:, None, :, None]).reshape(padded.shape)
-    return quantized[:out_dim, :in_dim].astype(ml_dtypes.float8_e4m3fn), scale
-
-
 def write_hub_checkpoint(config: ModelConfig, directory: str, dtype: str = "bfloat16", seed: int = 0,
                          shard_bytes: int = 4 << 30) -> int:
     """Writes random weights of `config` as a hub checkpoint (published names, [out, in] linears, one tensor per
@@ -134,7 +123,8 @@ def write_hub_checkpoint(config: ModelConfig, directory: str, dtype: str = "bflo
             elif target.kind == "conv":
                 shape = (shape[0], 1, shape[1])
             if config.quant_method == "fp8" and target.kind in ("linear", "expert") and tensor.endswith("_proj.weight"):
-                array, scale = _fp8_blocks(_random_tensor(rng, tensor, shape, np.float32), config.weight_block_size)
+                array, scale = quantize_fp8_blocks(_random_tensor(rng, tensor, shape, np.float32),
+                                                   config.weight_block_size)
                 total += scale.nbytes
                 writer.add(tensor + "_scale_inv", scale)
             else:

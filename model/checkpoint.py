@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
@@ -302,6 +303,20 @@ def _packed_int_values(words, scales, in_dim: int, scheme: tuple[int, int], xp):
     return q * xp.repeat(scales.astype(xp.float32), group, axis=-1)[..., :in_dim]
 
 
+def quantize_fp8_blocks(array: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """`dequantize_fp8_blocks`' inverse, DeepSeek's format (for test and benchmark checkpoints): [out, in] float ->
+    (e4m3 weight [out, in], float32 weight_scale_inv [ceil(out/b0), ceil(in/b1)]), each block scaled to its peak
+    (partial blocks at the edges)."""
+    (b0, b1), (out_dim, in_dim) = block, array.shape
+    rows, cols = -(-out_dim // b0), -(-in_dim // b1)
+    padded = np.zeros((rows * b0, cols * b1), np.float32)
+    padded[:out_dim, :in_dim] = array
+    blocks = padded.reshape(rows, b0, cols, b1)
+    scale = np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-12) / 448.0
+    quantized = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:out_dim, :in_dim]
+    return quantized.astype(ml_dtypes.float8_e4m3fn), scale
+
+
 def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
     """w [out, in] float8 with scale_inv [ceil(out/b0), ceil(in/b1)] -> float32 w * scale per block (contiguous).
     The float8 values come from a 256-entry table (numpy's float8 cast is ~10x slower) and each scale multiplies its
@@ -579,4 +594,5 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
 
 
 __all__ = ["load_params", "stream_params", "stream_stored", "Fp8Blocks", "PackedIntWords", "plan_load",
-           "map_tensor_name", "published_name", "dequantize_fp8_blocks", "dequantize_packed_int", "DTYPES"]
+           "map_tensor_name", "published_name", "quantize_fp8_blocks", "dequantize_fp8_blocks",
+           "dequantize_packed_int", "DTYPES"]

@@ -12,7 +12,6 @@ import sys
 import time
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from dayzero import platforms
@@ -54,11 +53,6 @@ def presets_main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _where(model) -> str:
-    """The platform the model's calls run on."""
-    return model.placement.platform if model.placement is not None else jax.default_backend()
-
-
 def forward_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dayzero-forward", description=__doc__.split("\n\n")[1])
     parser.add_argument("--model", help="checkpoint directory; default: the embedded preset with random weights")
@@ -86,7 +80,7 @@ def forward_main(argv: Sequence[str] | None = None) -> int:
         print(f"model: {source}")
         print(f"  {cfg.model_type}: {cfg.num_layers} layers {list(cfg.layer_types)}, mlp {list(cfg.mlp_types)}, "
               f"DSA {'top-' + str(cfg.index_topk) if cfg.use_dsa else 'off'}, {model.num_params():,} params, "
-              f"{model.dtype.name}, on {_where(model)}; ready in {load_s:.2f} s")
+              f"{model.dtype.name}, on {model.platform}; ready in {load_s:.2f} s")
         print(f"prompt ids: {ids}")
         # The model is causal: padding the sequence at the end to one fixed length leaves every earlier position's
         # logits unchanged, so one compilation serves every step.

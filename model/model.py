@@ -129,6 +129,16 @@ class Model:
                 self.image_processor = ImageProcessorConfig.for_vision(self.config.vision)
             self._vision = lambda p, patches, layout: self._run(_ENCODE, self.vision, p, patches, layout)
 
+    @property
+    def platform(self) -> str:
+        """The platform this model's calls run on, as JAX names it ('cpu', 'gpu', a plugin's name): its placement's,
+        its mesh's, else JAX's default backend."""
+        if self.placement is not None:
+            return self.placement.platform
+        if self.mesh is not None:
+            return self.mesh.devices.flat[0].platform
+        return jax.default_backend()
+
     def _run(self, fn, *args):
         """`fn(*args)` with this model's placement active: its device in use, so kernel dispatch (decided while
         tracing) picks that platform's implementations."""

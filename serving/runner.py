@@ -213,15 +213,6 @@ def unrolled_by_default(platform: str) -> bool:
     return platform in UNROLLED_PLATFORMS
 
 
-def model_platform(model: Model) -> str:
-    """The platform `model`'s calls run on: its placement's, its mesh's, else JAX's default backend."""
-    if model.placement is not None:
-        return model.placement.platform
-    if model.mesh is not None:
-        return model.mesh.devices.flat[0].platform
-    return jax.default_backend()
-
-
 class ModelRunner:
     """Owns the cache (and snapshot) arrays of one model and runs steps on them. For a model on a mesh
     (`Model.mesh`), the cache and snapshots live on their `sharding.CACHE_RULES` shardings (KDA heads over
@@ -233,7 +224,7 @@ class ModelRunner:
                  unrolled_decode: bool | None = None):
         self.model = model
         self.block_size = block_size
-        self.unrolled_decode = (unrolled_by_default(model_platform(model)) if unrolled_decode is None
+        self.unrolled_decode = (unrolled_by_default(model.platform) if unrolled_decode is None
                                 else unrolled_decode)
         self.has_kda = LAYER_KDA in model.config.layer_types
         self.snapshots = {}

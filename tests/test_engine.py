@@ -215,7 +215,7 @@ def test_unrolled_decode_defaults_to_the_gpu(models):
     assert runner_module.unrolled_by_default("cuda") and runner_module.unrolled_by_default("rocm")
     assert not runner_module.unrolled_by_default("cpu")
     model = models["kimi_linear"]
-    assert runner_module.model_platform(model) == "cpu"
+    assert model.platform == "cpu"
     assert Engine(model, None, config()).runner.unrolled_decode is False
     assert Engine(model, None, config(unrolled_decode=True)).runner.unrolled_decode is True
 
@@ -223,7 +223,7 @@ def test_unrolled_decode_defaults_to_the_gpu(models):
         platform = "cuda"
 
     gpu_model = dataclasses.replace(model, placement=platforms.Placement(FakeGpu()))
-    assert runner_module.model_platform(gpu_model) == "cuda"
+    assert gpu_model.platform == "cuda"
 
 
 def test_overlapped_decode_matches_waiting_for_each_dispatch(models):

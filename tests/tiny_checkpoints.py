@@ -114,8 +114,7 @@ def fp8_checkpoint(src: str, out, block: int = 16, experts: bool = False) -> int
     with `weight_scale_inv` blocks of `block` x `block` (partial blocks at odd edges); returns how many."""
     import shutil
 
-    import ml_dtypes
-
+    from dayzero.model.checkpoint import quantize_fp8_blocks
     from dayzero.model.safetensors_io import open_checkpoint_files, save_file
 
     shutil.copytree(src, out)
@@ -124,13 +123,7 @@ def fp8_checkpoint(src: str, out, block: int = 16, experts: bool = False) -> int
     for name, f in files.items():
         w = f.read(name)
         if name.endswith("_proj.weight") and (experts or "experts" not in name) and w.ndim == 2:
-            rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
-            padded = np.zeros((rows * block, cols * block), np.float32)
-            padded[:w.shape[0], :w.shape[1]] = w
-            scale = np.maximum(np.abs(padded.reshape(rows, block, cols, block)).max(axis=(1, 3)), 1e-12) / 448.0
-            expanded = np.repeat(np.repeat(scale, block, 0), block, 1)[:w.shape[0], :w.shape[1]]
-            tensors[name] = (w / expanded).astype(ml_dtypes.float8_e4m3fn)
-            tensors[name + "_scale_inv"] = scale.astype(np.float32)
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blocks(w, (block, block))
             n += 1
         else:
             tensors[name] = w
