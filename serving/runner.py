@@ -206,11 +206,12 @@ UNROLLED_PLATFORMS = ("cuda", "rocm")  # where a decode dispatch's steps compile
 
 
 def unrolled_by_default(platform: str) -> bool:
-    """Whether decode dispatches on `platform` compile their steps unrolled when the engine option is None. On
-    XLA:GPU a scan's while loop runs from the host, launching the body's command buffers step by step, and unrolled
-    the H200 decodes faster at every batch (benchmarks/NOTES_serving.md, thirty-third session); XLA:CPU copies the
-    conv and latent caches more often in the unrolled program and compiles it several times longer."""
-    return platform in UNROLLED_PLATFORMS
+    """Whether decode dispatches on `platform` (as JAX names it: its "gpu" alias resolved by
+    `dispatch.canonical_platform`) compile their steps unrolled when the engine option is None. On XLA:GPU a scan's
+    while loop runs from the host, launching the body's command buffers step by step, and unrolled the H200 decodes
+    faster at every batch (benchmarks/NOTES_serving.md, thirty-third session); XLA:CPU copies the conv and latent
+    caches more often in the unrolled program and compiles it several times longer."""
+    return dispatch.canonical_platform(platform) in UNROLLED_PLATFORMS
 
 
 class ModelRunner:

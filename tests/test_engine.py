@@ -213,6 +213,7 @@ def test_unrolled_decode_defaults_to_the_gpu(models):
     from dayzero.serving import runner as runner_module
 
     assert runner_module.unrolled_by_default("cuda") and runner_module.unrolled_by_default("rocm")
+    assert runner_module.unrolled_by_default("gpu")  # what JAX's CUDA and ROCm devices report
     assert not runner_module.unrolled_by_default("cpu")
     model = models["kimi_linear"]
     assert model.platform == "cpu"
