@@ -164,8 +164,9 @@ def _kernel(*refs, length, block_k, splits, chunks_per_split, even, dense, scale
 
 
 def _fused_decode_kernel(ql_ref, qr_ref, pos_ref, rows_ref, lat_ref, o_ref, lse_ref, *, block_k, splits,
-                         chunks_per_split, even, dense, scale, rank_pieces, rope_pieces):
-    """One (head block, split, request) program: rows_ref holds each selected token's cache row (-1 = skip)."""
+                         chunks_per_split, even, dense, scale, rank_pieces, rope_pieces, layer_row0):
+    """One (head block, split, request) program: rows_ref holds each selected token's row in its layer's part of the
+    cache (-1 = skip); the layer's first row `layer_row0` is added here."""
     split, r = pl.program_id(1), pl.program_id(2)
     q_lat = [ql_ref[:, pl.ds(start, size)] for start, size in rank_pieces]
     q_rope = [qr_ref[:, pl.ds(start, size)] for start, size in rope_pieces]
@@ -175,7 +176,7 @@ def _fused_decode_kernel(ql_ref, qr_ref, pos_ref, rows_ref, lat_ref, o_ref, lse_
     def step(c, carry):
         rows = rows_ref[r, pl.ds(c * block_k, block_k)]
         ok = rows >= 0
-        safe = jnp.where(ok, rows, 0)
+        safe = jnp.where(ok, rows + layer_row0, layer_row0)
         lat = [jnp.where(ok[:, None], lat_ref[safe, pl.ds(start, size)], 0) for start, size in rank_pieces]
         rope = [lat_ref[safe, pl.ds(rank + start, size)] for start, size in rope_pieces]
         return _online_softmax_step(carry, q_lat + q_rope, lat, rope, ok, scale)
@@ -197,8 +198,10 @@ def combine_normalized(out: jax.Array, lse: jax.Array, dtype) -> jax.Array:
     return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0.0).astype(dtype)
 
 
-def _cache_rows_of(block_tables, query_positions, indices, num_keys, padded, layer_row0, block_size):
-    """-> [B * T, padded] int32 cache row of each selected causal key (-1: none or padding), in selection order."""
+def _cache_rows_of(block_tables, query_positions, indices, num_keys, padded, block_size):
+    """-> [B * T, padded] int32 row of each selected causal key within one layer's part of the cache (-1: none or
+    padding), in selection order. Without DSA `indices` this depends on nothing layer-specific, so XLA computes it
+    once for all the MLA layers of a step (common subexpressions); the kernel adds the layer's first row."""
     batch, length = query_positions.shape
     pos = query_positions.reshape(batch, length, 1).astype(jnp.int32)
     if indices is None:
@@ -208,7 +211,7 @@ def _cache_rows_of(block_tables, query_positions, indices, num_keys, padded, lay
     ok = (idx >= 0) & (idx <= pos)
     safe = jnp.where(ok, idx, 0)
     pages = jnp.take_along_axis(block_tables.astype(jnp.int32), (safe // block_size).reshape(batch, -1), axis=1)
-    rows = jnp.where(ok, layer_row0 + pages.reshape(safe.shape) * block_size + safe % block_size, -1)
+    rows = jnp.where(ok, pages.reshape(safe.shape) * block_size + safe % block_size, -1)
     return jnp.pad(rows.reshape(batch * length, -1), ((0, 0), (0, padded - num_keys)), constant_values=-1)
 
 
@@ -327,12 +330,12 @@ def _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions,
     n_rows, heads_p, rank = q_latent.shape
     rope_dim = q_rope.shape[-1]
     _, n_blocks, block_size, _ = cache.shape
-    rows = _cache_rows_of(block_tables, query_positions, indices, num_keys, n_chunks * block_k,
-                          layer * n_blocks * block_size, block_size)
+    rows = _cache_rows_of(block_tables, query_positions, indices, num_keys, n_chunks * block_k, block_size)
     kernel = functools.partial(
         _fused_decode_kernel, block_k=block_k, splits=splits, chunks_per_split=n_chunks // splits,
         even=config.dense_even_splits, dense=indices is None,
-        scale=scale, rank_pieces=tiles.segments(rank), rope_pieces=tiles.segments(rope_dim))
+        scale=scale, rank_pieces=tiles.segments(rank), rope_pieces=tiles.segments(rope_dim),
+        layer_row0=layer * n_blocks * block_size)
     part_dtype = cache.dtype if jnp.dtype(cache.dtype).itemsize < 4 else jnp.float32
     grid = (heads_p // block_h, splits, n_rows)  # head blocks sharing a split's rows are adjacent programs
     in_specs = [pl.BlockSpec((None, block_h, rank), lambda h, s, r: (r, h, 0)),

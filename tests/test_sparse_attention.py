@@ -336,6 +336,35 @@ def test_fused_decode_matches_reference(seed, k, dtype, block_h, even):
     assert rel_err(got, ref) < tol, f"relative error {rel_err(got, ref):.2e} (seed={seed})"
 
 
+def test_fused_decode_cache_rows_computed_once_for_all_layers():
+    """Dense decode (no DSA selection): every MLA layer of a step reads the same keys at its own layer's rows. The
+    keys' cache rows are computed without the layer (the kernel adds its first row), so XLA makes them once for all
+    layers: one fusion, where a layer offset in them made one per layer (plus the shared table lookup)."""
+    rng = np.random.default_rng(0)
+    batch, heads, rank, rope = 2, 3, 12, 4
+    cfg = sparse_mla.SparseMLAConfig(block_h=16, block_k=8, decode_block_k=8, decode_programs=64,
+                                     min_split_tokens=8, decode_variant="fused")
+    cache = jnp.asarray(rng.standard_normal((LAYERS, BLOCKS, BLOCK, rank + rope)), jnp.float32)
+    tables = scattered_tables(rng, batch, 4)
+    pos = jnp.asarray([[200], [30]], jnp.int32)
+    q_lat = jnp.asarray(rng.standard_normal((batch, 1, heads, rank)), jnp.float32)
+    q_rope = jnp.asarray(rng.standard_normal((batch, 1, heads, rope)), jnp.float32)
+
+    def both_layers(q_lat, q_rope, cache, tables, pos):
+        return [attention.sparse_mla(q_lat, q_rope, cache, layer, tables, pos, None, 0.2, impl="interpret",
+                                     config=cfg) for layer in range(LAYERS)]
+
+    hlo = jax.jit(both_layers).lower(q_lat, q_rope, cache, tables, pos).compile().as_text()
+    keys = tables.shape[1] * BLOCK
+    entry = hlo[hlo.index("\nENTRY"):]
+    rows = [line for line in entry.splitlines() if f"= s32[{batch},{keys}]" in line]
+    assert len(rows) == 1, f"the keys' cache rows are made {len(rows)} times: {rows}"
+    got = both_layers(q_lat, q_rope, cache, tables, pos)  # and each layer still reads its own rows
+    for layer, out in enumerate(got):
+        ref = attention.sparse_mla(q_lat, q_rope, cache, layer, tables, pos, None, 0.2, impl="reference")
+        assert rel_err(out, ref) < 1e-5, f"layer {layer}: relative error {rel_err(out, ref):.2e}"
+
+
 @pytest.mark.parametrize("splits, chunks_per_split", [(1, 9), (4, 3), (8, 16), (256, 4)])
 def test_even_split_chunks_partition_the_live_chunks(splits, chunks_per_split):
     """Dense decode with even splits: the splits' ranges tile [0, live) in order, none longer than ceil(live /
