@@ -119,8 +119,8 @@ def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
                        layer: int | jax.Array = 0, workspace: Workspace | None = None,
                        tiles: Tiles | moe_mxfp4_gemv.GemvTiles | None = None, impl: str | None = None,
                        sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None,
-                       shared: tuple[jax.Array, jax.Array, jax.Array] | None = None
-                       ) -> tuple[jax.Array, Workspace | None]:
+                       shared: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                       residual_sums: jax.Array | None = None) -> tuple[jax.Array, Workspace | None]:
     """x [N, H], topk_ids [N, k], topk_weights [N, k] -> ([N, H] of x.dtype, workspace).
 
     MXFP4 `experts` with a `workspace`: the layer's active experts are converted into it (unless resident from an
@@ -128,7 +128,9 @@ def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
     matmul ("fused"), or at decode sizes through the CUDA-core kernels (`packed_decode_tiles`, or `tiles` given as
     theirs), which take the pairs' schedule and x's packed words made ahead (`sched`, `x_words`:
     `moe_mxfp4_gemv.grouped_swiglu`), and may add in a shared MLP (`shared`: gate [H, S], up [H, S], down [S, H]
-    bf16, `moe_mxfp4_gemv.SharedFold`; the ids and weights then as that function takes them).
+    bf16, `moe_mxfp4_gemv.SharedFold`; the ids and weights then as that function takes them), and may add into the
+    tokens' residual rows (`residual_sums` float32 [N, H]: the result is then float32 [N, H], residual + experts;
+    `moe_mxfp4_gemv.sums_take_residual`).
     Converted experts (offline FP8 / BF16): multiplied directly. `layer` names the weights for the workspace's
     residency tags.
     """
@@ -144,12 +146,16 @@ def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
         workspace, assignment = moe_workspace.assign(workspace, layer, sizes)
         workspace = moe_workspace.fill(workspace, assignment, experts, pallas=pallas, interpret=interpret)
         source, slot_of_expert = moe_workspace.weights(workspace, experts), assignment.slot_of_expert
-    if shared is not None and not (pallas and isinstance(tiles, moe_mxfp4_gemv.GemvTiles) and workspace is None):
+    decode_kernels = pallas and isinstance(tiles, moe_mxfp4_gemv.GemvTiles) and workspace is None
+    if shared is not None and not decode_kernels:
         raise ValueError("moe_experts_packed: a shared MLP folds into the MXFP4 decode kernels only (packed experts, "
                          "no workspace, GemvTiles on a kernel platform)")
+    if residual_sums is not None and not decode_kernels:
+        raise ValueError("moe_experts_packed: the residual rows are added into by the MXFP4 decode kernels only "
+                         "(packed experts, no workspace, GemvTiles on a kernel platform)")
     if pallas:
         y = moe_mxfp4.grouped_swiglu(x, topk_ids, topk_weights, source, slot_of_expert, n_experts, tiles, interpret,
-                                     sched=sched, x_words=x_words, shared=shared)
+                                     sched=sched, x_words=x_words, shared=shared, residual_sums=residual_sums)
     else:
         y = _packed_reference(x, topk_ids, topk_weights, source, slot_of_expert, n_experts)
     return y, workspace

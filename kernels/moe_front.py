@@ -29,6 +29,10 @@ logits are stored, and the program that sees the others all done reads every log
 (`router.choose_experts`) and sets the counter back to zero (the counters live in the serving cache, "moe_turns").
 With `zeros` as well, its first program writes the int32 zeros the MXFP4 decode kernels take as turn counters
 (`moe_mxfp4_gemv.turn_count`), so no zero fill of their own runs between this kernel and theirs.
+
+With `sums`, the first program of each row also writes x as float32 [M, H]: the buffer the MXFP4 down kernel adds the
+experts' outputs into (`model.moe.RESIDUAL_IN_SUMS`), so the layer's residual add needs no kernel of its own. The
+residual may then be float32 too (the previous layer's such sums), rounded to the weights' dtype as it loads.
 """
 
 from __future__ import annotations
@@ -84,16 +88,26 @@ def choose(rows: int, hidden: int, n_experts: int, dtype, impl: str | None = Non
     return kind if supported(rows, hidden, n_experts, dtype) else "reference"
 
 
+def model_dtype(residual: jax.Array, router_weight: jax.Array):
+    """The dtype x and the normed rows take: the residual's, or for a float32 residual of 16-bit router weights (the
+    MXFP4 down kernel's sums with the residual added in) the weights', to which the residual is rounded as it
+    loads."""
+    if residual.dtype == jnp.float32 and jnp.dtype(router_weight.dtype).itemsize == 2:
+        return router_weight.dtype
+    return residual.dtype
+
+
 def _check(update, residual, norm_weight, router_weight):
     rows, hidden = residual.shape
+    dtype = model_dtype(residual, router_weight)
     if isinstance(update, projection.Partials):
-        if update.squares is not None or update.sums.shape[1:] != (rows, hidden) or update.dtype != residual.dtype:
+        if update.squares is not None or update.sums.shape[1:] != (rows, hidden) or update.dtype != dtype:
             raise ValueError(f"moe front: the update's partial sums {update.sums.shape} ({update.dtype}, squares "
                              f"{'given' if update.squares is not None else 'none'}) do not match the residual "
-                             f"{residual.dtype}{list(residual.shape)} (no norm statistics expected)")
-    elif update is not None and (update.shape != residual.shape or update.dtype != residual.dtype):
+                             f"{list(residual.shape)} of {dtype} (no norm statistics expected)")
+    elif update is not None and (update.shape != residual.shape or update.dtype != dtype):
         raise ValueError(f"moe front: update {update.dtype}{list(update.shape)} for residual "
-                         f"{residual.dtype}{list(residual.shape)}")
+                         f"{list(residual.shape)} of {dtype}")
     if norm_weight.shape != (hidden,) or router_weight.ndim != 2 or router_weight.shape[1] != hidden:
         raise ValueError(f"moe front: norm weight {norm_weight.shape} and router weight {router_weight.shape} for "
                          f"{hidden} features ([H] and [E, H])")
@@ -114,20 +128,22 @@ def packed_rows(normed: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def reference(update: projection.Projected | None, residual: jax.Array, norm_weight: jax.Array,
-              router_weight: jax.Array, *, eps: float, pack: bool = False) -> tuple:
+              router_weight: jax.Array, *, eps: float, pack: bool = False, sums: bool = False) -> tuple:
     """XLA: (x [M, H] = residual + the update, finished and rounded as o_proj's projection does; normed [M, H] =
     RMSNorm(x) as `model.norms.RMSNorm`; logits [M, E] float32, the sums of float32 products, as
     `model.moe.router_logits` computes them for decode-sized calls), with `pack` then normed's words
-    (`packed_rows`). `update`: o_proj's `projection.Partials` (no squares), its finished [M, H] of the residual's
-    dtype, or None (x = residual)."""
+    (`packed_rows`), with `sums` then x as float32. `update`: o_proj's `projection.Partials` (no squares), its
+    finished [M, H] of the model's dtype (`model_dtype`), or None (x = residual). A float32 residual of 16-bit router
+    weights is rounded to their dtype first."""
     _check(update, residual, norm_weight, router_weight)
+    residual = residual.astype(model_dtype(residual, router_weight))
     x = residual if update is None else projection.finished(update, residual)
     normed = projection.rms_norm(x, norm_weight, eps)
     logits = jnp.sum(normed[:, None, :].astype(jnp.float32) * router_weight[None].astype(jnp.float32), axis=-1)
-    return (x, normed, logits) + ((packed_rows(normed),) if pack else ())
+    return (x, normed, logits) + ((packed_rows(normed),) if pack else ()) + ((x.astype(jnp.float32),) if sums else ())
 
 
-def _kernel(*refs, hidden, slices, eps, pack, select, layer, zeros, interpret):
+def _kernel(*refs, hidden, slices, eps, pack, sums, select, layer, zeros, interpret):
     sums_ref = refs[0] if slices else None
     refs = refs[bool(slices):]
     # with `select` the bias and the turn counters' input (aliased with their output: unused) come in too
@@ -136,14 +152,16 @@ def _kernel(*refs, hidden, slices, eps, pack, select, layer, zeros, interpret):
     (x_out, normed_out, logits_out), refs = refs[:3], refs[3:]
     if pack:
         (halves_out, factor_out), refs = refs[:2], refs[2:]
+    if sums:
+        sums_out, refs = refs[0], refs[1:]
     if select is not None:
         bias_ref, (ids_out, weights_out, turns_ref), refs = select_in[0], refs[:3], refs[3:]
-    dtype = res_ref.dtype
+    dtype = x_out.dtype  # the model's (`model_dtype`: a float32 residual is rounded to it as it loads)
     e0 = pl.multiple_of(pl.program_id(0) * EXPERT_BLOCK, EXPERT_BLOCK)
     row_id = pl.program_id(1)
     row, cols = pl.ds(row_id, 1), pl.ds(0, hidden)
     weight = w_ref[pl.ds(e0, EXPERT_BLOCK), cols]  # [EXPERT_BLOCK, H]: first, its read overlaps the rest
-    x = res_ref[row, cols].astype(jnp.float32)  # [1, H]
+    x = res_ref[row, cols].astype(dtype).astype(jnp.float32)  # [1, H]
     if slices:
         x = x + jnp.sum(sums_ref[pl.ds(0, slices), row, cols], axis=0).astype(dtype).astype(jnp.float32)
     x = x.astype(dtype).astype(jnp.float32)
@@ -157,6 +175,8 @@ def _kernel(*refs, hidden, slices, eps, pack, select, layer, zeros, interpret):
     def _():
         x_out[row, cols] = x.astype(dtype)
         normed_out[row, cols] = normed
+        if sums:  # x (exact in float32) as the start of the down kernel's sums
+            sums_out[row, cols] = x
         if pack:  # the row's words for the MXFP4 decode kernels (`packed_rows`)
             positions, halves, factor = moe_mxfp4_gemv.row_halves(normed.astype(jnp.float32).reshape(hidden))
             halves_out[row_id, positions] = halves
@@ -193,15 +213,18 @@ def _kernel(*refs, hidden, slices, eps, pack, select, layer, zeros, interpret):
         turns_ref[layer, 0] = jnp.int32(0)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "pack", "select", "layer", "zeros", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "pack", "sums", "select", "layer", "zeros",
+                                             "interpret"))
 def front(update: projection.Projected | None, residual: jax.Array, norm_weight: jax.Array,
-          router_weight: jax.Array, *, eps: float, num_warps: int = NUM_WARPS, pack: bool = False,
+          router_weight: jax.Array, *, eps: float, num_warps: int = NUM_WARPS, pack: bool = False, sums: bool = False,
           select: Select | None = None, bias: jax.Array | None = None, turns: jax.Array | None = None, layer: int = 0,
           zeros: int = 0, interpret: bool = False) -> tuple[jax.Array, ...]:
     """`reference`'s results in one kernel (see the module docstring): update (o_proj's `projection.Partials`
     [S, M, H] float32 without squares, a finished [M, H], or None), residual [M, H] 16-bit, norm_weight [H], router
     weight [E, H] -> (x [M, H], normed [M, H], logits [M, E] float32), M the residual's rows, with `pack` then
-    normed's words for the MXFP4 decode kernels ((words, factors) as `packed_rows` makes them). Needs `supported`.
+    normed's words for the MXFP4 decode kernels ((words, factors) as `packed_rows` makes them), with `sums` then x
+    as float32 [M, H] (the MXFP4 down kernel's sums to add into). The residual may be float32 (rounded to the router
+    weight's 16-bit dtype as it loads: `model_dtype`). Needs `supported`.
 
     With `select` (one row; and the correction `bias` [E] or None, and `turns`: int32 [L, C] counters, all zero, of
     which the call uses turns[layer, 0] and leaves it zero; `model.cache`'s "moe_turns"), the last program to finish
@@ -214,8 +237,9 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     _check(update, residual, norm_weight, router_weight)
     rows, hidden = residual.shape
     n_experts = router_weight.shape[0]
-    if not supported(rows, hidden, n_experts, residual.dtype):
-        raise ValueError(f"moe front kernel: {rows} rows x {hidden} features, {n_experts} experts, {residual.dtype} "
+    dtype = model_dtype(residual, router_weight)
+    if not supported(rows, hidden, n_experts, dtype):
+        raise ValueError(f"moe front kernel: {rows} rows x {hidden} features, {n_experts} experts, {dtype} "
                          f"not supported (1 to {MAX_ROWS} rows, H a power of two up to {MAX_HIDDEN}, E a multiple of "
                          f"{EXPERT_BLOCK}, 16-bit)")
     if pack and hidden % moe_mxfp4_gemv.BLOCK:
@@ -226,13 +250,15 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         if slices & (slices - 1):  # a block of the partial sums: a power of two (as kernels.projection splits K)
             raise ValueError(f"moe front kernel: {slices} partial sums; takes a power of two")
     elif update is not None:  # a finished update: added in XLA first (one fusion, as before)
-        residual, operands, slices = residual + update, [], 0
+        residual, operands, slices = residual.astype(update.dtype) + update, [], 0
     else:
         operands, slices = [], 0
-    row = jax.ShapeDtypeStruct((rows, hidden), residual.dtype)
+    row = jax.ShapeDtypeStruct((rows, hidden), dtype)
     outputs = [row, row, jax.ShapeDtypeStruct((rows, n_experts), jnp.float32)]
     if pack:  # the rows' fp16 halves in word order and factors, and a zero row
         outputs += [jax.ShapeDtypeStruct((rows + 1, hidden), jnp.int16), jax.ShapeDtypeStruct((rows + 1,), jnp.float32)]
+    if sums:
+        outputs.append(jax.ShapeDtypeStruct((rows, hidden), jnp.float32))
     inputs = [*operands, residual, norm_weight, router_weight]
     aliases = {}
     if select is not None:
@@ -257,8 +283,8 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         zeros = tiling.pow2_at_least(zeros)
         outputs.append(jax.ShapeDtypeStruct((zeros,), jnp.int32))
     out = tiling.pallas_call(
-        functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), pack=pack, select=select,
-                          layer=layer, zeros=zeros, interpret=interpret),
+        functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), pack=pack, sums=sums,
+                          select=select, layer=layer, zeros=zeros, interpret=interpret),
         grid=(n_experts // EXPERT_BLOCK, rows),
         out_shape=outputs,
         input_output_aliases=aliases,

@@ -423,14 +423,16 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
                    slot_of_expert: jax.Array | None = None, n_experts: int | None = None,
                    tiles: Tiles | moe_mxfp4_gemv.GemvTiles | None = None, interpret: bool = False, *,
                    sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None,
-                   shared: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+                   shared: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                   residual_sums: jax.Array | None = None) -> jax.Array:
     """Routed SwiGLU experts. x [T, D], topk_ids [T, k] int, topk_weights [T, k] -> [T, D] of x.dtype.
 
     `ew` holds the weights in any format; entry `slot_of_expert[e]` holds expert e (default: entry e). The
     intermediate size must be even. Decode-sized calls on packed MXFP4 experts run the CUDA-core kernels of
     `moe_mxfp4_gemv` where `moe_mxfp4_gemv.choose` takes them (or `tiles` is a `GemvTiles`); `sched` and `x_words`,
     made ahead for those (`moe_mxfp4_gemv.grouped_swiglu`), are unused by the MMA kernels; so is `shared`, a shared
-    MLP folded into those kernels (`moe_mxfp4_gemv.SharedFold`), which the MMA kernels do not take.
+    MLP folded into those kernels (`moe_mxfp4_gemv.SharedFold`), which the MMA kernels do not take; so are
+    `residual_sums`, residual rows those kernels add into (then float32 [T, D] comes back).
     """
     if ew.intermediate_size % 2:
         raise ValueError(f"the experts' intermediate size ({ew.intermediate_size}) must be even")
@@ -442,9 +444,10 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
         if slot_of_expert is not None or ew.fmt != "mxfp4":
             raise ValueError("GemvTiles run packed MXFP4 experts, not workspace slots or converted experts")
         return moe_mxfp4_gemv.grouped_swiglu(x, topk_ids, topk_weights, ew, n_experts, tiles, interpret,
-                                             sched=sched, x_words=x_words, shared=shared)
-    if shared is not None:
-        raise ValueError("a shared MLP folds into the MXFP4 decode kernels only (GemvTiles), not the MMA kernels")
+                                             sched=sched, x_words=x_words, shared=shared, residual_sums=residual_sums)
+    if shared is not None or residual_sums is not None:
+        raise ValueError("a shared MLP and residual rows fold into the MXFP4 decode kernels only (GemvTiles), not "
+                         "the MMA kernels")
     tiles = tiles or choose_tiles(topk_ids.size, n_experts)
     p = plan(x, topk_ids, ew, slot_of_expert, n_experts, tiles)
     if _split_k(ew, tiles):

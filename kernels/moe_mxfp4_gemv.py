@@ -715,17 +715,30 @@ def halves_as_words(halves: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(halves.reshape(rows, n // BLOCK, 16, 2), jnp.uint32)
 
 
+def sums_width(hidden: int, groups: int, tiles: GemvTiles) -> int:
+    """The row stride of the down kernel's token sums, whose weights have `hidden` rows of `groups` MX blocks: the
+    rows in whole blocks of the kernel's programs."""
+    bn = _launch(groups, tiles)[0]
+    return pl.cdiv(hidden, bn) * bn
+
+
 def sums_size(n_tokens: int, down, tiles: GemvTiles) -> int:
     """Floats of the down kernel's token sums for `n_tokens` tokens and `down` ((blocks, scales),): (T + 1) rows
-    of the weight rows in whole blocks (`hidden_rows(zeroed=)` writes the zeros)."""
+    of `sums_width` (`hidden_rows(zeroed=)` writes the zeros)."""
     blocks, _ = down[0]
-    bn = _launch(blocks.shape[2], tiles)[0]
-    return (n_tokens + 1) * pl.cdiv(blocks.shape[1], bn) * bn
+    return (n_tokens + 1) * sums_width(blocks.shape[1], blocks.shape[2], tiles)
+
+
+def sums_take_residual(hidden: int, inter: int, tiles: GemvTiles) -> bool:
+    """Whether the down kernel can add into the tokens' residual rows as they are (`grouped_swiglu(residual_sums=)`,
+    experts of hidden size `hidden` and intermediate size `inter`): 1-row tiles (no padding rows, so no scratch row
+    past the tokens) and a sums row stride equal to the hidden size."""
+    return tiles.rows == 1 and sums_width(hidden, -(-inter // BLOCK), tiles) == hidden
 
 
 def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: int, n_tokens: int, down,
                tiles: GemvTiles, interpret: bool = False, *, sums: jax.Array, n_rows: int | None = None,
-               shared: tuple[SharedFold, jax.Array] | None = None) -> jax.Array:
+               shared: tuple[SharedFold, jax.Array] | None = None, scratch_row: bool = True) -> jax.Array:
     """The down kernel: [T, D] float32, each token's sum over its pairs of weight * (h @ down) (float32 atomics:
     the order of the adds varies from run to run).
 
@@ -733,15 +746,19 @@ def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: in
     `row_scaled_words`), pair_weights [P] float32 (pair p is token p // top_k's: `top_k` the pairs' stride, which
     may count padding slots), down: ((blocks uint8 [E, D, G, 16], scales uint8 [E, D, G]),); sums: float32 zeros of
     at least `sums_size` floats to add into (`hidden_rows`' zeros); `n_rows`: as `hidden_rows`'; `shared`: (its
-    `SharedFold`, the shared MLP's down [S, H] bf16), as `hidden_rows`' (the pseudo-experts' pairs weigh 1)."""
+    `SharedFold`, the shared MLP's down [S, H] bf16), as `hidden_rows`' (the pseudo-experts' pairs weigh 1).
+    `scratch_row` False: sums holds the T rows alone (T * `sums_width` floats, e.g. the residual rows to add into:
+    `grouped_swiglu(residual_sums=)`), for schedules without padding rows (1-row tiles), which would add there."""
     hidden = down[0][0].shape[1]
     fold, shared_weights = (None, ()) if shared is None else (shared[0], (shared[1].reshape(-1),))
     n_pairs = pair_weights.shape[0]
-    size = sums_size(n_tokens, down, tiles)
+    width = sums_width(hidden, down[0][0].shape[2], tiles)
+    size = (n_tokens + scratch_row) * width
     if sums.shape[0] < size or sums.dtype != jnp.float32:
         raise ValueError(f"token_sums: the sums buffer holds {sums.shape[0]} {sums.dtype} values, the down kernel "
                          f"needs {size} float32")
-    width = size // (n_tokens + 1)
+    if not scratch_row and tiles.rows != 1:
+        raise ValueError(f"token_sums: sums without a scratch row need 1-row tiles (no padding rows), not {tiles}")
 
     def outputs(blocks_n, split, bn):
         # rows of whole weight-row blocks (no masked columns), one scratch row (interpret mode's padding rows)
@@ -781,7 +798,8 @@ def shared_parts(n_tokens: int, top_k: int, hidden: int, inter: int, shared_inte
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ew: ExpertWeights,
                    n_experts: int | None = None, tiles: GemvTiles | None = None, interpret: bool = False, *,
                    sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None,
-                   shared: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+                   shared: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                   residual_sums: jax.Array | None = None) -> jax.Array:
     """Routed SwiGLU experts over MXFP4 `ew`: x [T, D], topk_ids [T, k] int, topk_weights [T, k] -> [T, D] of
     x.dtype (the hidden activations rounded to x.dtype between the projections, as the MMA path does).
 
@@ -796,7 +814,11 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     `shared` (gate [H, S], up [H, S], down [S, H] bf16): a shared-expert MLP every token runs unweighted, added in by
     the same two kernels (`SharedFold`: its `shared_parts` pseudo-experts E .. E + P - 1 of weight 1; 1-row tiles);
     with `sched` given, topk_ids and topk_weights hold their columns already (`kernels.router`'s shared parts), else
-    they are appended here."""
+    they are appended here.
+
+    `residual_sums` (float32 [T, D], the layer's residual rows: `kernels.moe_front.front(sums=True)`): the down kernel
+    adds into it instead of zeros and the result is float32 [T, D], residual + experts, not rounded (the layer's
+    residual add done, for consumers that round as they load); needs `sums_take_residual`."""
     if ew.fmt != "mxfp4":
         raise ValueError(f"the decode kernels take MXFP4 experts, not {ew.fmt}")
     n_experts = n_experts or ew.gate.shape[0]
@@ -849,12 +871,20 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     else:
         xs = row_scaled_words(jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])), "rows"
     down = ((ew.down, ew.down_scales),)
+    if residual_sums is not None and (residual_sums.shape != x.shape or residual_sums.dtype != jnp.float32
+                                      or not sums_take_residual(x.shape[1], ew.down.shape[2] * BLOCK, tiles)):
+        raise ValueError(f"the residual rows to add into ({residual_sums.dtype}{list(residual_sums.shape)}) need "
+                         f"float32 {list(x.shape)} and 1-row tiles over whole blocks of the hidden size, not {tiles}")
+    zeroed = 0 if residual_sums is not None else sums_size(n_tokens, down, tiles)  # (else the residual rows)
     h, h_form, zeros = hidden_rows(sched.tile_expert, sched.token_of_row, *xs,
                                    ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales)), tiles, n_tokens, x.dtype,
-                                   interpret, zeroed=sums_size(n_tokens, down, tiles), n_rows=n_rows,
-                                   shared=folds and folds[0], turns=sched.turns)
+                                   interpret, zeroed=zeroed, n_rows=n_rows, shared=folds and folds[0],
+                                   turns=sched.turns)
     if h_form == "raw" and not tiles.pack_in_kernel:
         h, h_form = row_scaled_words(h), "rows"
+    if residual_sums is not None:
+        zeros = residual_sums.reshape(-1)
     sums = token_sums(sched.tile_expert, sched.pair_of_row(), h, h_form, pair_weights, stride, n_tokens, down,
-                      tiles, interpret, sums=zeros, n_rows=n_rows, shared=folds and folds[1])
-    return sums.astype(x.dtype)
+                      tiles, interpret, sums=zeros, n_rows=n_rows, shared=folds and folds[1],
+                      scratch_row=residual_sums is None)
+    return sums if residual_sums is not None else sums.astype(x.dtype)

@@ -17,6 +17,10 @@ steps, writing into the group's output at the weight's columns.
   its weights' products side by side, float32 sums rounded to x's dtype;
 - `residual` [M, N] (one group of one weight): added to the rounded product, rounded again (the layer's `x + h`).
 
+x and `residual` may also be float32 rows for 16-bit weights (the residual stream as the MXFP4 decode kernels leave
+it, their sums added into the residual: `model.moe.RESIDUAL_IN_SUMS`): each value is then rounded to the weights'
+dtype as it loads, so the results are those of the rounded rows.
+
 Where the column blocks alone are too few programs to stream the weights, K is split (`ProjectionTiles`): each
 program then writes a float32 partial sum (with the norm, the first program of each slice also the rows' squares
 over it) and XLA adds them up, scales, rounds and adds the residual (`finished`). With `project(finish=False)` the
@@ -147,7 +151,7 @@ def finished(out: Projected | HeadScaled, residual: jax.Array | None = None) -> 
         if out.squares is not None:
             total = total * jax.lax.rsqrt(jnp.sum(out.squares, axis=0) / out.k_dim + out.eps)[:, None]
         out = total.astype(out.dtype)
-    return out if residual is None else residual + out
+    return out if residual is None else residual.astype(out.dtype) + out
 
 
 @dataclass(frozen=True)
@@ -198,11 +202,14 @@ def _check(x, groups, norm_weight, residual):
     rows, k_dim = x.shape
     if not groups or not all(groups):
         raise ValueError("projection: needs at least one group of at least one weight")
+    dtype = groups[0][0].dtype
+    if x.dtype != dtype and x.dtype != jnp.float32:
+        raise ValueError(f"projection: x is {x.dtype}; takes the weights' {dtype}, or float32 rows (rounded to it)")
     for g, group in enumerate(groups):
         for i, w in enumerate(group):
-            if w.ndim != 2 or w.shape[0] != k_dim or w.dtype != x.dtype:
+            if w.ndim != 2 or w.shape[0] != k_dim or w.dtype != dtype:
                 raise ValueError(f"projection: group {g} weight {i} is {w.dtype}{list(w.shape)}; x {x.dtype}"
-                                 f"{list(x.shape)} needs {x.dtype}[{k_dim}, N]")
+                                 f"{list(x.shape)} needs {dtype}[{k_dim}, N] (the first weight's dtype)")
     if norm_weight is not None and norm_weight.shape != (k_dim,):
         raise ValueError(f"projection: norm weight {norm_weight.shape} for {k_dim} features")
     if residual is not None:
@@ -210,6 +217,8 @@ def _check(x, groups, norm_weight, residual):
             raise ValueError("projection: a residual needs exactly one group of one weight")
         if residual.shape != (rows, groups[0][0].shape[1]):
             raise ValueError(f"projection: residual {residual.shape} for output {(rows, groups[0][0].shape[1])}")
+        if residual.dtype not in (dtype, jnp.float32):
+            raise ValueError(f"projection: residual {residual.dtype}; takes {dtype} or float32 (rounded to it)")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -227,11 +236,12 @@ def reference(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_w
     _check(x, groups, norm_weight, residual)
     if isinstance(x, HeadScaled):
         x = finished(x)
+    x = x.astype(groups[0][0].dtype)  # float32 rows: rounded as the kernel loads them
     h = x if norm_weight is None else rms_norm(x, norm_weight, eps)
     outs = tuple(jnp.concatenate([jnp.dot(h, w) for w in group], axis=-1) if len(group) > 1 else jnp.dot(h, group[0])
                  for group in groups)
     if residual is not None:
-        outs = (residual + outs[0],)
+        outs = (residual.astype(outs[0].dtype) + outs[0],)
     return outs
 
 
@@ -252,7 +262,9 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
         row_index = jnp.minimum(jax.lax.broadcasted_iota(jnp.int32, (BLOCK_ROWS,), 0), rows - 1)
 
     def x_block(k0):
-        return x_ref[row_index, pl.ds(k0, sk)]
+        block = x_ref[row_index, pl.ds(k0, sk)]
+        # float32 rows of 16-bit weights: rounded as they load (not HeadScaled values, which are float32 by design)
+        return block.astype(dtype) if head_scaled is None and x_ref.dtype != dtype else block
 
     if head_scaled:  # float32 values times their head's 1 / rms (a block lies within one head), rounded
         head_dim, parts, head_eps = head_scaled
@@ -292,7 +304,7 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
             acc = acc * jax.lax.rsqrt(squares / k_dim + eps)[:, None]
         out = acc.astype(dtype)
         if has_residual:
-            out = (res_ref[row_index, pl.ds(n0, block.width)].astype(jnp.float32)
+            out = (res_ref[row_index, pl.ds(n0, block.width)].astype(dtype).astype(jnp.float32)
                    + out.astype(jnp.float32)).astype(dtype)
         out_refs[block.group][row_index, pl.ds(column, block.width)] = out
 
@@ -305,7 +317,7 @@ def project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...]
             norm_weight: jax.Array | None = None, eps: float = 1e-6, residual: jax.Array | None = None,
             tiles: ProjectionTiles | None = None, interpret: bool = False,
             finish: bool = True) -> tuple[Projected, ...]:
-    """x [M, K] (or `HeadScaled` rows, of its dtype) -> one array [M, sum of the group's N] of x.dtype per group (see
+    """x [M, K] (or `HeadScaled` rows) -> one array [M, sum of the group's N] of the weights' dtype per group (see
     the module docstring). Needs `supported(M, K, widths)`. `finish` False (no residual): where K is split, each
     group comes back as its `Partials` (`finished` makes the array of them)."""
     _check(x, groups, norm_weight, residual)

@@ -71,14 +71,16 @@ class DecoderLayer(nn.Module):
         cfg = self.config
         if not (isinstance(self.mlp, MoE) and self.mesh is None and x.shape[1] == 1):
             return "reference"
-        return moe_front.choose(x.shape[0], cfg.hidden_size, cfg.num_experts, x.dtype)
+        return moe_front.choose(x.shape[0], cfg.hidden_size, cfg.num_experts, self.dtype)
 
     def _mlp_front(self, update, residual, workspace, kind: str, cache: dict):
         """The MoE half of a decode step from the attention's unfinished output: o_proj's `update` and the layer
         input `residual` [B, D] -> (x [B, 1, D], workspace, cache), the residual add, the norm and the router's
         logits in `kernels.moe_front`'s one kernel (with `FRONT_SELECT` and the cache's "moe_turns", the router's
         choice too, where the router would make it in its one-token select kernel; x's words for the MXFP4 decode
-        kernels where they take them, `MoE.front_packs`)."""
+        kernels where they take them, `MoE.front_packs`). Where the MXFP4 down kernel adds the experts into the
+        residual rows the front kernel writes (`MoE.residual_in_sums`), x comes back as those float32 sums, which the
+        next layer's kernels round as they load (`DecoderLayer.step`)."""
         cfg = self.config
         router_weight = self.mlp.variables["params"]["gate"]["weight"]
         norm_weight = self.post_attention_layernorm.variables["params"]["weight"]
@@ -86,15 +88,18 @@ class DecoderLayer(nn.Module):
         select = (self.mlp.front_select(residual.shape[0], workspace) if FRONT_SELECT and "moe_turns" in cache
                   else None)
         pack = self.mlp.front_packs(residual.shape[0], workspace)  # x's words for the MXFP4 decode kernels
+        sums = self.mlp.residual_in_sums(residual.shape[0], workspace)  # x as float32, for the down kernel's sums
         choice = {} if select is None else dict(select=select[0], bias=select[1], zeros=select[2],
                                                 turns=cache["moe_turns"], layer=self.layer)
         x, normed, logits, *rest = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps,
-                                         pack=pack, **choice)
+                                         pack=pack, sums=sums, **choice)
         x_words, rest = (rest[0], rest[1:]) if pack else (None, rest)
+        x_sums, rest = (rest[0], rest[1:]) if sums else (None, rest)
         counters = rest[3] if len(rest) > 3 else None  # the decode kernels' turn counters, zeroed (`zeros`)
         y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=tuple(rest[:2]) if choice else None,
-                                x_words=x_words, counters=counters)
-        return x[:, None] + y, workspace, (dict(cache, moe_turns=rest[2]) if choice else cache)
+                                x_words=x_words, counters=counters, residual_sums=x_sums)
+        cache = dict(cache, moe_turns=rest[2]) if choice else cache
+        return (y if sums else x[:, None] + y), workspace, cache
 
     def _mlp(self, x, workspace):
         """x + mlp(norm(x)) -> (x, workspace)."""
@@ -112,11 +117,16 @@ class DecoderLayer(nn.Module):
         return self._mlp(x + h, workspace)
 
     def step(self, x, positions, valid, cache: dict, block_tables, slots, decode: bool, workspace=None):
-        """Cached step of this layer; returns (x, cache, workspace)."""
+        """Cached step of this layer; returns (x, cache, workspace). x may come as float32 sums of a model of 16-bit
+        dtype (the previous layer's residual add done in the MXFP4 down kernel: `MoE.residual_in_sums`): the fused
+        decode path's kernels round it as they load, every other path takes it rounded here."""
         index = layer_slots(self.config)[self.layer]
+        rounded = x.astype(self.dtype)  # (only its shape and dtype where the fused path takes x as it is)
         # one-token decode steps may take the input norm and the residual add inside (with the projections)
-        fused = decode and (self.self_attn.decode_layer_kind(x) if self.is_kda
-                            else self.self_attn.decode_projection_kind(x)) != "reference"
+        fused = decode and (self.self_attn.decode_layer_kind(rounded) if self.is_kda
+                            else self.self_attn.decode_projection_kind(rounded)) != "reference"
+        if not fused:
+            x = rounded
         norm_weight = self.input_layernorm.variables["params"]["weight"] if fused else None
         # the MoE block's front (residual add, norm, router logits) in one kernel after the attention's decode step
         front = self._front_kind(x) if fused and (self.is_kda or FRONT_AFTER_MLA) else "reference"
@@ -218,6 +228,10 @@ class Decoder(nn.Module):
         if self.mesh is not None:
             placements = sharding.cache_shardings(self.config, self.mesh, cache)
             cache = {name: jax.lax.with_sharding_constraint(value, placements[name]) for name, value in cache.items()}
-        last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
-        x = self.norm(jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0])
+        x = x.astype(self.dtype)  # float32 sums of the last MoE layer (`MoE.residual_in_sums`): rounded
+        if x.shape[1] == 1:  # decode: the one token (no gather kernel)
+            x = self.norm(x[:, 0])
+        else:
+            last = jnp.maximum(jnp.sum(valid, axis=1) - 1, 0)
+            x = self.norm(jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0])
         return self._logits(x), cache

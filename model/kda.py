@@ -130,12 +130,13 @@ class KimiDeltaAttention(nn.Module):
     def decode_layer_kind(self, x) -> str:
         """Which implementation `decode_in_place` runs for these rows x [B, 1, D]: "pallas" / "interpret" (the
         one-kernel step of `kernels.kda.decode_layer`, where dispatch picks it and it takes this layer) or
-        "reference" (`step`'s ops; also on a mesh and at init)."""
+        "reference" (`step`'s ops; also on a mesh and at init). The layer's dtype decides, not x's (x may be float32
+        rows of a 16-bit model, which the projection kernel rounds as it loads)."""
         cfg = self.config
         if self.mesh is not None or self.is_initializing() or x.shape[1] != 1:
             return "reference"
         if not decode_layer.supported(cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim, cfg.kda_head_dim,
-                                      cfg.kda_conv_size, x.dtype):
+                                      cfg.kda_conv_size, self.dtype):
             return "reference"
         return decode_layer.choose()
 

@@ -69,6 +69,14 @@ SHARED_IN_PACKED_MAX_TOKENS = 1
 # decode kernels take as turn counters (`moe_mxfp4_gemv.turn_count`): in place of XLA's zero fill per MoE layer (a ~1.2 us
 # memset launch on the H200, 15 per token in the medium hybrid's batch-1 step).
 COUNTERS_FROM_FRONT = True
+# Whether a decode MoE block whose front kernel runs before the MXFP4 decode kernels has that kernel write the layer's
+# residual rows as float32 (`kernels.moe_front.front(sums=True)`) for the down kernel to add the experts into, in
+# place of the zeros it adds into now (`MoE.residual_in_sums`): the layer's output is then those float32 sums, and the
+# next layer's kernels round them to the model dtype as they load (`kernels.projection`, `kernels.moe_front`), so the
+# residual add (one XLA kernel per MoE layer, ~1.1 us each on the H200: 15 per batch-1 token of the medium hybrid)
+# disappears. The sums are rounded once (residual + experts) where XLA's add rounded the experts' sums first. Off until
+# measured on a GPU (benchmarks/decode_profile.py --set model.moe.RESIDUAL_IN_SUMS=true).
+RESIDUAL_IN_SUMS = False
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
 # the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
 # token at batch 1 / 16 against 1.397 / 2.990 with the dot (benchmarks/decode_profile.py --router-dot).
@@ -354,10 +362,11 @@ class Experts(nn.Module):
 
     @nn.compact
     def __call__(self, x, ids, weights, workspace: Workspace | None = None, tiles=None, sched=None, x_words=None,
-                 shared=None):
+                 shared=None, residual_sums=None):
         """`tiles` / `sched` / `x_words`: the MXFP4 decode kernels' tiles (`MoE.decode_tiles`), their schedule and
         packed x, made ahead (`kernels.moe.moe_experts_packed`), and `shared`, the shared MLP's (gate, up, down)
-        kernels for those kernels to add in (`moe_mxfp4_gemv.SharedFold`); unused otherwise."""
+        kernels for those kernels to add in (`moe_mxfp4_gemv.SharedFold`); unused otherwise. `residual_sums`: the
+        float32 residual rows those kernels add into (`MoE.residual_in_sums`; y is then float32, residual + experts)."""
         cfg = self.config
         ep = sharding.expert_parallel_size(cfg, self.mesh) > 1
         if cfg.quant_method == "mxfp4":
@@ -377,7 +386,7 @@ class Experts(nn.Module):
                 return expert_parallel(x, ids, weights, p, run_local, self.mesh, cfg.num_experts), workspace
             return moe_kernels.moe_experts_packed(x, ids, weights, packed(p), layer=self.layer, workspace=workspace,
                                                   tiles=tiles, impl=cfg.mxfp4.impl, sched=sched, x_words=x_words,
-                                                  shared=shared)
+                                                  shared=shared, residual_sums=residual_sums)
         e, d, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(0.02)
         w = {"w_gate": self.param("w_gate", init, (e, d, i), self.dtype),
@@ -439,6 +448,17 @@ class MoE(nn.Module):
         return (n_tokens >= FRONT_PACKED_MIN_TOKENS and self.config.hidden_size % mxfp4.BLOCK == 0
                 and self.decode_tiles(n_tokens, workspace) is not None)
 
+    def residual_in_sums(self, n_tokens: int, workspace: Workspace | None = None) -> bool:
+        """Whether a decode call of `n_tokens` tokens after the front kernel takes the layer's residual rows for the
+        MXFP4 down kernel to add into (`RESIDUAL_IN_SUMS`; `__call__(residual_sums=)`): where those kernels run in
+        1-row tiles over whole blocks of the hidden size (`moe_mxfp4_gemv.sums_take_residual`) and the shared MLP,
+        if any, folds into them."""
+        cfg = self.config
+        tiles = self.decode_tiles(n_tokens, workspace) if RESIDUAL_IN_SUMS else None
+        return (tiles is not None
+                and moe_mxfp4_gemv.sums_take_residual(cfg.hidden_size, cfg.moe_intermediate_size, tiles)
+                and (not cfg.num_shared_experts or self._shared_parts(n_tokens, tiles) > 0))
+
     def front_select(self, n_tokens: int, workspace: Workspace | None = None
                      ) -> tuple[Any, jax.Array | None, int] | None:
         """For a call of `n_tokens` tokens: where it is one token whose router would run
@@ -465,13 +485,15 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None, chosen=None,
-                 x_words=None, counters=None):
+                 x_words=None, counters=None, residual_sums=None):
         """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`).
         `logits` [B * T, E] float32: the router's logits of x, computed already (`kernels.moe_front`); `chosen`:
         one token's choice made already (`front_select`); `x_words`: x packed for the MXFP4 decode kernels
         (`front_packs`; `kernels.moe_front.front(pack=True)`); `counters`: int32 zeros for those kernels' turn
-        counters (`front_select`). Where those kernels run, the router's select kernel also makes their schedule
-        (`ROUTER_SCHEDULE`; static but for the experts at one token)."""
+        counters (`front_select`); `residual_sums`: float32 [B * T, D], the layer's residual rows for those kernels
+        to add into (`residual_in_sums`), y then float32 [B, T, D], the residual and the experts (shared included).
+        Where those kernels run, the router's select kernel also makes their schedule (`ROUTER_SCHEDULE`; static but
+        for the experts at one token)."""
         cfg = self.config
         flat = x.reshape(-1, x.shape[-1])
         router = Router(cfg, self.dtype, one_kernel=self.mesh is None, name="gate")
@@ -490,6 +512,9 @@ class MoE(nn.Module):
             return y.reshape(x.shape), workspace
         if chosen is not None and not parts:
             raise ValueError("MoE: a choice made already needs the shared MLP in the expert kernels")
+        if residual_sums is not None and not self.residual_in_sums(flat.shape[0], workspace):
+            raise ValueError("MoE: residual rows to add into need RESIDUAL_IN_SUMS and the MXFP4 decode kernels "
+                             "taking them (`residual_in_sums`)")
         if tiles is not None:  # (the shared MLP's parts, where it folds into these kernels, the router's to append)
             ids, weights, sched = router(flat, shared_parts=parts, logits=logits, chosen=chosen,
                                          schedule_rows=tiles.rows)
@@ -497,7 +522,8 @@ class MoE(nn.Module):
         else:
             (ids, weights), sched = router(flat, logits=logits), None
         y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(
-            flat, ids, weights, workspace, tiles=tiles, sched=sched, x_words=x_words, shared=shared)
+            flat, ids, weights, workspace, tiles=tiles, sched=sched, x_words=x_words, shared=shared,
+            residual_sums=residual_sums)
         y = y.reshape(x.shape)
         if cfg.num_shared_experts and not parts:
             # decode-sized calls on one device through the projection or grouped expert kernels (a mesh shards these

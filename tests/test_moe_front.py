@@ -53,6 +53,40 @@ def test_matches_xla_and_oracle(seed, slices, hidden, n_experts, rows):
                                @ np.asarray(args[3], np.float64).T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("slices,select", [(8, False), (0, False), (2, True)])
+def test_float32_residual_and_the_sums_it_writes(seed, slices, select):
+    """A float32 residual (the previous layer's residual added into the MXFP4 down kernel's sums,
+    `model.moe.RESIDUAL_IN_SUMS`) is rounded to the router weights' bf16 as it loads: x, normed, the logits (and the
+    router's choice) bit for bit those of the rounded residual, in the kernel and the XLA form. With `sums` the
+    results also hold x as float32 (exactly x's bf16 values), the rows the down kernel adds the experts into."""
+    from dayzero.kernels import router
+
+    rng = np.random.default_rng(seed)
+    update, _, norm_weight, router_weight = _inputs(rng, 1, slices)
+    wide = jnp.asarray(rng.standard_normal((1, 128)) * 3, jnp.float32)
+    choice = {}
+    if select:
+        choice = dict(select=moe_front.Select(2, True, True, 1.0, 1), turns=jnp.zeros((2, 1), jnp.int32), layer=1)
+    got = moe_front.front(update, wide, norm_weight, router_weight, eps=1e-5, sums=True, interpret=True, **choice)
+    plain = moe_front.front(update, wide.astype(jnp.bfloat16), norm_weight, router_weight, eps=1e-5,
+                            interpret=True, **choice)
+    assert len(got) == len(plain) + 1 and got[3].dtype == jnp.float32 and got[3].shape == (1, 128)
+    assert got[0].dtype == jnp.bfloat16
+    for g, p in zip(got[:3] + got[4:], plain):
+        assert np.array_equal(np.asarray(g, np.float32), np.asarray(p, np.float32))
+    assert np.array_equal(np.asarray(got[3]), np.asarray(got[0], np.float32))
+    if select:
+        assert got[4].shape == (router.BLOCK_M, 4) and not np.any(np.asarray(got[6]))
+    ref = moe_front.reference(update, wide, norm_weight, router_weight, eps=1e-5, sums=True)
+    ref_plain = moe_front.reference(update, wide.astype(jnp.bfloat16), norm_weight, router_weight, eps=1e-5)
+    for g, p in zip(ref[:3], ref_plain):
+        assert np.array_equal(np.asarray(g, np.float32), np.asarray(p, np.float32))
+    assert np.array_equal(np.asarray(ref[3]), np.asarray(ref[0], np.float32))
+    if update is not None:  # 16-bit rows of another dtype than o_proj's output
+        with pytest.raises(ValueError, match="float16"):
+            moe_front.front(update, wide.astype(jnp.float16), norm_weight, router_weight, eps=1e-5, interpret=True)
+
+
 def test_finished_update_and_errors(seed):
     """A finished o_proj output is added to the residual first; shapes that do not fit are refused by name, and
     `supported` says what the kernel takes."""
@@ -240,6 +274,15 @@ def test_front_makes_the_routers_choice(seed, sigmoid, parts):
                                 spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16),
                                 spec((64,), jnp.float32), spec((16, 4), jnp.int32)) == 1
 
+    def with_sums(sums, residual, norm_weight, router_weight, bias, turns):  # float32 rows in, x as float32 out
+        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
+        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5, select=select, bias=bias,
+                               turns=turns, layer=1, sums=True, zeros=64)
+
+    assert count_triton_kernels(with_sums, spec((8, 1, 2048), jnp.float32), spec((1, 2048), jnp.float32),
+                                spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16),
+                                spec((64,), jnp.float32), spec((16, 4), jnp.int32)) == 1
+
 
 def test_model_decode_mxfp4_takes_packed_x_and_the_routers_schedule(seed, monkeypatch):
     """MXFP4 experts at a 4-row decode step (2-row tiles of the MXFP4 decode kernels), every kernel in interpret
@@ -325,6 +368,50 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
     assert need and len(turns) == moe_layers and all(t is not None and t.shape[0] >= need for t in turns)
     a, f = np.asarray(apart, np.float32), np.asarray(folded, np.float32)
     assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
+
+
+def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):
+    """`model.moe.RESIDUAL_IN_SUMS` (MXFP4 experts, a one-row decode step, every kernel in interpret mode): in every
+    MoE layer the front kernel writes the residual rows as float32 and the MXFP4 down kernel adds the experts into
+    them (no residual add after it), the next layer's kernels round the float32 rows as they load; the next-token
+    logits and the caches match the step with the switch off to bf16 rounding (the sum is rounded once instead of
+    twice), and the turn counters are left at zero."""
+    from dayzero.kernels import moe_mxfp4_gemv
+    from dayzero.model import moe
+    from dayzero.model.config import MXFP4Execution
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(hidden_size=128, kda_num_heads=4, kda_head_dim=16, num_experts=16, num_experts_per_token=2,
+                         index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
+                         v_head_dim=16, moe_intermediate_size=128, quant_method="mxfp4",
+                         mxfp4=MXFP4Execution(impl="interpret"))
+    step, args = _prefilled_decode(cfg, seed, 1)
+    monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
+    fronts, experts_out = [], []
+    front, experts = moe_front.front, moe_mxfp4_gemv.grouped_swiglu
+
+    def spy_experts(*a, **k):
+        out = experts(*a, **k)
+        experts_out.append((k.get("residual_sums") is not None, out.dtype))
+        return out
+
+    monkeypatch.setattr(moe_front, "front", lambda *a, **k: fronts.append(k.get("sums", False)) or front(*a, **k))
+    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", spy_experts)
+    monkeypatch.setattr(moe, "RESIDUAL_IN_SUMS", False)
+    plain, plain_cache = step(*args, decode=True)
+    moe_layers = sum(m == "moe" for m in cfg.mlp_types)
+    assert fronts == [False] * moe_layers and experts_out == [(False, jnp.bfloat16)] * moe_layers
+    fronts.clear()
+    experts_out.clear()
+    monkeypatch.setattr(moe, "RESIDUAL_IN_SUMS", True)
+    summed, summed_cache = step(*args, decode=True)
+    assert fronts == [True] * moe_layers and experts_out == [(True, jnp.float32)] * moe_layers
+    a, f = np.asarray(plain, np.float32), np.asarray(summed, np.float32)
+    assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
+    for name in plain_cache:
+        c, d = np.asarray(plain_cache[name], np.float32), np.asarray(summed_cache[name], np.float32)
+        assert np.abs(d - c).max() <= 0.02 * max(np.abs(c).max(), 1e-6), name
+    assert not np.any(np.asarray(summed_cache["moe_turns"]))
 
 
 def test_front_packs_x_as_xla_does(seed):

@@ -447,3 +447,35 @@ def test_shared_fold_lowers_to_triton(shape):
     text = lower_for_cuda(fn, *args, ew, shared)
     assert text.count("__gpu$xla.gpu.triton") == 2
     assert "fma.rn.f16x2" in text and "stablehlo.dot" not in text
+
+
+@pytest.mark.parametrize("n_tokens,kind", [(1, "random"), (3, "random"), (4, "one_expert_takes_all")])
+def test_down_kernel_adds_into_the_residual_rows(seed, n_tokens, kind):
+    """`grouped_swiglu(residual_sums=)`, 1-row tiles (no padding rows) over whole blocks of the hidden size: the down
+    kernel adds into the given float32 residual rows instead of zeros, and the result is float32 residual + experts,
+    unrounded, near the oracle's and the zero-start result's plus the residual. Taller tiles, a short or
+    16-bit residual and a hidden size that the kernel's blocks do not tile are refused by name."""
+    hidden, inter = 64, 40
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, E, hidden, inter)
+    x = rng.standard_normal((n_tokens, hidden)).astype(np.float32)
+    residual = (rng.standard_normal((n_tokens, hidden)) * 4).astype(np.float32)
+    ids, w = routing(rng, kind, n_tokens, E, 2)
+    tiles = gemv.GemvTiles(rows=1, block_n=16, max_groups=2, split_k=2, min_programs=64, pack_in_kernel=True)
+    assert gemv.sums_take_residual(hidden, inter, tiles)
+    args = (jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), ew)
+    got = gemv.grouped_swiglu(*args, tiles=tiles, interpret=True, residual_sums=jnp.asarray(residual))
+    assert got.shape == x.shape and got.dtype == jnp.float32
+    want = residual.astype(np.float64) + oracle(x, ids, w, ew)
+    assert rel_err(got, want) < 2e-3, f"{kind} T={n_tokens}: {rel_err(got, want):.2e} (seed={seed})"
+    plain = gemv.grouped_swiglu(*args, tiles=tiles, interpret=True)  # the same experts, from zeros
+    np.testing.assert_allclose(np.asarray(got) - residual, np.asarray(plain), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="1-row tiles"):
+        gemv.grouped_swiglu(*args, tiles=gemv.GemvTiles(rows=2, **SMALL), interpret=True,
+                            residual_sums=jnp.asarray(residual))
+    with pytest.raises(ValueError, match="residual rows"):
+        gemv.grouped_swiglu(*args, tiles=tiles, interpret=True, residual_sums=jnp.asarray(residual, jnp.bfloat16))
+    with pytest.raises(ValueError, match="residual rows"):
+        gemv.grouped_swiglu(*args, tiles=tiles, interpret=True, residual_sums=jnp.asarray(residual[:, :32]))
+    assert not gemv.sums_take_residual(72, inter, tiles)  # 72 rows: the kernel's sums rows are 80 wide
+    assert not gemv.sums_take_residual(hidden, inter, gemv.GemvTiles(rows=2, **SMALL))

@@ -5,6 +5,7 @@ the medium hybrid's KDA layer shapes."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +166,33 @@ def test_unfinished_partials(seed):
                                                                        finish=False))
 
 
+@pytest.mark.parametrize("slices", [1, 4])
+def test_float32_rows_round_as_they_load(seed, slices):
+    """float32 rows and residual for bf16 weights (the residual stream as the MXFP4 down kernel leaves it,
+    `model.moe.RESIDUAL_IN_SUMS`): the kernel rounds them to bf16 as it loads, so every output (norm on, K split or
+    not, the residual added in the kernel or by `finished`) equals bit for bit the output for the rounded rows, and
+    so does the XLA form. 16-bit rows of other weights and a residual of a third dtype are refused."""
+    rng = np.random.default_rng(seed)
+    x, w, norm_weight = _case(rng, 2, 256, (128, 64), jnp.bfloat16)
+    wide = jnp.asarray(rng.standard_normal((2, 256)) * 3, jnp.float32)
+    wide_residual = jnp.asarray(rng.standard_normal((2, 128)) * 3, jnp.float32)
+    tiles = dataclasses.replace(SMALL, k_slices=slices, min_programs=1024)
+    for impl in (functools.partial(projection.project, tiles=tiles, interpret=True), projection.reference):
+        for kwargs in (dict(norm_weight=norm_weight), {}):
+            got = impl(wide, ((w[0], w[1]),), eps=1e-5, **kwargs)
+            want = impl(wide.astype(jnp.bfloat16), ((w[0], w[1]),), eps=1e-5, **kwargs)
+            assert got[0].dtype == jnp.bfloat16
+            assert np.array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+        got = impl(wide, ((w[0],),), residual=wide_residual)
+        want = impl(wide.astype(jnp.bfloat16), ((w[0],),), residual=wide_residual.astype(jnp.bfloat16))
+        assert got[0].dtype == jnp.bfloat16
+        assert np.array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+    with pytest.raises(ValueError, match="float32 rows"):
+        projection.project(x.astype(jnp.float16), ((w[0],),), interpret=True)
+    with pytest.raises(ValueError, match="residual float16"):
+        projection.project(x, ((w[0],),), residual=wide_residual.astype(jnp.float16), interpret=True)
+
+
 def test_names_what_it_does_not_take():
     """Rows that are not a power of two up to 16, widths or K off the 16 grid, mixed dtypes, a mismatched K, a
     residual with more than one weight: a ValueError naming the shape; `supported` and `choose` agree."""
@@ -206,6 +234,10 @@ def test_lowers_to_triton_at_model_shapes(rows):
                                                     residual=r)
     assert count_triton_kernels(scaled, spec(rows, 2048, dtype=jnp.float32), spec(rows, 64, dtype=jnp.float32), x,
                                 spec(2048, 2048)) == 1
+    # float32 rows of the residual stream (`model.moe.RESIDUAL_IN_SUMS`), rounded as they load
+    wide = spec(rows, 2048, dtype=jnp.float32)
+    assert count_triton_kernels(fn, wide, norm, *ins[0], *ins[1]) == 1
+    assert count_triton_kernels(out, x, wide, spec(2048, 2048)) == 1
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 32])

@@ -330,3 +330,51 @@ def test_decode_step_folds_the_shared_mlp_on_gpu(monkeypatch):
     assert given and all(given), given
     a, b = np.asarray(folded, np.float64), np.asarray(apart, np.float64)
     assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+
+
+@pytest.mark.parametrize("shape", [(64, 6, 2048, 768), (256, 8, 7168, 2048)])
+def test_gemv_adds_into_the_residual_rows(seed, shape):
+    """One token, the model's tiles and the shared MLP folded in: the down kernel adding into the given float32
+    residual rows (`grouped_swiglu(residual_sums=)`, no zeros written by the gate/up kernel) gives the residual plus
+    what it gives from zeros, to float32 rounding (the atomics' order varies)."""
+    n_experts, top_k, hidden, inter = shape
+    key = jax.random.key(seed)
+    ew = mxfp4.random_experts(key, n_experts, hidden, inter)
+    ids, w = _device_routing(jax.random.fold_in(key, 1), 1, n_experts, top_k)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (1, hidden), jnp.float32).astype(jnp.bfloat16)
+    residual = jax.random.normal(jax.random.fold_in(key, 3), (1, hidden), jnp.float32) * 4
+    shared = tuple((jax.random.normal(jax.random.fold_in(key, 4 + i), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+                   for i, s in enumerate(((hidden, inter), (hidden, inter), (inter, hidden))))
+    tiles = moe_mxfp4_gemv.tiles_for(top_k, n_experts)
+    assert moe_mxfp4_gemv.sums_take_residual(hidden, inter, tiles)
+    run = jax.jit(lambda x, ids, w, ew, sh, r: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=tiles, shared=sh,
+                                                                            residual_sums=r))
+    got = np.asarray(run(x, ids, w, ew, shared, residual), np.float64)
+    plain = jax.jit(lambda x, ids, w, ew, sh: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=tiles, shared=sh)
+                    .astype(jnp.float32))(x, ids, w, ew, shared)
+    want = np.asarray(residual, np.float64) + np.asarray(plain, np.float64)
+    assert np.all(np.isfinite(got))
+    assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want)), f"{shape} (seed={seed})"
+
+
+def test_decode_step_adds_the_residual_in_the_down_kernel_on_gpu(monkeypatch):
+    """The medium hybrid's first layers with MXFP4 experts, a one-row decode step: with `RESIDUAL_IN_SUMS` (the
+    front kernel writes the residual rows as float32, the down kernel adds the experts into them, the next layer's
+    kernels round them as they load) against the residual added by XLA: the next-token logits to bf16 rounding, the
+    decode kernels given the rows in every MoE layer."""
+    from dayzero.model import moe as model_moe
+    from medium_prefix_cases import prefilled_medium_prefix
+
+    run, args = prefilled_medium_prefix(9, num_blocks=3, batch=1, mxfp4=True)
+    given, experts = [], moe_mxfp4_gemv.grouped_swiglu
+    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
+        k.get("residual_sums") is not None) or experts(*a, **k))
+    monkeypatch.setattr(model_moe, "RESIDUAL_IN_SUMS", False)
+    plain, _ = run(*args, decode=True)
+    assert given and not any(given)
+    given.clear()
+    monkeypatch.setattr(model_moe, "RESIDUAL_IN_SUMS", True)
+    summed, _ = run(*args, decode=True)
+    assert given and all(given), given
+    a, b = np.asarray(summed, np.float64), np.asarray(plain, np.float64)
+    assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
