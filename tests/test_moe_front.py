@@ -375,7 +375,8 @@ def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):
     MoE layer the front kernel writes the residual rows as float32 and the MXFP4 down kernel adds the experts into
     them (no residual add after it), the next layer's kernels round the float32 rows as they load; the next-token
     logits and the caches match the step with the switch off to bf16 rounding (the sum is rounded once instead of
-    twice), and the turn counters are left at zero."""
+    twice), and the turn counters are left at zero. Where that rounding moves a router's choice, the choice must have
+    been a near tie (seen at some seeds: 2nd and 3rd logits 5e-4 apart); the logits are then not compared."""
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
     from dayzero.model.config import MXFP4Execution
@@ -387,31 +388,48 @@ def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):
                          mxfp4=MXFP4Execution(impl="interpret"))
     step, args = _prefilled_decode(cfg, seed, 1)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
-    fronts, experts_out = [], []
+    fronts, choices, experts_out = [], [], []
     front, experts = moe_front.front, moe_mxfp4_gemv.grouped_swiglu
+
+    def spy_front(*a, **k):
+        out = front(*a, **k)
+        fronts.append(k.get("sums", False))
+        ids_at = 3 + bool(k.get("pack")) + bool(k.get("sums"))  # x, normed, logits, [words], [sums], ids, ...
+        bias = np.zeros(cfg.num_experts) if k.get("bias") is None else np.asarray(k["bias"], np.float64)
+        assert cfg.router_activation == "sigmoid"
+        scores = 1 / (1 + np.exp(-np.asarray(out[2], np.float64)[0])) + bias  # what the choice ranks
+        choices.append((set(np.asarray(out[ids_at])[0, :cfg.num_experts_per_token].tolist()), scores))
+        return out
 
     def spy_experts(*a, **k):
         out = experts(*a, **k)
         experts_out.append((k.get("residual_sums") is not None, out.dtype))
         return out
 
-    monkeypatch.setattr(moe_front, "front", lambda *a, **k: fronts.append(k.get("sums", False)) or front(*a, **k))
+    monkeypatch.setattr(moe_front, "front", spy_front)
     monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", spy_experts)
     monkeypatch.setattr(moe, "RESIDUAL_IN_SUMS", False)
     plain, plain_cache = step(*args, decode=True)
     moe_layers = sum(m == "moe" for m in cfg.mlp_types)
     assert fronts == [False] * moe_layers and experts_out == [(False, jnp.bfloat16)] * moe_layers
+    plain_choices = list(choices)
     fronts.clear()
+    choices.clear()
     experts_out.clear()
     monkeypatch.setattr(moe, "RESIDUAL_IN_SUMS", True)
     summed, summed_cache = step(*args, decode=True)
     assert fronts == [True] * moe_layers and experts_out == [(True, jnp.float32)] * moe_layers
+    assert not np.any(np.asarray(summed_cache["moe_turns"]))
+    for (ids, scores), (got_ids, _) in zip(plain_choices, choices):
+        if got_ids != ids:  # the first choice that moved: a near tie at the k-th score, then nothing more to compare
+            kth = np.sort(scores)[::-1][cfg.num_experts_per_token - 1]
+            assert all(scores[e] >= kth - 1e-3 for e in got_ids), (ids, got_ids, np.sort(scores)[::-1][:4])
+            return
     a, f = np.asarray(plain, np.float32), np.asarray(summed, np.float32)
     assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
     for name in plain_cache:
         c, d = np.asarray(plain_cache[name], np.float32), np.asarray(summed_cache[name], np.float32)
         assert np.abs(d - c).max() <= 0.02 * max(np.abs(c).max(), 1e-6), name
-    assert not np.any(np.asarray(summed_cache["moe_turns"]))
 
 
 def test_front_packs_x_as_xla_does(seed):
