@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import dispatch, tiles as tiling
+from . import dispatch, projection, tiles as tiling
 from .sparse_mla import SplitLatents
 
 # Whether CUDA runs the kernels by default: tests/gpu/test_mla_absorb_gpu.py passes on the H200 (2026-12-03), and
@@ -88,16 +88,24 @@ def absorb_reference(q: jax.Array, w_kv: jax.Array, *, heads: int, nope: int, ro
                      v_dim: int) -> tuple[jax.Array, jax.Array]:
     """XLA form of `absorb_queries`."""
     rank = _dims(w_kv, heads, nope, v_dim)
+    q = projection.finished(q)  # (a Partials' sums added up)
     q = q.reshape(q.shape[0], heads, nope + rope)
     w = w_kv.reshape(rank, heads, nope + v_dim)[..., :nope].astype(q.dtype)
     return jnp.einsum("mhn,rhn->mhr", q[..., :nope], w), q[..., nope:]
 
 
-def _absorb_kernel(q_ref, w_ref, ql_ref, qr_ref, *, rows, nope, rope, v_dim, rank, block_r):
+def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials):
+    """`partials`: q comes as a `projection.Partials` layout (its sums and squares refs first), finished as loaded."""
+    n_q = 1 if partials is None else 1 + partials[2]
+    q_refs, (w_ref, ql_ref, qr_ref) = refs[:n_q], refs[n_q:]
+    if partials is None:
+        q_at = lambda index, cols: q_refs[0][index, cols]
+    else:
+        q_at = lambda index, cols: projection.finished_block(q_refs, index, cols, partials)
     h, j = pl.program_id(0), pl.program_id(1)
     index = _row_index(rows)
     q_start = pl.multiple_of(h * (nope + rope), math.gcd(nope + rope, nope))
-    q_nope = q_ref[index, pl.ds(q_start, nope)]
+    q_nope = q_at(index, pl.ds(q_start, nope))
     r0 = pl.multiple_of(j * block_r, block_r)
     w = w_ref[pl.ds(r0, block_r), pl.ds(pl.multiple_of(h * (nope + v_dim), math.gcd(nope + v_dim, nope)), nope)]
     out = tiling.mm_nt(q_nope, w.astype(q_nope.dtype))
@@ -105,32 +113,41 @@ def _absorb_kernel(q_ref, w_ref, ql_ref, qr_ref, *, rows, nope, rope, v_dim, ran
 
     @pl.when(j == 0)
     def _():
-        qr_ref[index, pl.ds(pl.multiple_of(h * rope, rope), rope)] = q_ref[index, pl.ds(q_start + nope, rope)]
+        qr_ref[index, pl.ds(pl.multiple_of(h * rope, rope), rope)] = q_at(index, pl.ds(q_start + nope, rope))
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "nope", "rope", "v_dim", "tiles", "interpret"))
-def absorb_queries(q: jax.Array, w_kv: jax.Array, *, heads: int, nope: int, rope: int, v_dim: int,
-                   tiles: AbsorbTiles = AbsorbTiles(), interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def absorb_queries(q: jax.Array | projection.Partials, w_kv: jax.Array, *, heads: int, nope: int, rope: int,
+                   v_dim: int, tiles: AbsorbTiles = AbsorbTiles(),
+                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """q [M, heads * (nope + rope)], w_kv [R, heads * (nope + v_dim)] (kv_b_proj's kernel) -> q_latent [M, heads, R]
-    in q's dtype (float32 sums of q_nope . W_UK per head), q_rope [M, heads, rope] (q's rope columns)."""
+    in q's dtype (float32 sums of q_nope . W_UK per head), q_rope [M, heads, rope] (q's rope columns). q may come as
+    the query projection's `projection.Partials` (K split, `project(finish=False)`): each program finishes the
+    columns it reads as `projection.finished` does, so no XLA reduction runs between the two kernels."""
     rank = _dims(w_kv, heads, nope, v_dim)
-    rows = q.shape[0]
-    if q.ndim != 2 or q.shape[1] != heads * (nope + rope):
-        raise ValueError(f"mla_absorb: queries {list(q.shape)} are not [M, {heads} x ({nope} + {rope})]")
+    partials = None
+    if isinstance(q, projection.Partials):
+        q_operands, partials = projection.partials_operands(q)
+        shape, dtype = q.sums.shape[1:], jnp.dtype(q.dtype)
+    else:
+        q_operands, shape, dtype = [q], q.shape, q.dtype
+    rows = shape[0]
+    if len(shape) != 2 or shape[1] != heads * (nope + rope):
+        raise ValueError(f"mla_absorb: queries {list(shape)} are not [M, {heads} x ({nope} + {rope})]")
     if not supported(rank, nope, rope, v_dim, tiles):
         raise ValueError(f"mla_absorb: head sizes nope {nope}, rope {rope}, v {v_dim}, rank {rank} not supported")
     block_r = tiling.pow2_divisor(rank, tiles.block_r)
     kernel = functools.partial(_absorb_kernel, rows=rows, nope=nope, rope=rope, v_dim=v_dim, rank=rank,
-                               block_r=block_r)
+                               block_r=block_r, partials=partials)
     q_latent, q_rope = tiling.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((rows, heads * rank), q.dtype),
-                   jax.ShapeDtypeStruct((rows, heads * rope), q.dtype)),
+        out_shape=(jax.ShapeDtypeStruct((rows, heads * rank), dtype),
+                   jax.ShapeDtypeStruct((rows, heads * rope), dtype)),
         grid=(heads, rank // block_r, -(-rows // BLOCK_ROWS)),
         compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
         interpret=interpret,
         name="mla_absorb_queries",
-    )(q, w_kv)
+    )(*q_operands, w_kv)
     return q_latent.reshape(rows, heads, rank), q_rope.reshape(rows, heads, rope)
 
 

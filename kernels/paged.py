@@ -57,13 +57,18 @@ def write_reference(cache: jax.Array, layer: int, block_tables: jax.Array, posit
 
 
 def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
-          values: jax.Array, impl: str | None = None, norm: LeadingNorm | None = None) -> jax.Array:
+          values: jax.Array | projection.Partials, impl: str | None = None,
+          norm: LeadingNorm | None = None) -> jax.Array:
     """`write_reference`'s contract; on CUDA/ROCm the Pallas kernels (one token per request: the decode kernel).
     `norm`: the rows' leading features normalized first (in the decode kernel where it runs: `NORM_GPU_VERIFIED`
-    on CUDA, or interpret mode)."""
+    on CUDA, or interpret mode). values may be a projection's `projection.Partials` of one token per request
+    (sums [S, B, D]): the decode kernel finishes them as it loads them, else XLA first (`projection.finished`)."""
     choice = dispatch.choose("paged_write", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
-    if norm is not None and (choice == "reference" or values.shape[1] != 1
-                             or (choice == "pallas" and not NORM_GPU_VERIFIED)):
+    norm_outside = norm is not None and choice == "pallas" and not NORM_GPU_VERIFIED
+    if isinstance(values, projection.Partials) and (choice == "reference" or norm_outside):
+        values = projection.finished(values)[:, None]
+    if norm is not None and (choice == "reference" or norm_outside
+                             or (not isinstance(values, projection.Partials) and values.shape[1] != 1)):
         values, norm = norm.apply(values), None
     if choice == "reference":
         return write_reference(cache, layer, block_tables, positions, valid, values)

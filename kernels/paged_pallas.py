@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import tiles
+from . import projection, tiles
 
 
 def _token_rows(pos, ok, table_ref, b, layer_row0, block_size):
@@ -24,15 +24,20 @@ def _token_rows(pos, ok, table_ref, b, layer_row0, block_size):
     return jnp.where(ok, layer_row0 + page * block_size + safe % block_size, layer_row0)
 
 
-def _decode_kernel(*refs, layer_row0, block_size, pieces, norm):
-    if norm is None:
-        pos_ref, ok_ref, table_ref, val_ref, _cache_ref, out_ref = refs
-    else:
-        pos_ref, ok_ref, table_ref, val_ref, weight_ref, _cache_ref, out_ref = refs
+def _decode_kernel(*refs, layer_row0, block_size, pieces, norm, partials):
+    """`partials`: the values come as a `projection.Partials` layout (its sums and squares refs), finished as
+    loaded."""
+    n_values = 1 if partials is None else 1 + partials[2]
+    (pos_ref, ok_ref, table_ref), refs = refs[:3], refs[3:]
+    value_refs, refs = refs[:n_values], refs[n_values:]
+    weight_ref, (_cache_ref, out_ref) = (None, refs) if norm is None else (refs[0], refs[1:])
     b = pl.program_id(0)
     ok = ok_ref[b] != 0
     row = _token_rows(pos_ref[b], ok, table_ref, b, layer_row0, block_size)
-    values = [val_ref[b, pl.ds(start, size)] for start, size in pieces]
+    if partials is None:
+        values = [value_refs[0][b, pl.ds(start, size)] for start, size in pieces]
+    else:
+        values = [projection.finished_block(value_refs, b, pl.ds(start, size), partials) for start, size in pieces]
     if norm is not None:  # `paged.LeadingNorm` over the pieces before `width`
         width, eps = norm
         lead = [i for i, (start, _) in enumerate(pieces) if start < width]
@@ -57,11 +62,13 @@ def _prefill_kernel(pos_ref, ok_ref, table_ref, val_ref, _cache_ref, out_ref, *,
 
 
 def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
-          values: jax.Array, *, block_t: int = 64, num_warps: int = 4, interpret: bool = False,
+          values: jax.Array | projection.Partials, *, block_t: int = 64, num_warps: int = 4, interpret: bool = False,
           norm=None) -> jax.Array:
     """Same contract as `paged.write_reference`: cache [L, N, block, D], block_tables [B, NB] int32, positions/valid
     [B, T], values [B, T, D] -> the cache with the tokens stored (in place when the cache buffer is donated).
-    `norm` (a `paged.LeadingNorm`, one token per request only): the rows' leading features normalized first."""
+    `norm` (a `paged.LeadingNorm`, one token per request only): the rows' leading features normalized first. One
+    token per request may also come as a projection's `projection.Partials` over the B rows (sums [S, B, D]),
+    finished as the kernel loads them (`projection.finished`'s arithmetic)."""
     n_layers, n_blocks, block_size, width = cache.shape
     batch, length = positions.shape
     rows = tiles.cache_rows(cache)
@@ -73,11 +80,19 @@ def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.
     block_tables = block_tables.astype(jnp.int32)
     if norm is not None and length != 1:
         raise ValueError("paged write: a leading norm is for one token per request (the decode kernel)")
+    partials = None
+    if isinstance(values, projection.Partials):
+        if length != 1 or values.sums.shape[1:] != (batch, width):
+            raise ValueError(f"paged write: partial sums {list(values.sums.shape)} are for one token of each of "
+                             f"{batch} requests, [S, {batch}, {width}]")
+        value_args, partials = projection.partials_operands(values)
+    elif length == 1:
+        value_args = [values[:, 0]]
     if length == 1:
         kernel = functools.partial(_decode_kernel, norm=None if norm is None else (norm.width, float(norm.eps)),
-                                   **common)
+                                   partials=partials, **common)
         grid = (batch,)
-        args = (positions[:, 0], valid[:, 0], block_tables, values[:, 0])
+        args = (positions[:, 0], valid[:, 0], block_tables, *value_args)
         if norm is not None:
             args += (norm.weight,)
     else:

@@ -154,6 +154,27 @@ def finished(out: Projected | HeadScaled, residual: jax.Array | None = None) -> 
     return out if residual is None else residual.astype(out.dtype) + out
 
 
+def partials_operands(parts: Partials) -> tuple[list[jax.Array], tuple[int, float, bool, str]]:
+    """A `Partials`' kernel operands (its sums, then its squares where it has them) and the static layout
+    `finished_block` reads them with."""
+    squares = [] if parts.squares is None else [parts.squares]
+    return [parts.sums, *squares], (parts.k_dim, parts.eps, bool(squares), parts.dtype)
+
+
+def finished_block(refs, rows, cols, layout: tuple[int, float, bool, str]) -> jax.Array:
+    """In a consumer kernel: rows `rows` (an int or an int32 vector) and columns `cols` (a slice) of a `Partials`
+    handed over unfinished (refs: `partials_operands`' operands, layout its layout), finished as `finished` does:
+    the float32 sums over the slices, times the norm's 1 / rms where it has squares, rounded to its dtype."""
+    k_dim, eps, has_squares, dtype = layout
+    # slice by slice: Triton's lowering cannot broadcast a row vector index between two slices of one load
+    total = functools.reduce(jnp.add, [refs[0][s, rows, cols] for s in range(refs[0].shape[0])])
+    if has_squares:
+        squares = functools.reduce(jnp.add, [refs[1][s, rows] for s in range(refs[1].shape[0])])
+        scale = jax.lax.rsqrt(squares / k_dim + eps)
+        total = total * (scale[:, None] if total.ndim == 2 else scale)
+    return total.astype(dtype)
+
+
 @dataclass(frozen=True)
 class _Block:
     """Programs [start, start + count) run weight `weight` of group `group`, `width` columns each, written at

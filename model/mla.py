@@ -33,6 +33,12 @@ from .norms import LayerNorm, RMSNorm
 # benchmarks/decode_profile.py, 2026-12-02, thirteenth session) batch-1 decode took 1.253 ms of kernels per token
 # with it against 1.284 without (295 kernels against 306); tests/gpu/test_projection_gpu.py -k mla 2/2.
 DECODE_PROJECTIONS = True
+# Whether those decode projections hand their K-split partial sums over unfinished where the next kernel can finish
+# them as it loads them (`kernels.projection.finished_block`): the queries to `kernels.mla_absorb.absorb_queries`
+# (no query LoRA), the latent rows to the paged cache write with its leading norm (no rope on the shared key), in
+# place of XLA's reductions between the kernels (one or two per MLA layer). Off until measured on a GPU
+# (benchmarks/decode_profile.py --set model.mla.PROJECTION_PARTIALS=true).
+PROJECTION_PARTIALS = False
 
 
 def dense(features: int, dtype, use_bias: bool = False, name: str | None = None) -> nn.Dense:
@@ -165,8 +171,13 @@ class MLAttention(nn.Module):
     def _cache_rows(self, x, cos, sin, projected=None):
         """-> (the latent cache's new rows [B, T, R + rope], a `paged.LeadingNorm` for the write or None). One token
         per row: kv_a_layernorm goes with the rows into the cache write (one kernel with the write where it runs),
-        the rope key roped beside them; else the rows come normed (`_latents`)."""
+        the rope key roped beside them; else the rows come normed (`_latents`). `projected` as the projection's
+        `Partials` (one token per row, no rope: `PROJECTION_PARTIALS`) are the rows as they are, for the write to
+        finish."""
         in_write = x.shape[1] == 1 and not self.is_initializing()
+        if isinstance(projected, projection.Partials):
+            norm = self.kv_a_layernorm
+            return projected, paged.LeadingNorm(norm.variables["params"]["weight"], self.config.kv_lora_rank, norm.eps)
         latent, k_rope = self._latents(x, cos, sin, projected, normed=not in_write)
         rows = jnp.concatenate([latent, k_rope], axis=-1)
         if not in_write:
@@ -213,12 +224,13 @@ class MLAttention(nn.Module):
         """`_absorbed` for one token per row through `kernels.mla_absorb` (`kind` "pallas" / "interpret"): q
         [B, 1, H * (nope + rope)] unroped -> [B, 1, D] (`_out`)."""
         cfg = self.config
-        batch = q.shape[0]
+        unfinished = isinstance(q, projection.Partials)  # the query projection's sums, for the kernel to finish
+        batch = q.sums.shape[1] if unfinished else q.shape[0]
         heads, nope, rope, v_dim = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         w_kv = self._kv_b_kernel()
         interpret = kind == "interpret"
-        q_absorbed, q_rope = mla_absorb.absorb_queries(q[:, 0], w_kv, heads=heads, nope=nope, rope=rope,
-                                                       v_dim=v_dim, interpret=interpret)
+        q_absorbed, q_rope = mla_absorb.absorb_queries(q if unfinished else q[:, 0], w_kv, heads=heads, nope=nope,
+                                                       rope=rope, v_dim=v_dim, interpret=interpret)
         q_rope = q_rope[:, None]
         if cfg.mla_use_rope:
             q_rope = rope_lib.apply_interleaved(q_rope, cos, sin)
@@ -280,6 +292,7 @@ class MLAttention(nn.Module):
         cfg = self.config
         cos, sin = self._rope(positions)
         projected, out_project = (None, None), None
+        absorb = self.absorb_kind(x)
         if norm_weight is not None:
             kind = self.decode_projection_kind(x)
             if kind == "reference":
@@ -290,15 +303,18 @@ class MLAttention(nn.Module):
             rows = x[:, 0]
             q, kv = project(rows, ((first.variables["params"]["kernel"],),
                                    (self.kv_a_proj_with_mqa.variables["params"]["kernel"],)),
-                            norm_weight=norm_weight, eps=cfg.rms_norm_eps)
-            projected = q[:, None], kv[:, None]
+                            norm_weight=norm_weight, eps=cfg.rms_norm_eps, finish=not PROJECTION_PARTIALS)
+            # partial sums stay unfinished where the next kernel finishes them: the absorb kernel (no query LoRA),
+            # the cache write (no rope on the shared key)
+            keep = (absorb != "reference" and cfg.q_lora_rank is None, not cfg.mla_use_rope)
+            projected = tuple(out if taken and isinstance(out, projection.Partials) else
+                              projection.finished(out)[:, None] for out, taken in zip((q, kv), keep))
             if unfinished:
                 out_project = lambda o, w: (project(o[:, 0], ((w,),), finish=False)[0], rows)
             else:
                 out_project = lambda o, w: project(o[:, 0], ((w,),), residual=rows)[0][:, None]
         elif unfinished:
             raise ValueError("MLAttention.step: `unfinished` needs the decode projections (a norm weight)")
-        absorb = self.absorb_kind(x)
         if absorb == "reference":
             q_nope, q_rope, q_latent = self._queries(x, cos, sin, projected[0])
         else:

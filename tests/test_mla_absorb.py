@@ -46,6 +46,29 @@ def test_absorb_queries(seed, rows, dtype):
                                atol=_tol(dtype) * float(np.max(np.abs(want))))
 
 
+@pytest.mark.parametrize("rows,squares", [(1, True), (3, False)])
+def test_absorb_queries_finishes_partial_sums(seed, rows, squares):
+    """q as the query projection's K-split `projection.Partials` (with the norm's squares or without): each program
+    finishes the columns it reads as `projection.finished` does, so q_latent and q_rope equal bit for bit those of
+    the finished q; the XLA form takes them too."""
+    from dayzero.kernels import projection
+
+    rng = np.random.default_rng(seed)
+    sums = jnp.asarray(rng.standard_normal((4, rows, HEADS * (NOPE + ROPE))), jnp.float32)
+    sq = jnp.asarray(rng.uniform(1, 3, (4, rows)), jnp.float32) if squares else None
+    parts = projection.Partials(sums, sq, 256, 1e-6, "bfloat16")
+    w = _weights(rng, jnp.bfloat16)
+    kw = dict(heads=HEADS, nope=NOPE, rope=ROPE, v_dim=V)
+    got = mla_absorb.absorb_queries(parts, w, **kw, interpret=True)
+    want = mla_absorb.absorb_queries(projection.finished(parts), w, **kw, interpret=True)
+    assert got[0].dtype == jnp.bfloat16
+    for g, r in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+    for g, r in zip(mla_absorb.absorb_reference(parts, w, **kw), mla_absorb.absorb_reference(
+            projection.finished(parts), w, **kw)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+
+
 def _split_case(rng, rows, splits, heads_p, dtype):
     out = jnp.asarray(rng.standard_normal((rows, splits, heads_p, RANK)), dtype)
     lse = rng.standard_normal((rows, splits, heads_p)) * 3
@@ -123,6 +146,11 @@ def test_lowers_to_triton(heads, rows):
     w = spec(512, heads * 256)
     absorb = lambda q, w: mla_absorb.absorb_queries(q, w, heads=heads, nope=128, rope=64, v_dim=128)
     assert count_triton_kernels(absorb, spec(rows, heads * 192), w) == 1
+    from dayzero.kernels import projection  # the query projection's partial sums, finished as loaded
+
+    split = lambda s, sq, w: absorb(projection.Partials(s, sq, 2048, 1e-5, "bfloat16"), w)
+    assert count_triton_kernels(split, spec(8, rows, heads * 192, dtype=jnp.float32),
+                                spec(8, rows, dtype=jnp.float32), w) == 1
     up = lambda o, lse, w: mla_absorb.up_project(SplitLatents(o, lse, heads, "bfloat16"), w, nope=128, v_dim=128)
     assert count_triton_kernels(up, spec(rows, 8, heads, 512), spec(rows, 8, heads, dtype=jnp.float32), w) == 1
 

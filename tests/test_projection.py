@@ -260,6 +260,33 @@ def test_mla_decode_with_projection_kernel(seed, monkeypatch, q_lora_rank):
     assert err <= 3e-2 * np.max(np.abs(np.asarray(plain, np.float32)))
 
 
+@pytest.mark.parametrize("q_lora_rank,use_rope,taken", [(None, False, 2), (None, True, 1), (32, False, 1)])
+def test_mla_decode_projection_partials(seed, monkeypatch, q_lora_rank, use_rope, taken):
+    """`model.mla.PROJECTION_PARTIALS` (every kernel in interpret mode, hidden 256: the projection kernel splits K):
+    the query projection's partial sums go unfinished to the absorb kernel (no query LoRA) and the latent rows' to
+    the cache write (no rope on the shared key), which finish them as they load; the next-token logits and the latent
+    cache equal the step with XLA finishing them, to bf16 rounding."""
+    from dayzero.kernels import mla_absorb, paged_pallas
+    from dayzero.model import mla
+
+    step, args = prefilled_mla_layer(seed, q_lora_rank=q_lora_rank, hidden_size=256, mla_use_rope=use_rope)
+    monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
+    monkeypatch.setattr(mla, "PROJECTION_PARTIALS", False)
+    plain, plain_cache = step(*args, decode=True)
+    given = []
+    absorb, write = mla_absorb.absorb_queries, paged_pallas.write
+    monkeypatch.setattr(mla_absorb, "absorb_queries", lambda q, *a, **k: given.append(type(q).__name__)
+                        or absorb(q, *a, **k))
+    monkeypatch.setattr(paged_pallas, "write", lambda *a, **k: given.append(type(a[5]).__name__) or write(*a, **k))
+    monkeypatch.setattr(mla, "PROJECTION_PARTIALS", True)
+    split, split_cache = step(*args, decode=True)
+    assert given.count("Partials") == taken, given
+    a, b = np.asarray(split, np.float32), np.asarray(plain, np.float32)
+    assert np.max(np.abs(a - b)) <= 2e-2 * np.max(np.abs(b))
+    c, d = np.asarray(split_cache["latent"], np.float32), np.asarray(plain_cache["latent"], np.float32)
+    assert np.max(np.abs(c - d)) <= 2e-2 * np.max(np.abs(d))
+
+
 @pytest.mark.parametrize("rows", [1, 16, 3])
 def test_shared_mlp_through_projection_kernel(seed, monkeypatch, rows):
     """`model.moe.MLP(projection_max_tokens=...)` (the shared experts where they run apart from the routed ones):

@@ -99,6 +99,40 @@ def test_paged_write_kernels_match_reference(seed, length):
     assert not np.array_equal(np.asarray(ref), np.asarray(cache)), "nothing written: test is vacuous"
 
 
+@pytest.mark.parametrize("norm", [False, True])
+def test_paged_write_finishes_partial_sums(seed, norm):
+    """One token per request as a projection's K-split `projection.Partials` (the latent rows,
+    `model.mla.PROJECTION_PARTIALS`): the decode kernel finishes them as it loads them, with the leading norm or
+    without, and stores bit for bit what it stores for the finished rows; the XLA form finishes them first; they lower
+    to one Triton kernel. Partial sums of another width are refused by name."""
+    from dayzero.kernels import projection
+
+    rng = np.random.default_rng(seed)
+    batch, width = 3, 24
+    cache = jnp.asarray(rng.standard_normal((LAYERS, BLOCKS, BLOCK, width)), jnp.bfloat16)
+    tables = scattered_tables(rng, batch, 4)
+    pos = positions(rng, batch, 1, [1, 70, 250])
+    valid = jnp.asarray([[True], [True], [False]])
+    parts = projection.Partials(jnp.asarray(rng.standard_normal((4, batch, width)), jnp.float32),
+                                jnp.asarray(rng.uniform(1, 3, (4, batch)), jnp.float32), 64, 1e-6, "bfloat16")
+    lead = paged.LeadingNorm(jnp.asarray(rng.uniform(0.5, 1.5, 16), jnp.bfloat16), 16, 1e-6) if norm else None
+    finished = projection.finished(parts)[:, None]
+    for impl in ("interpret", "reference"):
+        got = paged.write(cache, LAYER, tables, pos, valid, parts, impl=impl, norm=lead)
+        want = paged.write(cache, LAYER, tables, pos, valid, finished, impl=impl, norm=lead)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        assert not np.array_equal(np.asarray(got, np.float32), np.asarray(cache, np.float32))
+    with pytest.raises(ValueError, match="partial sums"):
+        paged.write(cache, LAYER, tables, pos, valid, projection.Partials(parts.sums[..., :8], parts.squares, 64,
+                                                                          1e-6, "bfloat16"), impl="interpret")
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    medium = lambda c, t, p, v, s, sq, w: paged.write(c, 0, t, p, v, projection.Partials(s, sq, 2048, 1e-5, "bfloat16"),
+                                                      impl="pallas", norm=paged.LeadingNorm(w, 512, 1e-6))
+    assert count_triton_kernels(medium, spec(4, 64, 64, 576), spec(1, 16, dtype=jnp.int32),
+                                spec(1, 1, dtype=jnp.int32), spec(1, 1, dtype=jnp.bool_),
+                                spec(8, 1, 576, dtype=jnp.float32), spec(8, 1, dtype=jnp.float32), spec(512)) == 1
+
+
 # ----------------------------------------------------------------------------------------------------------- top-k
 
 
