@@ -74,9 +74,11 @@ COUNTERS_FROM_FRONT = True
 # place of the zeros it adds into now (`MoE.residual_in_sums`): the layer's output is then those float32 sums, and the
 # next layer's kernels round them to the model dtype as they load (`kernels.projection`, `kernels.moe_front`), so the
 # residual add (one XLA kernel per MoE layer, ~1.1 us each on the H200: 15 per batch-1 token of the medium hybrid)
-# disappears. The sums are rounded once (residual + experts) where XLA's add rounded the experts' sums first. Off until
-# measured on a GPU (benchmarks/decode_profile.py --set model.moe.RESIDUAL_IN_SUMS=true).
-RESIDUAL_IN_SUMS = False
+# disappears. The sums are rounded once (residual + experts) where XLA's add rounded the experts' sums first. On the
+# H200 (medium hybrid with MXFP4 experts, benchmarks/decode_profile.py --experts mxfp4 --batches 1, one machine,
+# thirty-fourth session): 0.844 against 0.858 ms per token pipelined, 0.864 against 0.885 ms of kernels, 136.5
+# against 150.5 kernels per token; tests/gpu/test_mxfp4_gpu.py -k residual passes.
+RESIDUAL_IN_SUMS = True
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
 # the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
 # token at batch 1 / 16 against 1.397 / 2.990 with the dot (benchmarks/decode_profile.py --router-dot).
