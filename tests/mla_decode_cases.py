@@ -25,3 +25,17 @@ def prefilled_mla_layer(seed: int, **config):
     step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
     _, cache = step(ids, jnp.broadcast_to(jnp.arange(5), (2, 5)), jnp.ones((2, 5), bool), cache, tables, slots)
     return step, (ids[:, :1], jnp.full((2, 1), 5), jnp.ones((2, 1), bool), cache, tables, slots)
+
+
+def spy_unfinished_consumers(monkeypatch) -> list[str]:
+    """Wraps `kernels.mla_absorb.absorb_queries` and `kernels.paged_pallas.write` to record the type name of what each
+    call gets as its queries / values ("Partials" where `model.mla.PROJECTION_PARTIALS` hands the projection's sums
+    over unfinished); returns the list they append to."""
+    from dayzero.kernels import mla_absorb, paged_pallas
+
+    given = []
+    absorb, write = mla_absorb.absorb_queries, paged_pallas.write
+    monkeypatch.setattr(mla_absorb, "absorb_queries", lambda q, *a, **k: given.append(type(q).__name__)
+                        or absorb(q, *a, **k))
+    monkeypatch.setattr(paged_pallas, "write", lambda *a, **k: given.append(type(a[5]).__name__) or write(*a, **k))
+    return given

@@ -138,6 +138,18 @@ def test_lowers_to_triton_at_model_shapes(slices, rows):
     assert count_triton_kernels(fn, *args, *([spec((slices, rows, 2048), jnp.float32)] if slices else [])) == 1
 
 
+def _tiny_mxfp4():
+    """The tiny hybrid with 128 features and MXFP4 experts (16 of them, top-2, 128 wide) that the MXFP4 decode kernels
+    take at one row (1-row tiles, the shared MLP folded in), in interpret mode."""
+    from dayzero.model.config import MXFP4Execution
+    from dayzero.model.presets import tiny
+
+    return tiny().replace(hidden_size=128, kda_num_heads=4, kda_head_dim=16, num_experts=16, num_experts_per_token=2,
+                          index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
+                          v_head_dim=16, moe_intermediate_size=128, quant_method="mxfp4",
+                          mxfp4=MXFP4Execution(impl="interpret"))
+
+
 def _prefilled_decode(cfg, seed: int, batch: int):
     """A random bf16 model of `cfg` with `batch` 5-token prompts in its cache -> (step, args): `step(*args,
     decode=True)` is the cached decode step of each prompt's next token (returns (logits, cache))."""
@@ -334,13 +346,7 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
     (`front(zeros=)`, `Schedule.turns`), which they find enough (`moe_mxfp4_gemv.turn_count`)."""
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
-    from dayzero.model.config import MXFP4Execution
-    from dayzero.model.presets import tiny
-
-    cfg = tiny().replace(hidden_size=128, kda_num_heads=4, kda_head_dim=16, num_experts=16, num_experts_per_token=2,
-                         index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
-                         v_head_dim=16, moe_intermediate_size=128, quant_method="mxfp4",
-                         mxfp4=MXFP4Execution(impl="interpret"))
+    cfg = _tiny_mxfp4()
     step, args = _prefilled_decode(cfg, seed, 1)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
     selects, given, turns = [], [], []
@@ -380,13 +386,7 @@ def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):
     been a near tie (seen at some seeds: 2nd and 3rd logits 5e-4 apart); the logits are then not compared."""
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
-    from dayzero.model.config import MXFP4Execution
-    from dayzero.model.presets import tiny
-
-    cfg = tiny().replace(hidden_size=128, kda_num_heads=4, kda_head_dim=16, num_experts=16, num_experts_per_token=2,
-                         index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
-                         v_head_dim=16, moe_intermediate_size=128, quant_method="mxfp4",
-                         mxfp4=MXFP4Execution(impl="interpret"))
+    cfg = _tiny_mxfp4()
     step, args = _prefilled_decode(cfg, seed, 1)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
     fronts, choices, experts_out = [], [], []

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dayzero.kernels import dispatch, projection
-from mla_decode_cases import prefilled_mla_layer
+from mla_decode_cases import prefilled_mla_layer, spy_unfinished_consumers
 from triton_lowering import count_triton_kernels
 
 SMALL = projection.ProjectionTiles(block_n=64, step_k=64, k_slices=1)
@@ -266,18 +266,13 @@ def test_mla_decode_projection_partials(seed, monkeypatch, q_lora_rank, use_rope
     the query projection's partial sums go unfinished to the absorb kernel (no query LoRA) and the latent rows' to
     the cache write (no rope on the shared key), which finish them as they load; the next-token logits and the latent
     cache equal the step with XLA finishing them, to bf16 rounding."""
-    from dayzero.kernels import mla_absorb, paged_pallas
     from dayzero.model import mla
 
     step, args = prefilled_mla_layer(seed, q_lora_rank=q_lora_rank, hidden_size=256, mla_use_rope=use_rope)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
     monkeypatch.setattr(mla, "PROJECTION_PARTIALS", False)
     plain, plain_cache = step(*args, decode=True)
-    given = []
-    absorb, write = mla_absorb.absorb_queries, paged_pallas.write
-    monkeypatch.setattr(mla_absorb, "absorb_queries", lambda q, *a, **k: given.append(type(q).__name__)
-                        or absorb(q, *a, **k))
-    monkeypatch.setattr(paged_pallas, "write", lambda *a, **k: given.append(type(a[5]).__name__) or write(*a, **k))
+    given = spy_unfinished_consumers(monkeypatch)
     monkeypatch.setattr(mla, "PROJECTION_PARTIALS", True)
     split, split_cache = step(*args, decode=True)
     assert given.count("Partials") == taken, given

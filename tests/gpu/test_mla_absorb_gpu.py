@@ -94,18 +94,14 @@ def test_model_decode_with_projection_partials_on_gpu(monkeypatch, batch):
     """`model.mla.PROJECTION_PARTIALS`: the medium hybrid's first four layers (an MLA layer last: no query LoRA, no
     rope), the MLA input projections' K-split partial sums finished by the absorb kernel and the latent cache write
     as they load them, against XLA finishing them: the logits to bf16 rounding, both kernels given the sums."""
-    from dayzero.kernels import paged_pallas
     from dayzero.model import mla
     from medium_prefix_cases import prefilled_medium_prefix
+    from mla_decode_cases import spy_unfinished_consumers
 
     run, args = prefilled_medium_prefix(150, num_blocks=4 * batch, batch=batch)
     monkeypatch.setattr(mla, "PROJECTION_PARTIALS", False)
     plain, _ = run(*args, decode=True)
-    given = []
-    absorb, write = mla_absorb.absorb_queries, paged_pallas.write
-    monkeypatch.setattr(mla_absorb, "absorb_queries", lambda q, *a, **k: given.append(type(q).__name__)
-                        or absorb(q, *a, **k))
-    monkeypatch.setattr(paged_pallas, "write", lambda *a, **k: given.append(type(a[5]).__name__) or write(*a, **k))
+    given = spy_unfinished_consumers(monkeypatch)
     monkeypatch.setattr(mla, "PROJECTION_PARTIALS", True)
     split, _ = run(*args, decode=True)
     assert given.count("Partials") == 2, given
