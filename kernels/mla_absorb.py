@@ -98,14 +98,14 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials):
     """`partials`: q comes as a `projection.Partials` layout (its sums and squares refs first), finished as loaded."""
     n_q = 1 if partials is None else 1 + partials[2]
     q_refs, (w_ref, ql_ref, qr_ref) = refs[:n_q], refs[n_q:]
-    if partials is None:
-        q_at = lambda index, cols: q_refs[0][index, cols]
-    else:
-        q_at = lambda index, cols: projection.finished_block(q_refs, index, cols, partials)
     h, j = pl.program_id(0), pl.program_id(1)
     index = _row_index(rows)
+    if partials is None:
+        q_at = lambda cols: q_refs[0][index, cols]
+    else:
+        q_at = projection.partials_loader(q_refs, index, partials)
     q_start = pl.multiple_of(h * (nope + rope), math.gcd(nope + rope, nope))
-    q_nope = q_at(index, pl.ds(q_start, nope))
+    q_nope = q_at(pl.ds(q_start, nope))
     r0 = pl.multiple_of(j * block_r, block_r)
     w = w_ref[pl.ds(r0, block_r), pl.ds(pl.multiple_of(h * (nope + v_dim), math.gcd(nope + v_dim, nope)), nope)]
     out = tiling.mm_nt(q_nope, w.astype(q_nope.dtype))
@@ -113,7 +113,7 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials):
 
     @pl.when(j == 0)
     def _():
-        qr_ref[index, pl.ds(pl.multiple_of(h * rope, rope), rope)] = q_at(index, pl.ds(q_start + nope, rope))
+        qr_ref[index, pl.ds(pl.multiple_of(h * rope, rope), rope)] = q_at(pl.ds(q_start + nope, rope))
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "nope", "rope", "v_dim", "tiles", "interpret"))

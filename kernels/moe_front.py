@@ -143,9 +143,10 @@ def reference(update: projection.Projected | None, residual: jax.Array, norm_wei
     return (x, normed, logits) + ((packed_rows(normed),) if pack else ()) + ((x.astype(jnp.float32),) if sums else ())
 
 
-def _kernel(*refs, hidden, slices, eps, pack, sums, select, layer, zeros, interpret):
-    sums_ref = refs[0] if slices else None
-    refs = refs[bool(slices):]
+def _kernel(*refs, hidden, partials, eps, pack, sums, select, layer, zeros, interpret):
+    """`partials`: o_proj's update comes as its partial sums (a `projection.partials_operands` layout, no squares),
+    the first ref."""
+    sums_ref, refs = (refs[0], refs[1:]) if partials else (None, refs)
     # with `select` the bias and the turn counters' input (aliased with their output: unused) come in too
     n_in = 5 if select is not None else 3
     (res_ref, norm_ref, w_ref, *select_in), refs = refs[:n_in], refs[n_in:]
@@ -162,8 +163,8 @@ def _kernel(*refs, hidden, slices, eps, pack, sums, select, layer, zeros, interp
     row, cols = pl.ds(row_id, 1), pl.ds(0, hidden)
     weight = w_ref[pl.ds(e0, EXPERT_BLOCK), cols]  # [EXPERT_BLOCK, H]: first, its read overlaps the rest
     x = res_ref[row, cols].astype(dtype).astype(jnp.float32)  # [1, H]
-    if slices:
-        x = x + jnp.sum(sums_ref[pl.ds(0, slices), row, cols], axis=0).astype(dtype).astype(jnp.float32)
+    if partials:
+        x = x + projection.partials_loader([sums_ref], row, partials)(cols).astype(jnp.float32)
     x = x.astype(dtype).astype(jnp.float32)
     inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)
     unit = (x * inv_rms).astype(dtype).astype(jnp.float32)
@@ -246,13 +247,13 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         raise ValueError(f"moe front kernel: packing takes whole MX blocks of {moe_mxfp4_gemv.BLOCK} features, not "
                          f"{hidden}")
     if isinstance(update, projection.Partials):
-        operands, slices = [update.sums], update.slices
-        if slices & (slices - 1):  # a block of the partial sums: a power of two (as kernels.projection splits K)
-            raise ValueError(f"moe front kernel: {slices} partial sums; takes a power of two")
+        if update.slices & (update.slices - 1):  # a block of the partial sums: a power of two (as projection splits K)
+            raise ValueError(f"moe front kernel: {update.slices} partial sums; takes a power of two")
+        operands, partials = projection.partials_operands(update)
     elif update is not None:  # a finished update: added in XLA first (one fusion, as before)
-        residual, operands, slices = residual.astype(update.dtype) + update, [], 0
+        residual, operands, partials = residual.astype(update.dtype) + update, [], None
     else:
-        operands, slices = [], 0
+        operands, partials = [], None
     row = jax.ShapeDtypeStruct((rows, hidden), dtype)
     outputs = [row, row, jax.ShapeDtypeStruct((rows, n_experts), jnp.float32)]
     if pack:  # the rows' fp16 halves in word order and factors, and a zero row
@@ -283,7 +284,7 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         zeros = tiling.pow2_at_least(zeros)
         outputs.append(jax.ShapeDtypeStruct((zeros,), jnp.int32))
     out = tiling.pallas_call(
-        functools.partial(_kernel, hidden=hidden, slices=slices, eps=float(eps), pack=pack, sums=sums,
+        functools.partial(_kernel, hidden=hidden, partials=partials, eps=float(eps), pack=pack, sums=sums,
                           select=select, layer=layer, zeros=zeros, interpret=interpret),
         grid=(n_experts // EXPERT_BLOCK, rows),
         out_shape=outputs,

@@ -37,7 +37,8 @@ def _decode_kernel(*refs, layer_row0, block_size, pieces, norm, partials):
     if partials is None:
         values = [value_refs[0][b, pl.ds(start, size)] for start, size in pieces]
     else:
-        values = [projection.finished_block(value_refs, b, pl.ds(start, size), partials) for start, size in pieces]
+        load = projection.partials_loader(value_refs, b, partials)
+        values = [load(pl.ds(start, size)) for start, size in pieces]
     if norm is not None:  # `paged.LeadingNorm` over the pieces before `width`
         width, eps = norm
         lead = [i for i, (start, _) in enumerate(pieces) if start < width]

@@ -156,23 +156,34 @@ def finished(out: Projected | HeadScaled, residual: jax.Array | None = None) -> 
 
 def partials_operands(parts: Partials) -> tuple[list[jax.Array], tuple[int, float, bool, str]]:
     """A `Partials`' kernel operands (its sums, then its squares where it has them) and the static layout
-    `finished_block` reads them with."""
+    `partials_loader` reads them with."""
     squares = [] if parts.squares is None else [parts.squares]
     return [parts.sums, *squares], (parts.k_dim, parts.eps, bool(squares), parts.dtype)
 
 
-def finished_block(refs, rows, cols, layout: tuple[int, float, bool, str]) -> jax.Array:
-    """In a consumer kernel: rows `rows` (an int or an int32 vector) and columns `cols` (a slice) of a `Partials`
-    handed over unfinished (refs: `partials_operands`' operands, layout its layout), finished as `finished` does:
-    the float32 sums over the slices, times the norm's 1 / rms where it has squares, rounded to its dtype."""
+def partials_loader(refs, rows, layout: tuple[int, float, bool, str]):
+    """In a consumer kernel: a function (columns -> those columns of rows `rows`, finished as `finished` does: the
+    float32 sums over the slices, times the norm's 1 / rms where there are squares, rounded to the Partials' dtype)
+    for a `Partials` handed over unfinished (refs: `partials_operands`' operands, layout its layout). `rows`: a row
+    (an int, a scalar or a `pl.ds`) or an int32 vector of rows; the rows' norm scale is loaded once, here."""
     k_dim, eps, has_squares, dtype = layout
-    # slice by slice: Triton's lowering cannot broadcast a row vector index between two slices of one load
-    total = functools.reduce(jnp.add, [refs[0][s, rows, cols] for s in range(refs[0].shape[0])])
+    n_slices = refs[0].shape[0]
+
+    def added(ref, *index):
+        if getattr(rows, "ndim", 0):  # Triton's lowering cannot broadcast a row vector between two slices of a load
+            return functools.reduce(jnp.add, [ref[(s, rows) + index] for s in range(n_slices)])
+        return jnp.sum(ref[(pl.ds(0, n_slices), rows) + index], axis=0)
+
+    scale = None
     if has_squares:
-        squares = functools.reduce(jnp.add, [refs[1][s, rows] for s in range(refs[1].shape[0])])
-        scale = jax.lax.rsqrt(squares / k_dim + eps)
-        total = total * (scale[:, None] if total.ndim == 2 else scale)
-    return total.astype(dtype)
+        scale = jax.lax.rsqrt(added(refs[1]) / k_dim + eps)
+        scale = scale[..., None] if getattr(rows, "ndim", 0) else scale
+
+    def load(cols):
+        total = added(refs[0], cols)
+        return (total if scale is None else total * scale).astype(dtype)
+
+    return load
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from .norms import LayerNorm, RMSNorm
 # with it against 1.284 without (295 kernels against 306); tests/gpu/test_projection_gpu.py -k mla 2/2.
 DECODE_PROJECTIONS = True
 # Whether those decode projections hand their K-split partial sums over unfinished where the next kernel can finish
-# them as it loads them (`kernels.projection.finished_block`): the queries to `kernels.mla_absorb.absorb_queries`
+# them as it loads them (`kernels.projection.partials_loader`): the queries to `kernels.mla_absorb.absorb_queries`
 # (no query LoRA), the latent rows to the paged cache write with its leading norm (no rope on the shared key), in
 # place of XLA's reductions between the kernels (one or two per MLA layer). On the H200 (medium hybrid with MXFP4
 # experts and `model.moe.RESIDUAL_IN_SUMS`, decode_profile.py --batches 1, one machine, thirty-fourth session): 124.5

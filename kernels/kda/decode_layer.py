@@ -96,34 +96,29 @@ def choose(impl: str | None = None) -> str:
     return dispatch.choose("kda_decode_layer", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
 
 
-def _projected_loader(refs, b, *, act, layout):
+def _projected_loader(refs, b, *, layout):
     """A function (index -> float32 values of row b) for one projection output: `layout` None: refs = (the array
-    [B, N],); else (k_dim, eps, has_squares): refs = (the float32 partial sums [S, B, N], and their rows' squares
-    [S, B] with a norm), added up, scaled by the norm's 1 / rms and rounded to `act` as `projection.finished`
-    does. refs past the ones this output uses are returned with the function."""
+    [B, N],); else a `projection.partials_operands` layout: refs = (the float32 partial sums [S, B, N], and their
+    rows' squares [S, B] with a norm), finished as they load (`projection.partials_loader`). refs past the ones this
+    output uses are returned with the function."""
     if layout is None:
         return (lambda index: refs[0][b, index].astype(jnp.float32)), refs[1:]
-    k_dim, eps, has_squares = layout
-    sums_ref = refs[0]
-    slices = pl.ds(0, sums_ref.shape[0])
-    scale = 1.0
-    if has_squares:
-        scale = jax.lax.rsqrt(jnp.sum(refs[1][slices, b]) / k_dim + eps)
-    load = lambda index: (jnp.sum(sums_ref[slices, b, index], axis=0) * scale).astype(act).astype(jnp.float32)
-    return load, refs[1 + has_squares:]
+    n_refs = 1 + layout[2]
+    load = projection.partials_loader(refs[:n_refs], b, layout)
+    return (lambda index: load(index).astype(jnp.float32)), refs[n_refs:]
 
 
 def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, scale, eps, lower_bound, act,
             qkv_layout, fgb_layout, value_split, last_block_shifts, ups_given, interpret):
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2)  # which of the head's `value_split` blocks of value columns (state columns) this is
-    qkv_at, refs = _projected_loader(refs, b, act=act, layout=qkv_layout)
+    qkv_at, refs = _projected_loader(refs, b, layout=qkv_layout)
     if fgb_layout == "after_qkv":  # one projection output q|k|v|f_a|g_a|b: f_a|g_a|b start at column 3 * H * K
         offset = 3 * heads * head_dim
         fgb_at = lambda index: qkv_at(pl.ds(index.start + offset, index.size) if isinstance(index, pl.Slice)
                                       else index + offset)
     else:
-        fgb_at, refs = _projected_loader(refs, b, act=act, layout=fgb_layout)
+        fgb_at, refs = _projected_loader(refs, b, layout=fgb_layout)
     qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, *refs = refs
     ups = ()  # (f_a @ f_b, g_a @ g_b) of all rows, where the caller made them
     if ups_given:
@@ -216,8 +211,7 @@ def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple |
     """A projection output's kernel operands and the static layout `_projected_loader` reads them with."""
     if not isinstance(projected, projection.Partials):
         return [projected], None
-    squares = [] if projected.squares is None else [projected.squares]
-    return [projected.sums, *squares], (projected.k_dim, projected.eps, bool(squares))
+    return projection.partials_operands(projected)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "eps", "lower_bound", "num_warps", "value_split",
