@@ -176,12 +176,12 @@ class MLAttention(nn.Module):
         the rope key roped beside them; else the rows come normed (`_latents`). `projected` as the projection's
         `Partials` (one token per row, no rope: `PROJECTION_PARTIALS`) are the rows as they are, for the write to
         finish."""
-        in_write = x.shape[1] == 1 and not self.is_initializing()
+        in_write = isinstance(projected, projection.Partials) or (x.shape[1] == 1 and not self.is_initializing())
         if isinstance(projected, projection.Partials):
-            norm = self.kv_a_layernorm
-            return projected, paged.LeadingNorm(norm.variables["params"]["weight"], self.config.kv_lora_rank, norm.eps)
-        latent, k_rope = self._latents(x, cos, sin, projected, normed=not in_write)
-        rows = jnp.concatenate([latent, k_rope], axis=-1)
+            rows = projected
+        else:
+            latent, k_rope = self._latents(x, cos, sin, projected, normed=not in_write)
+            rows = jnp.concatenate([latent, k_rope], axis=-1)
         if not in_write:
             return rows, None
         norm = self.kv_a_layernorm
