@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from dayzero.kernels import moe_front, projection
+from router_choices import rows_that_held, spy_router_choices
 from triton_lowering import count_triton_kernels
 
 
@@ -177,9 +178,9 @@ def test_model_decode_with_the_front(seed, monkeypatch, projections, batch):
     """The decoder's cached decode step of one row (or 4: the front makes no router choice then) with the KDA decode
     kernel (interpret mode), o_proj by XLA or by the projection kernel (K split: its partial sums go to the front
     unfinished), and the MoE front in one kernel (interpret mode) against the same step without the front: the same
-    next-token logits to bf16 rounding, and the front kernel called once per MoE layer after a KDA layer, and after an
-    MLA layer where its decode projections run in the projection kernel (`decoder.FRONT_AFTER_MLA`; MLA without DSA
-    here)."""
+    next-token logits to bf16 rounding (in the rows whose router choices all held: `router_choices`), and the front
+    kernel called once per MoE layer after a KDA layer, and after an MLA layer where its decode projections run in
+    the projection kernel (`decoder.FRONT_AFTER_MLA`; MLA without DSA here)."""
     from dayzero.kernels.kda import decode_layer
     from dayzero.model.presets import tiny
 
@@ -190,7 +191,10 @@ def test_model_decode_with_the_front(seed, monkeypatch, projections, batch):
     monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
     chosen_projection = projection.choose
     monkeypatch.setattr(projection, "choose", lambda *a, impl=None: chosen_projection(*a, impl=projections))
+    choices = spy_router_choices(monkeypatch)
     plain, _ = step(*args, decode=True)
+    plain_choices = list(choices)
+    choices.clear()
     calls, selects = [], []
     front = moe_front.front
     monkeypatch.setattr(moe_front, "choose", lambda *a, impl=None: "interpret")
@@ -206,6 +210,9 @@ def test_model_decode_with_the_front(seed, monkeypatch, projections, batch):
         assert "Partials" in calls     # MLA o_proj's 64 columns of K are not split: a finished array)
     if batch > 1:
         assert not any(selects)
+    held = rows_that_held(plain_choices, choices, cfg.num_experts_per_token)  # the others moved at a near tie
+    a, b = np.asarray(fused, np.float64)[held], np.asarray(plain, np.float64)[held]
+    assert a.size == 0 or np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
 
 
 def test_model_decode_with_the_front_choosing(seed, monkeypatch):
@@ -361,7 +368,10 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
         (k.get("shared") is not None, k["sched"] is not None)) or turns.append(k["sched"].turns) or experts(*a, **k))
     monkeypatch.setattr(moe, "RESIDUAL_IN_SUMS", False)  # both sides add the residual alike (it needs the fold)
     monkeypatch.setattr(moe, "SHARED_IN_PACKED_MAX_TOKENS", 0)
+    choices = spy_router_choices(monkeypatch)
     apart, _ = step(*args, decode=True)
+    apart_choices = list(choices)
+    choices.clear()
     moe_layers = sum(m == "moe" for m in cfg.mlp_types)
     assert selects and not any(selects) and given == [(False, True)] * moe_layers
     assert all(t is None for t in turns)
@@ -378,6 +388,8 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
     need = moe_mxfp4_gemv.turn_count(cfg.num_experts_per_token + parts, cfg.num_experts + parts, cfg.hidden_size,
                                      cfg.moe_intermediate_size, tiles, True)
     assert need and len(turns) == moe_layers and all(t is not None and t.shape[0] >= need for t in turns)
+    if not rows_that_held(apart_choices, choices, cfg.num_experts_per_token).all():
+        return  # a choice moved at a near tie (`router_choices`): the later layers see other inputs
     a, f = np.asarray(apart, np.float32), np.asarray(folded, np.float32)
     assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
 
@@ -388,31 +400,23 @@ def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):
     them (no residual add after it), the next layer's kernels round the float32 rows as they load; the next-token
     logits and the caches match the step with the switch off to bf16 rounding (the sum is rounded once instead of
     twice), and the turn counters are left at zero. Where that rounding moves a router's choice, the choice must have
-    been a near tie (seen at some seeds: 2nd and 3rd logits 5e-4 apart); the logits are then not compared."""
+    been a near tie (seen at some seeds: 2nd and 3rd logits 5e-4 apart); the logits are then not compared
+    (`router_choices`)."""
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
     cfg = _tiny_mxfp4()
     step, args = _prefilled_decode(cfg, seed, 1)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
-    fronts, choices, experts_out = [], [], []
+    fronts, experts_out = [], []
     front, experts = moe_front.front, moe_mxfp4_gemv.grouped_swiglu
-
-    def spy_front(*a, **k):
-        out = front(*a, **k)
-        fronts.append(k.get("sums", False))
-        ids_at = 3 + bool(k.get("pack")) + bool(k.get("sums"))  # x, normed, logits, [words], [sums], ids, ...
-        bias = np.zeros(cfg.num_experts) if k.get("bias") is None else np.asarray(k["bias"], np.float64)
-        assert cfg.router_activation == "sigmoid"
-        scores = 1 / (1 + np.exp(-np.asarray(out[2], np.float64)[0])) + bias  # what the choice ranks
-        choices.append((set(np.asarray(out[ids_at])[0, :cfg.num_experts_per_token].tolist()), scores))
-        return out
+    choices = spy_router_choices(monkeypatch)
 
     def spy_experts(*a, **k):
         out = experts(*a, **k)
         experts_out.append((k.get("residual_sums") is not None, out.dtype))
         return out
 
-    monkeypatch.setattr(moe_front, "front", spy_front)
+    monkeypatch.setattr(moe_front, "front", lambda *a, **k: fronts.append(k.get("sums", False)) or front(*a, **k))
     monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", spy_experts)
     monkeypatch.setattr(moe, "RESIDUAL_IN_SUMS", False)
     plain, plain_cache = step(*args, decode=True)
@@ -426,11 +430,9 @@ def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):
     summed, summed_cache = step(*args, decode=True)
     assert fronts == [True] * moe_layers and experts_out == [(True, jnp.float32)] * moe_layers
     assert not np.any(np.asarray(summed_cache["moe_turns"]))
-    for (ids, scores), (got_ids, _) in zip(plain_choices, choices):
-        if got_ids != ids:  # the first choice that moved: a near tie at the k-th score, then nothing more to compare
-            kth = np.sort(scores)[::-1][cfg.num_experts_per_token - 1]
-            assert all(scores[e] >= kth - 1e-3 for e in got_ids), (ids, got_ids, np.sort(scores)[::-1][:4])
-            return
+    assert len(choices) == moe_layers
+    if not rows_that_held(plain_choices, choices, cfg.num_experts_per_token).all():
+        return  # a choice moved at a near tie: the later layers see other inputs
     a, f = np.asarray(plain, np.float32), np.asarray(summed, np.float32)
     assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
     for name in plain_cache:
