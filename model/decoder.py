@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 
 from dayzero.kernels import moe_front
 
-from . import sharding
+from . import moe, sharding
 from .config import LAYER_KDA, MLP_MOE, ModelConfig
 from .kda import KimiDeltaAttention
 from .mla import MLAttention
@@ -103,12 +104,32 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, x, workspace):
         """x + mlp(norm(x)) -> (x, workspace)."""
+        if not isinstance(self.mlp, MoE):
+            y = self._dense_projected(x)
+            if y is not None:
+                return y, workspace
         h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
             y, workspace = self.mlp(h, workspace)
         else:
             y = self.mlp(h)
         return x + y, workspace
+
+    def _dense_projected(self, x):
+        """x + mlp(norm(x)) [..., D] for a dense MLP as two decode projection kernels, the norm inside gate|up's and
+        the residual add inside down's (`moe.swiglu_projected`), for calls of at most
+        `moe.DENSE_PROJECTION_MAX_TOKENS` tokens on one device; None elsewhere, or where dispatch does not pick the
+        kernel or it does not take the shapes."""
+        n_tokens = math.prod(x.shape[:-1])
+        if self.mesh is not None or self.is_initializing() or n_tokens > moe.DENSE_PROJECTION_MAX_TOKENS:
+            return None
+        params = self.mlp.variables["params"]
+        rows = x.reshape(n_tokens, x.shape[-1])
+        y = moe.swiglu_projected(rows, *(params[name]["kernel"] for name in ("gate_proj", "up_proj", "down_proj")),
+                                 tiles=moe.DENSE_PROJECTION_TILES,
+                                 norm_weight=self.post_attention_layernorm.variables["params"]["weight"],
+                                 eps=self.config.rms_norm_eps, residual=rows)
+        return None if y is None else y.reshape(x.shape)
 
     def __call__(self, x, positions, workspace=None):
         """Returns (x, workspace): the MXFP4 expert workspace (or None) passes from layer to layer."""

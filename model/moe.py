@@ -34,6 +34,14 @@ SHARED_GROUPED_MAX_TOKENS = 8
 SHARED_PROJECTION_MAX_TOKENS = 8
 SHARED_PROJECTION_TILES = (projection.ProjectionTiles(block_n=64, k_slices=16),
                            projection.ProjectionTiles(block_n=64, step_k=32, k_slices=8))
+# Token counts up to which a dense layer's MLP (one device) runs as two decode projection kernels with the layer's
+# post-attention norm inside gate|up's and its residual add inside down's (`swiglu_projected(norm_weight=,
+# residual=)`, DENSE_PROJECTION_TILES: `kernels.projection`'s defaults for a group of weights and for one weight), in
+# place of XLA's norm, three products, SwiGLU and add (the medium hybrid's layer 0 at 2048 x 6144, DeepSeek V3's
+# first three at 7168 x 18432). 0: off, until measured on a GPU (`decode_profile.py --set
+# model.moe.DENSE_PROJECTION_MAX_TOKENS=16`).
+DENSE_PROJECTION_MAX_TOKENS = 0
+DENSE_PROJECTION_TILES = (projection.ProjectionTiles(), projection.ProjectionTiles(block_n=64))
 # Whether decode-sized calls run the shared experts inside the routed experts' grouped kernels (bf16 experts on one
 # device: `kernels.moe.routed_and_shared`, the shared MLP as extra experts), one set of kernels for both instead of
 # two. On the H200 (medium hybrid, benchmarks/decode_profile.py, 2026-12-01, eleventh session): batch 1 1.472 ms of
@@ -116,12 +124,15 @@ class MLP(nn.Module):
 
 def swiglu_projected(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                      tiles: tuple[projection.ProjectionTiles, projection.ProjectionTiles] | None = None,
-                     impl: str | None = None) -> jax.Array | None:
-    """x [M, H] -> [M, H] of x.dtype: the SwiGLU MLP (w_gate / w_up [H, I], w_down [I, H]) as two decode projection
-    kernel calls, gate|up in one and down in the other, with XLA's silu(gate) * up between (each product rounded to
-    x.dtype, as `MLP`'s dense layers round). `tiles`: (gate|up, down), default `SHARED_PROJECTION_TILES`. None where
-    dispatch does not pick the kernel for either call or it does not take the shapes (`projection.choose`; M a power
-    of two up to 16): the caller then runs its own layers."""
+                     impl: str | None = None, norm_weight: jax.Array | None = None, eps: float = 1e-6,
+                     residual: jax.Array | None = None) -> jax.Array | None:
+    """x [M, H] -> [M, H] of the weights' dtype: the SwiGLU MLP (w_gate / w_up [H, I], w_down [I, H]) as two decode
+    projection kernel calls, gate|up in one and down in the other, with XLA's silu(gate) * up between (each product
+    rounded to the weights' dtype, as `MLP`'s dense layers round). With `norm_weight` [H] (and `eps`) x is normalised
+    first (`norms.RMSNorm`, inside gate|up's kernel); with `residual` [M, H] the result is residual + the MLP, rounded
+    as the layer's `x + y` (inside down's kernel). `tiles`: (gate|up, down), default `SHARED_PROJECTION_TILES`. None
+    where dispatch does not pick the kernel for either call or it does not take the shapes (`projection.choose`; M a
+    power of two up to 16): the caller then runs its own layers."""
     rows, hidden = x.shape
     inter = w_gate.shape[1]
     kinds = (projection.choose(rows, hidden, (inter, inter), impl=impl),
@@ -129,9 +140,10 @@ def swiglu_projected(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: j
     if "reference" in kinds:
         return None
     gate_up_tiles, down_tiles = tiles or SHARED_PROJECTION_TILES
-    (gate_up,) = projection.by_kind(kinds[0])(x, ((w_gate, w_up),), tiles=gate_up_tiles)
+    (gate_up,) = projection.by_kind(kinds[0])(x, ((w_gate, w_up),), norm_weight=norm_weight, eps=eps,
+                                              tiles=gate_up_tiles)
     hidden_rows = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    (y,) = projection.by_kind(kinds[1])(hidden_rows, ((w_down,),), tiles=down_tiles)
+    (y,) = projection.by_kind(kinds[1])(hidden_rows, ((w_down,),), residual=residual, tiles=down_tiles)
     return y
 
 

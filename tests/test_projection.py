@@ -306,3 +306,76 @@ def test_shared_mlp_through_projection_kernel(seed, monkeypatch, rows):
     assert err <= 2e-2 * np.max(np.abs(np.asarray(plain, np.float32))), err
     if rows == 3:
         assert err == 0.0
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_dense_mlp_with_norm_and_residual_in_the_kernels(seed, rows):
+    """`moe.swiglu_projected(norm_weight=, residual=)` (interpret mode, the model's DENSE_PROJECTION_TILES, K split):
+    x + MLP(RMSNorm(x)) as the XLA layers compute it, to bf16 rounding; without the kernel (reference dispatch) it
+    gives None and the caller keeps its layers. Lowers to one Triton kernel per call at the medium hybrid's dense
+    layer (2048 x 6144)."""
+    from dayzero.model import moe
+    from dayzero.model.norms import RMSNorm
+
+    rng = np.random.default_rng(seed)
+    hidden, inter = 256, 384
+    x = jnp.asarray(rng.standard_normal((rows, hidden)) * 3.0, jnp.bfloat16)
+    w = lambda k, n: jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    gate, up, down = w(hidden, inter), w(hidden, inter), w(inter, hidden)
+    norm_weight = jnp.asarray(rng.uniform(0.5, 1.5, hidden), jnp.float32)
+    normed = RMSNorm(1e-5).apply({"params": {"weight": norm_weight}}, x)
+    mlp_params = {"params": {name: {"kernel": k} for name, k in (("gate_proj", gate), ("up_proj", up),
+                                                                  ("down_proj", down))}}
+    want = np.asarray(x + moe.MLP(inter, hidden, jnp.bfloat16).apply(mlp_params, normed), np.float32)
+    got = moe.swiglu_projected(x, gate, up, down, tiles=moe.DENSE_PROJECTION_TILES, impl="interpret",
+                               norm_weight=norm_weight, eps=1e-5, residual=x)
+    assert got.shape == x.shape and got.dtype == jnp.bfloat16
+    err = np.max(np.abs(np.asarray(got, np.float32) - want))
+    assert err <= 2e-2 * np.max(np.abs(want)), err
+    assert moe.swiglu_projected(x, gate, up, down, impl="reference", norm_weight=norm_weight, residual=x) is None
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    gate_up = lambda x, n, g, u: projection.project(x, ((g, u),), norm_weight=n, eps=1e-5,
+                                                    tiles=moe.DENSE_PROJECTION_TILES[0], finish=False)
+    assert count_triton_kernels(gate_up, spec(rows, 2048), spec(2048, dtype=jnp.float32), spec(2048, 6144),
+                                spec(2048, 6144)) == 1
+    down_call = lambda h, r, d: projection.project(h, ((d,),), residual=r, tiles=moe.DENSE_PROJECTION_TILES[1])
+    assert count_triton_kernels(down_call, spec(rows, 6144), spec(rows, 2048), spec(6144, 2048)) == 1
+
+
+def test_model_decode_with_the_dense_mlp_in_projection_kernels(seed, monkeypatch):
+    """`model.moe.DENSE_PROJECTION_MAX_TOKENS` (every kernel in interpret mode, a tiny model of dense MLPs only: no
+    router choice to move): a 2-row decode step runs each dense layer's norm, MLP and residual add as the two
+    projection kernels, and gives the next-token logits and caches of the step with XLA's layers, to bf16
+    rounding."""
+    from dayzero.model import Model, moe
+    from dayzero.model.cache import init_cache
+    from dayzero.model.config import MLP_DENSE
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(hidden_size=64, kda_num_heads=4, kda_head_dim=16, mlp_types=(MLP_DENSE,) * 4,
+                         intermediate_size=96, index_topk=0, q_lora_rank=32, kv_lora_rank=28, num_heads=4,
+                         v_head_dim=16)
+    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
+    rng = np.random.default_rng(seed)
+    rows = 2
+    cache = init_cache(cfg, num_blocks=rows + 1, num_slots=rows + 1, dtype=jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (rows, 5)), jnp.int32)
+    tables, slots = jnp.arange(1, rows + 1, dtype=jnp.int32)[:, None], jnp.arange(1, rows + 1, dtype=jnp.int32)
+    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
+    _, cache = step(ids, jnp.broadcast_to(jnp.arange(5), (rows, 5)), jnp.ones((rows, 5), bool), cache, tables, slots)
+    args = (ids[:, :1], jnp.full((rows, 1), 5), jnp.ones((rows, 1), bool), cache, tables, slots)
+    monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
+    calls = []
+    projected = moe.swiglu_projected
+    monkeypatch.setattr(moe, "swiglu_projected", lambda *a, **k: calls.append(
+        (k.get("norm_weight") is not None, k.get("residual") is not None)) or projected(*a, **k))
+    plain, plain_cache = step(*args, decode=True)
+    assert moe.DENSE_PROJECTION_MAX_TOKENS == 0 and not calls
+    monkeypatch.setattr(moe, "DENSE_PROJECTION_MAX_TOKENS", 16)
+    fused, fused_cache = step(*args, decode=True)
+    assert calls == [(True, True)] * cfg.num_layers
+    a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    for name in plain_cache:
+        c, d = np.asarray(fused_cache[name], np.float32), np.asarray(plain_cache[name], np.float32)
+        assert np.abs(c - d).max() <= 2e-2 * max(np.abs(d).max(), 1e-6), name

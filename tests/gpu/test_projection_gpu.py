@@ -130,3 +130,27 @@ def test_shared_expert_through_projection_kernel(seed, rows):
     want = _want(hidden, ((down,),), None, 0.0, None)[0]
     err = np.max(np.abs(np.asarray(got, np.float32) - np.asarray(want)))
     assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_dense_mlp_through_projection_kernels(seed, rows):
+    """The medium hybrid's dense layer MLP (2048 x 6144 SwiGLU) with the post-attention norm and the residual add as
+    two projection kernel calls (`moe.swiglu_projected(norm_weight=, residual=)`, DENSE_PROJECTION_TILES) against
+    the same roundings with float32 products."""
+    from dayzero.model import moe
+
+    cfg = medium_hybrid()
+    d, inter = cfg.hidden_size, cfg.intermediate_size
+    key = jax.random.key(seed)
+    w = lambda i, k, n: (jax.random.normal(jax.random.fold_in(key, i), (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    x = (jax.random.normal(jax.random.fold_in(key, 99), (rows, d)) * 3.0).astype(jnp.bfloat16)
+    norm_weight = jax.random.uniform(jax.random.fold_in(key, 98), (d,), jnp.float32, 0.5, 1.5)
+    gate, up, down = w(0, d, inter), w(1, d, inter), w(2, inter, d)
+    got = jax.jit(lambda *a: moe.swiglu_projected(*a[:4], tiles=moe.DENSE_PROJECTION_TILES, impl="pallas",
+                                                  norm_weight=a[4], eps=cfg.rms_norm_eps, residual=a[0]))(
+        x, gate, up, down, norm_weight)
+    gate_up = _want(x, ((gate, up),), norm_weight, cfg.rms_norm_eps, None)[0].astype(jnp.bfloat16)
+    hidden = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    want = _want(hidden, ((down,),), None, 0.0, x)[0]
+    err = np.max(np.abs(np.asarray(got, np.float32) - np.asarray(want)))
+    assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
