@@ -154,3 +154,28 @@ def test_dense_mlp_through_projection_kernels(seed, rows):
     want = _want(hidden, ((down,),), None, 0.0, x)[0]
     err = np.max(np.abs(np.asarray(got, np.float32) - np.asarray(want)))
     assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_decode_step_with_the_dense_mlp_in_projection_kernels_on_gpu(monkeypatch, batch):
+    """The medium hybrid's layer 0 (KDA + the dense 2048 x 6144 MLP; no router to move), a one-token decode step with
+    `model.moe.DENSE_PROJECTION_MAX_TOKENS`: the MLP's norm, products and residual add as the two projection kernels,
+    against XLA's layers: the next-token logits and the caches to bf16 rounding."""
+    from dayzero.model import moe
+    from medium_prefix_cases import prefilled_medium_prefix
+
+    run, args = prefilled_medium_prefix(9, num_blocks=batch + 1, num_layers=1, batch=batch)
+    calls, projected = [], moe.swiglu_projected
+    monkeypatch.setattr(moe, "swiglu_projected", lambda *a, **k: calls.append(
+        (k.get("norm_weight") is not None, k.get("residual") is not None)) or projected(*a, **k))
+    monkeypatch.setattr(moe, "DENSE_PROJECTION_MAX_TOKENS", 0)
+    plain, plain_cache = run(*args, decode=True)
+    assert not calls
+    monkeypatch.setattr(moe, "DENSE_PROJECTION_MAX_TOKENS", 16)
+    fused, fused_cache = run(*args, decode=True)
+    assert calls == [(True, True)]
+    a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
+    assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    for name in plain_cache:
+        c, d = np.asarray(fused_cache[name], np.float32), np.asarray(plain_cache[name], np.float32)
+        assert np.abs(c - d).max() <= 2e-2 * max(np.abs(d).max(), 1e-6), name
