@@ -15,6 +15,7 @@ from dayzero.kernels import kda as kda_ops
 from dayzero.kernels.kda import pallas as kda_pallas
 from dayzero.kernels.kda import reference as kda_ref
 from test_kernels_reference import _hf_kda, assert_close, hf_chunk_kda, hf_recurrent_kda, kda_inputs, run_kda
+from tiny_decode_cases import prefilled_decode
 from triton_lowering import count_triton_kernels
 
 F32 = 2e-5  # interpret mode computes in float32 throughout
@@ -583,8 +584,6 @@ def test_model_decode_of_sixteen_rows_with_low_rank_ups(seed, monkeypatch):
     bf16 rounding, the caches' KDA states likewise."""
     from dayzero.kernels import projection
     from dayzero.kernels.kda import decode_layer
-    from dayzero.model import Model
-    from dayzero.model.cache import init_cache
     from dayzero.model.config import MLP_DENSE
     from dayzero.model.presets import tiny
 
@@ -593,15 +592,8 @@ def test_model_decode_of_sixteen_rows_with_low_rank_ups(seed, monkeypatch):
     cfg = tiny().replace(hidden_size=64, kda_num_heads=4, kda_head_dim=16, mlp_types=(MLP_DENSE,) * 4,
                          index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
                          v_head_dim=16)
-    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
-    rng = np.random.default_rng(seed)
     rows = 16
-    cache = init_cache(cfg, num_blocks=rows + 1, num_slots=rows + 1, dtype=jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (rows, 5)), jnp.int32)
-    tables, slots = jnp.arange(1, rows + 1, dtype=jnp.int32)[:, None], jnp.arange(1, rows + 1, dtype=jnp.int32)
-    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
-    _, cache = step(ids, jnp.broadcast_to(jnp.arange(5), (rows, 5)), jnp.ones((rows, 5), bool), cache, tables, slots)
-    args = (ids[:, :1], jnp.full((rows, 1), 5), jnp.ones((rows, 1), bool), cache, tables, slots)
+    step, args = prefilled_decode(cfg, seed, rows)
     plain, plain_cache = step(*args, decode=True)
     monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
     chosen = projection.choose

@@ -11,6 +11,7 @@ import pytest
 
 from dayzero.kernels import moe_front, projection
 from router_choices import rows_that_held, spy_router_choices
+from tiny_decode_cases import prefilled_decode
 from triton_lowering import count_triton_kernels
 
 
@@ -156,23 +157,6 @@ def _tiny_mxfp4():
                           mxfp4=MXFP4Execution(impl="interpret"))
 
 
-def _prefilled_decode(cfg, seed: int, batch: int):
-    """A random bf16 model of `cfg` with `batch` 5-token prompts in its cache -> (step, args): `step(*args,
-    decode=True)` is the cached decode step of each prompt's next token (returns (logits, cache))."""
-    from dayzero.model import Model
-    from dayzero.model.cache import init_cache
-
-    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
-    rng = np.random.default_rng(seed)
-    cache = init_cache(cfg, num_blocks=batch + 3, num_slots=batch + 1, dtype=jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, 5)), jnp.int32)
-    tables = jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
-    rows = jnp.arange(1, batch + 1, dtype=jnp.int32)
-    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
-    _, cache = step(ids, jnp.broadcast_to(jnp.arange(5), (batch, 5)), jnp.ones((batch, 5), bool), cache, tables, rows)
-    return step, (ids[:, :1], jnp.full((batch, 1), 5), jnp.ones((batch, 1), bool), cache, tables, rows)
-
-
 @pytest.mark.parametrize("projections,batch", [("reference", 1), ("interpret", 1), ("interpret", 4)])
 def test_model_decode_with_the_front(seed, monkeypatch, projections, batch):
     """The decoder's cached decode step of one row (or 4: the front makes no router choice then) with the KDA decode
@@ -187,7 +171,7 @@ def test_model_decode_with_the_front(seed, monkeypatch, projections, batch):
     cfg = tiny().replace(hidden_size=64, kda_num_heads=16, kda_head_dim=16, num_experts=16,
                          num_experts_per_token=2, index_topk=0, q_lora_rank=32,
                          kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4, v_head_dim=16)
-    step, args = _prefilled_decode(cfg, seed, batch)
+    step, args = prefilled_decode(cfg, seed, batch)
     monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "interpret")
     chosen_projection = projection.choose
     monkeypatch.setattr(projection, "choose", lambda *a, impl=None: chosen_projection(*a, impl=projections))
@@ -225,7 +209,7 @@ def test_model_decode_with_the_front_choosing(seed, monkeypatch):
     cfg = tiny().replace(hidden_size=64, kda_num_heads=4, kda_head_dim=16, num_experts=16, num_experts_per_token=2,
                          index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
                          v_head_dim=16, moe_intermediate_size=16)
-    step, args = _prefilled_decode(cfg, seed, 1)
+    step, args = prefilled_decode(cfg, seed, 1)
     assert args[3]["moe_turns"].shape == (cfg.num_layers, 1)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
     selects = []
@@ -323,7 +307,7 @@ def test_model_decode_mxfp4_takes_packed_x_and_the_routers_schedule(seed, monkey
                          index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
                          v_head_dim=16, moe_intermediate_size=32, quant_method="mxfp4",
                          mxfp4=MXFP4Execution(impl="interpret"))
-    step, args = _prefilled_decode(cfg, seed, batch)
+    step, args = prefilled_decode(cfg, seed, batch)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
     packs, schedules = [], []
     front, schedule = moe_front.front, router.select_and_schedule
@@ -359,7 +343,7 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
     cfg = _tiny_mxfp4()
-    step, args = _prefilled_decode(cfg, seed, 1)
+    step, args = prefilled_decode(cfg, seed, 1)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
     selects, given, turns = [], [], []
     front, experts = moe_front.front, moe_mxfp4_gemv.grouped_swiglu
@@ -405,7 +389,7 @@ def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
     cfg = _tiny_mxfp4()
-    step, args = _prefilled_decode(cfg, seed, 1)
+    step, args = prefilled_decode(cfg, seed, 1)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
     fronts, experts_out = [], []
     front, experts = moe_front.front, moe_mxfp4_gemv.grouped_swiglu

@@ -14,6 +14,7 @@ import pytest
 
 from dayzero.kernels import dispatch, projection
 from mla_decode_cases import prefilled_mla_layer, spy_unfinished_consumers
+from tiny_decode_cases import prefilled_decode
 from triton_lowering import count_triton_kernels
 
 SMALL = projection.ProjectionTiles(block_n=64, step_k=64, k_slices=1)
@@ -347,23 +348,14 @@ def test_model_decode_with_the_dense_mlp_in_projection_kernels(seed, monkeypatch
     router choice to move): a 2-row decode step runs each dense layer's norm, MLP and residual add as the two
     projection kernels, and gives the next-token logits and caches of the step with XLA's layers, to bf16
     rounding."""
-    from dayzero.model import Model, moe
-    from dayzero.model.cache import init_cache
+    from dayzero.model import moe
     from dayzero.model.config import MLP_DENSE
     from dayzero.model.presets import tiny
 
     cfg = tiny().replace(hidden_size=64, kda_num_heads=4, kda_head_dim=16, mlp_types=(MLP_DENSE,) * 4,
                          intermediate_size=96, index_topk=0, q_lora_rank=32, kv_lora_rank=28, num_heads=4,
                          v_head_dim=16)
-    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
-    rng = np.random.default_rng(seed)
-    rows = 2
-    cache = init_cache(cfg, num_blocks=rows + 1, num_slots=rows + 1, dtype=jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (rows, 5)), jnp.int32)
-    tables, slots = jnp.arange(1, rows + 1, dtype=jnp.int32)[:, None], jnp.arange(1, rows + 1, dtype=jnp.int32)
-    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
-    _, cache = step(ids, jnp.broadcast_to(jnp.arange(5), (rows, 5)), jnp.ones((rows, 5), bool), cache, tables, slots)
-    args = (ids[:, :1], jnp.full((rows, 1), 5), jnp.ones((rows, 1), bool), cache, tables, slots)
+    step, args = prefilled_decode(cfg, seed, 2)
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
     calls = []
     projected = moe.swiglu_projected

@@ -1,0 +1,24 @@
+"""A random bf16 model with short prompts in its serving cache, ready for a one-token decode step (shared by the CPU
+tests that compare two paths of the decoder's step)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def prefilled_decode(cfg, seed: int, batch: int):
+    """A random bf16 model of `cfg` with `batch` 5-token prompts in its cache -> (step, args): `step(*args,
+    decode=True)` is the cached decode step of each prompt's next token (returns (logits, cache))."""
+    from dayzero.model import Model
+    from dayzero.model.cache import init_cache
+
+    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
+    rng = np.random.default_rng(seed)
+    cache = init_cache(cfg, num_blocks=batch + 3, num_slots=batch + 1, dtype=jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, 5)), jnp.int32)
+    tables = jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
+    rows = jnp.arange(1, batch + 1, dtype=jnp.int32)
+    step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
+    _, cache = step(ids, jnp.broadcast_to(jnp.arange(5), (batch, 5)), jnp.ones((batch, 5), bool), cache, tables, rows)
+    return step, (ids[:, :1], jnp.full((batch, 1), 5), jnp.ones((batch, 1), bool), cache, tables, rows)
