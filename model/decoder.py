@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -64,7 +63,9 @@ class DecoderLayer(nn.Module):
         if cfg.mlp_types[self.layer] == MLP_MOE:
             self.mlp = MoE(cfg, self.dtype, layer=self.layer, mesh=self.mesh)
         else:
-            self.mlp = MLP(cfg.intermediate_size, cfg.hidden_size, self.dtype)
+            self.mlp = MLP(cfg.intermediate_size, cfg.hidden_size, self.dtype,
+                           projection_max_tokens=moe.DENSE_PROJECTION_MAX_TOKENS if self.mesh is None else 0,
+                           projection_tiles=moe.DENSE_PROJECTION_TILES)
 
     def _front_kind(self, x) -> str:
         """The `kernels.moe_front` implementation for this layer's decode step on x [B, 1, D] ("reference": none;
@@ -104,8 +105,8 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, x, workspace):
         """x + mlp(norm(x)) -> (x, workspace)."""
-        if not isinstance(self.mlp, MoE):
-            y = self._dense_projected(x)
+        if not isinstance(self.mlp, MoE):  # the norm and the residual add inside the projection kernels, where they run
+            y = self.mlp.projected(x, norm=self.post_attention_layernorm, residual=x)
             if y is not None:
                 return y, workspace
         h = self.post_attention_layernorm(x)
@@ -114,22 +115,6 @@ class DecoderLayer(nn.Module):
         else:
             y = self.mlp(h)
         return x + y, workspace
-
-    def _dense_projected(self, x):
-        """x + mlp(norm(x)) [..., D] for a dense MLP as two decode projection kernels, the norm inside gate|up's and
-        the residual add inside down's (`moe.swiglu_projected`), for calls of at most
-        `moe.DENSE_PROJECTION_MAX_TOKENS` tokens on one device; None elsewhere, or where dispatch does not pick the
-        kernel or it does not take the shapes."""
-        n_tokens = math.prod(x.shape[:-1])
-        if self.mesh is not None or self.is_initializing() or n_tokens > moe.DENSE_PROJECTION_MAX_TOKENS:
-            return None
-        params = self.mlp.variables["params"]
-        rows = x.reshape(n_tokens, x.shape[-1])
-        y = moe.swiglu_projected(rows, *(params[name]["kernel"] for name in ("gate_proj", "up_proj", "down_proj")),
-                                 tiles=moe.DENSE_PROJECTION_TILES,
-                                 norm_weight=self.post_attention_layernorm.variables["params"]["weight"],
-                                 eps=self.config.rms_norm_eps, residual=rows)
-        return None if y is None else y.reshape(x.shape)
 
     def __call__(self, x, positions, workspace=None):
         """Returns (x, workspace): the MXFP4 expert workspace (or None) passes from layer to layer."""

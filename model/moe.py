@@ -19,6 +19,7 @@ from dayzero.kernels.moe_workspace import Workspace
 from . import sharding
 from .config import MLP_MOE, ModelConfig
 from .mla import dense
+from .norms import RMSNorm
 
 # Token counts up to which the shared experts run as one expert of the grouped kernels. On the H200 (medium hybrid,
 # 2026-12-01) batch-1 decode went from 1.88-1.95 to 1.71 ms per token with them; batch 16 measured 3.62 ms against
@@ -35,9 +36,9 @@ SHARED_PROJECTION_MAX_TOKENS = 8
 SHARED_PROJECTION_TILES = (projection.ProjectionTiles(block_n=64, k_slices=16),
                            projection.ProjectionTiles(block_n=64, step_k=32, k_slices=8))
 # Token counts up to which a dense layer's MLP (one device) runs as two decode projection kernels with the layer's
-# post-attention norm inside gate|up's and its residual add inside down's (`swiglu_projected(norm_weight=,
-# residual=)`, DENSE_PROJECTION_TILES: `kernels.projection`'s defaults for a group of weights and for one weight), in
-# place of XLA's norm, three products, SwiGLU and add (the medium hybrid's layer 0 at 2048 x 6144, DeepSeek V3's
+# post-attention norm inside gate|up's and its residual add inside down's (`MLP.projected(norm=, residual=)`,
+# DENSE_PROJECTION_TILES: `kernels.projection`'s defaults for a group of weights and for one weight), in place of
+# XLA's norm, three products, SwiGLU and add (the medium hybrid's layer 0 at 2048 x 6144, DeepSeek V3's
 # first three at 7168 x 18432). 0: off, until measured on a GPU (`decode_profile.py --set
 # model.moe.DENSE_PROJECTION_MAX_TOKENS=16`).
 DENSE_PROJECTION_MAX_TOKENS = 0
@@ -96,30 +97,48 @@ REDUCE_LOGITS_MAX_TOKENS = 16
 class MLP(nn.Module):
     """SwiGLU MLP: down_proj(silu(gate_proj(x)) * up_proj(x)). Calls of at most `projection_max_tokens` tokens run
     gate|up and down through the decode projection kernel where dispatch picks it and it takes the shapes
-    (`swiglu_projected`); else calls of at most `grouped_max_tokens` through the grouped expert kernels as one expert
-    (`swiglu_as_one_expert`); 0: never."""
+    (`projected`, `projection_tiles`); else calls of at most `grouped_max_tokens` through the grouped expert kernels
+    as one expert (`swiglu_as_one_expert`); 0: never."""
 
     intermediate_size: int
     hidden_size: int
     dtype: jnp.dtype
     grouped_max_tokens: int = 0
     projection_max_tokens: int = 0
+    projection_tiles: tuple[projection.ProjectionTiles, projection.ProjectionTiles] | None = None
 
     @nn.compact
     def __call__(self, x):
-        n_tokens = math.prod(x.shape[:-1])
-        kernel_paths = ((self.projection_max_tokens, swiglu_projected),
-                        (self.grouped_max_tokens, moe_kernels.swiglu_as_one_expert))
-        for max_tokens, path in kernel_paths:  # the first that takes the call, else XLA's layers below
-            if max_tokens and not self.is_initializing() and n_tokens <= max_tokens:
-                params = self.variables["params"]
-                weights = (params[name]["kernel"] for name in ("gate_proj", "up_proj", "down_proj"))
-                y = path(x.reshape(-1, x.shape[-1]), *weights)
-                if y is not None:
-                    return y.reshape(*x.shape[:-1], self.hidden_size)
+        y = self.projected(x)
+        if y is not None:
+            return y
+        if (self.grouped_max_tokens and not self.is_initializing()
+                and math.prod(x.shape[:-1]) <= self.grouped_max_tokens):
+            y = moe_kernels.swiglu_as_one_expert(x.reshape(-1, x.shape[-1]), *self._kernels())
+            if y is not None:
+                return y.reshape(*x.shape[:-1], self.hidden_size)
         gate = dense(self.intermediate_size, self.dtype, name="gate_proj")(x)
         up = dense(self.intermediate_size, self.dtype, name="up_proj")(x)
         return dense(self.hidden_size, self.dtype, name="down_proj")(jax.nn.silu(gate) * up)
+
+    def projected(self, x, norm: RMSNorm | None = None, residual: jax.Array | None = None) -> jax.Array | None:
+        """x [..., H] -> [..., H] through the decode projection kernels (`swiglu_projected` with `projection_tiles`),
+        for calls of at most `projection_max_tokens` tokens; None where they do not take the call (the caller runs
+        its other paths). `norm`: the RMSNorm whose output the MLP takes, applied inside gate|up's kernel (x then its
+        input); `residual` [..., H]: added inside down's kernel (the layer's `residual + y`)."""
+        n_tokens = math.prod(x.shape[:-1])
+        if not self.projection_max_tokens or self.is_initializing() or n_tokens > self.projection_max_tokens:
+            return None
+        rows = lambda a: a.reshape(n_tokens, a.shape[-1])
+        norm_args = {} if norm is None else dict(norm_weight=norm.variables["params"]["weight"], eps=norm.eps)
+        y = swiglu_projected(rows(x), *self._kernels(), tiles=self.projection_tiles, **norm_args,
+                             residual=None if residual is None else rows(residual))
+        return None if y is None else y.reshape(*x.shape[:-1], self.hidden_size)
+
+    def _kernels(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The (gate, up, down) projections' kernels [H, I], [H, I], [I, H]."""
+        params = self.variables["params"]
+        return tuple(params[name]["kernel"] for name in ("gate_proj", "up_proj", "down_proj"))
 
 
 def swiglu_projected(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,

@@ -336,7 +336,7 @@ def test_dense_mlp_with_norm_and_residual_in_the_kernels(seed, rows):
     assert moe.swiglu_projected(x, gate, up, down, impl="reference", norm_weight=norm_weight, residual=x) is None
     spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
     gate_up = lambda x, n, g, u: projection.project(x, ((g, u),), norm_weight=n, eps=1e-5,
-                                                    tiles=moe.DENSE_PROJECTION_TILES[0], finish=False)
+                                                    tiles=moe.DENSE_PROJECTION_TILES[0])
     assert count_triton_kernels(gate_up, spec(rows, 2048), spec(2048, dtype=jnp.float32), spec(2048, 6144),
                                 spec(2048, 6144)) == 1
     down_call = lambda h, r, d: projection.project(h, ((d,),), residual=r, tiles=moe.DENSE_PROJECTION_TILES[1])

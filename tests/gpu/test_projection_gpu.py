@@ -31,6 +31,14 @@ def _want(x, groups, norm_weight, eps, residual):
     return outs
 
 
+def _swiglu_want(x, gate, up, down, norm_weight=None, eps=0.0, residual=None):
+    """`moe.swiglu_projected`'s roundings (`_want` for gate|up, SwiGLU in x's dtype, `_want` for down)."""
+    inter = gate.shape[1]
+    gate_up = _want(x, ((gate, up),), norm_weight, eps, None)[0].astype(x.dtype)
+    hidden = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    return _want(hidden, ((down,),), None, 0.0, residual)[0]
+
+
 @pytest.mark.parametrize("rows", [1, 2, 16])
 @pytest.mark.parametrize("tiles", list(TILES))
 def test_kda_layer_projections(seed, rows, tiles):
@@ -125,9 +133,7 @@ def test_shared_expert_through_projection_kernel(seed, rows):
     x = jax.random.normal(jax.random.fold_in(key, 99), (rows, d), jnp.bfloat16)
     gate, up, down = w(0, d, inter), w(1, d, inter), w(2, inter, d)
     got = jax.jit(lambda *a: moe.swiglu_projected(*a, impl="pallas"))(x, gate, up, down)
-    gate_up = _want(x, ((gate, up),), None, 0.0, None)[0].astype(jnp.bfloat16)
-    hidden = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    want = _want(hidden, ((down,),), None, 0.0, None)[0]
+    want = _swiglu_want(x, gate, up, down)
     err = np.max(np.abs(np.asarray(got, np.float32) - np.asarray(want)))
     assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
 
@@ -149,9 +155,7 @@ def test_dense_mlp_through_projection_kernels(seed, rows):
     got = jax.jit(lambda *a: moe.swiglu_projected(*a[:4], tiles=moe.DENSE_PROJECTION_TILES, impl="pallas",
                                                   norm_weight=a[4], eps=cfg.rms_norm_eps, residual=a[0]))(
         x, gate, up, down, norm_weight)
-    gate_up = _want(x, ((gate, up),), norm_weight, cfg.rms_norm_eps, None)[0].astype(jnp.bfloat16)
-    hidden = jax.nn.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    want = _want(hidden, ((down,),), None, 0.0, x)[0]
+    want = _swiglu_want(x, gate, up, down, norm_weight, cfg.rms_norm_eps, residual=x)
     err = np.max(np.abs(np.asarray(got, np.float32) - np.asarray(want)))
     assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
 
