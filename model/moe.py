@@ -39,8 +39,11 @@ SHARED_PROJECTION_TILES = (projection.ProjectionTiles(block_n=64, k_slices=16),
 # post-attention norm inside gate|up's and its residual add inside down's (`MLP.projected(norm=, residual=)`,
 # DENSE_PROJECTION_TILES: `kernels.projection`'s defaults for a group of weights and for one weight), in place of
 # XLA's norm, three products, SwiGLU and add (the medium hybrid's layer 0 at 2048 x 6144, DeepSeek V3's
-# first three at 7168 x 18432). 0: off, until measured on a GPU (`decode_profile.py --set
-# model.moe.DENSE_PROJECTION_MAX_TOKENS=16`).
+# first three at 7168 x 18432). 0: off. Measured on an H100 (thirty-sixth session, no H200 lent; decode_profile.py
+# --experts mxfp4 --set model.moe.DENSE_PROJECTION_MAX_TOKENS=16 against the default, same machine): batch 1 0.930
+# against 0.932 ms of kernels per token (124.5 kernels either way: XLA's form of the MLP takes no more kernels than the
+# two projection calls), batch 16 2.193 against 2.198; no gain worth the second path, so it stays off
+# (tests/gpu/test_projection_gpu.py -k dense passes on that H100).
 DENSE_PROJECTION_MAX_TOKENS = 0
 DENSE_PROJECTION_TILES = (projection.ProjectionTiles(), projection.ProjectionTiles(block_n=64))
 # Whether decode-sized calls run the shared experts inside the routed experts' grouped kernels (bf16 experts on one
