@@ -23,6 +23,7 @@ import ml_dtypes
 import numpy as np
 
 from dayzero.kernels.mxfp4 import random_scale_centre
+from dayzero.model import checkpoint
 from dayzero.model.checkpoint import EXPERT_PARAMS, map_tensor_name, published_name, quantize_fp8_blocks
 from dayzero.model.config import LAYER_KDA, MLP_MOE, ModelConfig
 from dayzero.model.presets import PRESETS, get_preset
@@ -140,7 +141,10 @@ import json, os, sys, time
 sys.path.insert(0, {bench!r})
 from load import memory_status
 import jax
-kind, path, dtype, out, item_bytes = sys.argv[1:6]
+kind, path, dtype, out, item_bytes, load_workers = sys.argv[1:7]
+if load_workers:
+    import dayzero.model.checkpoint
+    dayzero.model.checkpoint.LOAD_WORKERS = int(load_workers)
 device = jax.devices()[0]
 compiles = []  # XLA backend compile durations (s) during the load: the jitted transposes, casts, dequantisation
 jax.monitoring.register_event_duration_secs_listener(
@@ -162,10 +166,13 @@ print("RESULT " + json.dumps({{"seconds": seconds, "peak_rss": mem["VmHWM"], "rs
 """
 
 
-def run_worker(kind: str, path: str, dtype: str, out: str = "", item_bytes: int = 0) -> dict:
-    """Runs one load (or the conversion) in a fresh Python process; returns its measurements."""
+def run_worker(kind: str, path: str, dtype: str, out: str = "", item_bytes: int = 0,
+               load_workers: int | None = None) -> dict:
+    """Runs one load (or the conversion) in a fresh Python process; returns its measurements. `load_workers`:
+    `model.checkpoint.LOAD_WORKERS` for the load (None: the module's default)."""
     script = _WORKER.format(bench=os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", script, kind, path, dtype, out, str(item_bytes)],
+    workers = "" if load_workers is None else str(load_workers)
+    proc = subprocess.run([sys.executable, "-c", script, kind, path, dtype, out, str(item_bytes), workers],
                           capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{kind} worker failed:\n{proc.stderr[-4000:]}")
@@ -186,6 +193,9 @@ def main(argv=None) -> int:
                         help="projections written as e4m3 with 128x128 block scales (DeepSeek V3 / Kimi K2's format)")
     parser.add_argument("--item-gib", type=float, default=1.0, help="dayzero-convert's orbax item size")
     parser.add_argument("--repeat", type=int, default=1, help="loads per method (the fastest is reported)")
+    parser.add_argument("--load-workers", type=int,
+                        help="model.checkpoint.LOAD_WORKERS for the hub load (threads placing params while the next "
+                             "are read; 0: none; default: the module's)")
     parser.add_argument("--workdir", help="where to write the checkpoints (default: a temporary directory)")
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     parser.add_argument("--label", default="", help="added to the results line (e.g. 'CPU check run')")
@@ -207,7 +217,7 @@ def main(argv=None) -> int:
         runs = {"hub": [], "converted": []}
         for _ in range(args.repeat):
             for kind, path in (("hub", hub), ("converted", conv)):
-                runs[kind].append(run_worker(kind, path, args.dtype))
+                runs[kind].append(run_worker(kind, path, args.dtype, load_workers=args.load_workers))
         sizes = {"hub": dir_bytes(hub), "converted": dir_bytes(conv)}
     device = runs["hub"][0]
     res = {"convert_s": round(convert["seconds"], 2), "convert_peak_rss_GB": round(convert["peak_rss"] / 1e9, 3),
@@ -229,6 +239,7 @@ def main(argv=None) -> int:
               f"{best['compile_seconds']:.2f} ({best['compiles']}) | {peak / 1e9:.3f} | "
               f"{best['rss_before'] / 1e9:.3f} | {sizes[kind] / 1e9:.3f} |")
     res["params_GB"] = round(nbytes / 1e9, 3)
+    res["hub_load_workers"] = checkpoint.LOAD_WORKERS if args.load_workers is None else args.load_workers
     hardware = f"{device['device']} ({device['platform']})"
     from importlib.metadata import version
 

@@ -3,14 +3,16 @@
 Two passes. The first reads only headers: every tensor name is mapped to a param (published names of kimi_linear,
 deepseek_v3/v32 and kimi_k2), and missing, unexpected, shape- or dtype-mismatched tensors are collected and raised
 together as one CheckpointError. The second streams tensors one at a time (FP8 e4m3 weights dequantized with their
-128x128 `weight_scale_inv` blocks, experts stacked per projection) and places each on the device(s) at once, so
-host memory stays near one tensor (one stacked expert projection) at a time; linear and expert weights travel as
-published ([out, in], FP8 ones as float8 bytes with their scales) and are dequantized, transposed to [in, out] and
-cast to their param dtype on the device (`load_params`).
+128x128 `weight_scale_inv` blocks, experts stacked per projection) and places each on the device(s) as soon as it is
+read, in a few worker threads (`LOAD_WORKERS`), so host memory stays near that many tensors (stacked expert
+projections at most); linear and expert weights travel as published ([out, in], FP8 ones as float8 bytes with their
+scales) and are dequantized, transposed to [in, out] and cast to their param dtype on the device (`load_params`).
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import functools
 import re
 from dataclasses import dataclass, field
@@ -562,34 +564,70 @@ def _swapped_sharding(sharding: NamedSharding | None, ndim: int) -> NamedShardin
     return NamedSharding(sharding.mesh, PartitionSpec(*spec))
 
 
+# Threads placing params while the next ones are read (`load_params`; 0: none). Each new param shape compiles its
+# device transpose (18 shapes for the medium hybrid: 3.63 s of compiles in a 10.98 s hub load on the H100 host,
+# thirty-sixth session), and in threads those compiles run side by side and under the file reads. Host memory grows
+# by up to this many params (a stacked expert projection each at most) beyond the one being read. CPU (2 cores,
+# benchmarks/load.py --layers 4 --repeat 3): the hub load 3.60 / 3.56 / 3.08 s with 0 / 2 / 4 workers, peak RSS
+# 3.08 / 3.28 / 3.43 GB.
+LOAD_WORKERS = 4
+
+
+def _place_param(host, as_published: bool, sharding: NamedSharding | None, dtype) -> jax.Array:
+    """One param from `stream_stored`'s host form onto its device(s): swapped, dequantized and cast there where it
+    comes as published."""
+    if isinstance(host, Fp8Blocks):
+        inputs = (_put(host.weight, _swapped_sharding(sharding, host.ndim)),
+                  _put(host.scale_inv, _leading_sharding(sharding, host.ndim)))
+        return _placed_jit(_dequantize_swap_and_cast, (2, 3), sharding)(*inputs, tuple(host.block), dtype)
+    if isinstance(host, PackedIntWords):
+        inputs = (_put(host.words, _leading_sharding(sharding, host.ndim)),
+                  _put(host.scales, _leading_sharding(sharding, host.ndim)))
+        return _placed_jit(_unpack_swap_and_cast, (2, 3, 4), sharding)(*inputs, host.in_dim, tuple(host.scheme), dtype)
+    if as_published:
+        stored = _put(host, _swapped_sharding(sharding, host.ndim))
+        return _placed_jit(_swap_and_cast, (1,), sharding)(stored, dtype)
+    return _put(host, sharding)
+
+
 def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
-                sharding_for=None, progress: bool | None = None) -> dict[ParamPath, jax.Array]:
+                sharding_for=None, progress: bool | None = None,
+                workers: int | None = None) -> dict[ParamPath, jax.Array]:
     """Streams the checkpoint in `directory` into device arrays keyed by param path.
 
     `sharding_for(path) -> jax.sharding.Sharding | None` places each param as it is read (None: default device).
     Linear and expert projections go to the device as published ([..., out, in]) and are swapped to [..., in, out]
     (and cast) there: a device transpose is ~free on a GPU, where the host's strided copy dominated the load (and
-    ~3x faster than numpy's on a CPU). Raises CheckpointError listing every problem before any tensor data is read.
+    ~3x faster than numpy's on a CPU). `workers` threads (None: LOAD_WORKERS) place params while the next are read
+    (0: in the reading thread), up to `workers` params held on the host at once besides the one being read. Raises CheckpointError
+    listing every problem before any tensor data is read.
     """
     params: dict[ParamPath, jax.Array] = {}
-    for path, host, as_published in stream_stored(directory, config, expected, progress):
-        sharding = sharding_for(path) if sharding_for is not None else None
-        dtype = np.dtype(expected[path].dtype)
-        if isinstance(host, Fp8Blocks):
-            inputs = (_put(host.weight, _swapped_sharding(sharding, host.ndim)),
-                      _put(host.scale_inv, _leading_sharding(sharding, host.ndim)))
-            params[path] = _placed_jit(_dequantize_swap_and_cast, (2, 3), sharding)(*inputs, tuple(host.block), dtype)
-        elif isinstance(host, PackedIntWords):
-            inputs = (_put(host.words, _leading_sharding(sharding, host.ndim)),
-                      _put(host.scales, _leading_sharding(sharding, host.ndim)))
-            params[path] = _placed_jit(_unpack_swap_and_cast, (2, 3, 4), sharding)(
-                *inputs, host.in_dim, tuple(host.scheme), dtype)
-        elif as_published:
-            stored = _put(host, _swapped_sharding(sharding, host.ndim))
-            params[path] = _placed_jit(_swap_and_cast, (1,), sharding)(stored, dtype)
-        else:
-            params[path] = _put(host, sharding)
-        del host
+    workers = LOAD_WORKERS if workers is None else workers
+    stream = stream_stored(directory, config, expected, progress)
+    if workers < 1:
+        for path, host, as_published in stream:
+            sharding = sharding_for(path) if sharding_for is not None else None
+            params[path] = _place_param(host, as_published, sharding, np.dtype(expected[path].dtype))
+            del host
+        return params
+    in_flight: collections.deque = collections.deque()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dayzero-load") as pool:
+        try:
+            for path, host, as_published in stream:
+                sharding = sharding_for(path) if sharding_for is not None else None
+                in_flight.append((path, pool.submit(_place_param, host, as_published, sharding,
+                                                    np.dtype(expected[path].dtype))))
+                del host
+                while len(in_flight) >= workers:
+                    done_path, placed = in_flight.popleft()
+                    params[done_path] = placed.result()
+            while in_flight:
+                done_path, placed = in_flight.popleft()
+                params[done_path] = placed.result()
+        finally:  # an error: let the queued placements go, and wait for none of their results
+            for _, placed in in_flight:
+                placed.cancel()
     return params
 
 
