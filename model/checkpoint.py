@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextvars
 import functools
 import re
 from dataclasses import dataclass, field
@@ -590,6 +591,14 @@ def _place_param(host, as_published: bool, sharding: NamedSharding | None, dtype
     return _put(host, sharding)
 
 
+def _place_in_thread(device, host, as_published: bool, sharding: NamedSharding | None, dtype) -> jax.Array:
+    """`_place_param` in a worker thread, with the loading thread's default device (None: JAX's own)."""
+    if device is None:
+        return _place_param(host, as_published, sharding, dtype)
+    with jax.default_device(device):
+        return _place_param(host, as_published, sharding, dtype)
+
+
 def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, jax.ShapeDtypeStruct],
                 sharding_for=None, progress: bool | None = None,
                 workers: int | None = None) -> dict[ParamPath, jax.Array]:
@@ -611,13 +620,16 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
             params[path] = _place_param(host, as_published, sharding, np.dtype(expected[path].dtype))
             del host
         return params
+    # JAX's default device is the calling thread's setting (`jax.default_device`, as `platforms.build_on` sets
+    # it), and dayzero's kernel policy a context variable: the workers place under both, as the caller would.
+    device = jax.config.jax_default_device
     in_flight: collections.deque = collections.deque()
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dayzero-load") as pool:
         try:
             for path, host, as_published in stream:
                 sharding = sharding_for(path) if sharding_for is not None else None
-                in_flight.append((path, pool.submit(_place_param, host, as_published, sharding,
-                                                    np.dtype(expected[path].dtype))))
+                in_flight.append((path, pool.submit(contextvars.copy_context().run, _place_in_thread, device, host,
+                                                    as_published, sharding, np.dtype(expected[path].dtype))))
                 del host
                 while len(in_flight) >= workers:
                     done_path, placed = in_flight.popleft()

@@ -1,11 +1,18 @@
 """`load_params` placing params in worker threads while the next are read (`model.checkpoint.LOAD_WORKERS`): the
-same params as placing them in the reading thread, and a placement that fails fails the load with its own error."""
+same params as placing them in the reading thread, on the caller's default device and under its kernel policy, and a
+placement that fails fails the load with its own error."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 
+from dayzero.kernels import dispatch
 from dayzero.model import ModelConfig, checkpoint
 from dayzero.model.model import expected_params, resolve_dtype
 
@@ -47,3 +54,46 @@ def test_a_failed_placement_fails_the_load(checkpoints, monkeypatch):
     assert 5 <= len(calls) <= 7
     config = ModelConfig.from_pretrained(str(checkpoints["deepseek_v32"]))
     assert len(expected_params(config, resolve_dtype(None, config))) > 20
+
+
+_ON_THE_SECOND_DEVICE = textwrap.dedent("""
+    import sys, jax
+    from dayzero.model import load_checkpoint
+    assert jax.device_count() == 2
+    second = jax.devices()[1]
+    with jax.default_device(second):
+        model = load_checkpoint(sys.argv[1], progress=False)
+    leaves = jax.tree_util.tree_leaves(model.params)
+    elsewhere = [leaf.devices() for leaf in leaves if leaf.devices() != {second}]
+    assert not elsewhere, elsewhere[:3]
+    print("ALL ON", second, len(leaves))
+""")
+
+
+def test_workers_place_on_the_callers_default_device(checkpoints):
+    """In a fresh process with 2 CPU devices: a load under `jax.default_device(devices[1])` (as
+    `load_checkpoint(platform=)` makes it) puts every param there, though worker threads place them (JAX's default
+    device is a per-thread setting)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", _ON_THE_SECOND_DEVICE, checkpoints["deepseek_v32"]],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ALL ON" in proc.stdout
+
+
+def test_workers_see_the_callers_kernel_policy(checkpoints, monkeypatch):
+    place = checkpoint._place_param
+    seen = []
+
+    def spying(host, as_published, sharding, dtype):
+        seen.append(dispatch.active_policy())
+        return place(host, as_published, sharding, dtype)
+
+    monkeypatch.setattr(checkpoint, "_place_param", spying)
+    policy = {"cpu": [sorted(dispatch.KERNELS)[0]]}
+    with dispatch.use_policy(policy):
+        want = dispatch.active_policy()
+        expected, _ = _load(str(checkpoints["kimi_linear"]), workers=3)
+    assert len(seen) == len(expected)
+    assert all(p == want for p in seen)
+    assert want != dispatch.active_policy()  # the policy was the block's, not the process's
