@@ -608,8 +608,8 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
     Linear and expert projections go to the device as published ([..., out, in]) and are swapped to [..., in, out]
     (and cast) there: a device transpose is ~free on a GPU, where the host's strided copy dominated the load (and
     ~3x faster than numpy's on a CPU). `workers` threads (None: LOAD_WORKERS) place params while the next are read
-    (0: in the reading thread), up to `workers` params held on the host at once besides the one being read. Raises CheckpointError
-    listing every problem before any tensor data is read.
+    (0: in the reading thread), up to `workers` params held on the host at once besides the one being read.
+    Raises CheckpointError listing every problem before any tensor data is read.
     """
     params: dict[ParamPath, jax.Array] = {}
     workers = LOAD_WORKERS if workers is None else workers
