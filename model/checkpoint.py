@@ -591,10 +591,8 @@ def _place_param(host, as_published: bool, sharding: NamedSharding | None, dtype
     return _put(host, sharding)
 
 
-def _place_in_thread(device, host, as_published: bool, sharding: NamedSharding | None, dtype) -> jax.Array:
-    """`_place_param` in a worker thread, with the loading thread's default device (None: JAX's own)."""
-    if device is None:
-        return _place_param(host, as_published, sharding, dtype)
+def _place_under(device, host, as_published: bool, sharding: NamedSharding | None, dtype) -> jax.Array:
+    """`_place_param` with `device` as JAX's default device (None: JAX's own), as the loading thread has it."""
     with jax.default_device(device):
         return _place_param(host, as_published, sharding, dtype)
 
@@ -611,33 +609,28 @@ def load_params(directory: str, config: ModelConfig, expected: dict[ParamPath, j
     (0: in the reading thread), up to `workers` params held on the host at once besides the one being read.
     Raises CheckpointError listing every problem before any tensor data is read.
     """
-    params: dict[ParamPath, jax.Array] = {}
     workers = LOAD_WORKERS if workers is None else workers
-    stream = stream_stored(directory, config, expected, progress)
-    if workers < 1:
-        for path, host, as_published in stream:
-            sharding = sharding_for(path) if sharding_for is not None else None
-            params[path] = _place_param(host, as_published, sharding, np.dtype(expected[path].dtype))
-            del host
-        return params
     # JAX's default device is the calling thread's setting (`jax.default_device`, as `platforms.build_on` sets
     # it), and dayzero's kernel policy a context variable: the workers place under both, as the caller would.
     device = jax.config.jax_default_device
+    placing = ((path, (device, host, as_published, sharding_for(path) if sharding_for is not None else None,
+                       np.dtype(expected[path].dtype)))
+               for path, host, as_published in stream_stored(directory, config, expected, progress))
+    if workers < 1:
+        return {path: _place_under(*args) for path, args in placing}
+    params: dict[ParamPath, jax.Array] = {}
     in_flight: collections.deque = collections.deque()
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dayzero-load") as pool:
         try:
-            for path, host, as_published in stream:
-                sharding = sharding_for(path) if sharding_for is not None else None
-                in_flight.append((path, pool.submit(contextvars.copy_context().run, _place_in_thread, device, host,
-                                                    as_published, sharding, np.dtype(expected[path].dtype))))
-                del host
-                while len(in_flight) >= workers:
+            for path, args in placing:
+                in_flight.append((path, pool.submit(contextvars.copy_context().run, _place_under, *args)))
+                del args
+                if len(in_flight) == workers:
                     done_path, placed = in_flight.popleft()
                     params[done_path] = placed.result()
-            while in_flight:
-                done_path, placed = in_flight.popleft()
+            for done_path, placed in in_flight:
                 params[done_path] = placed.result()
-        finally:  # an error: let the queued placements go, and wait for none of their results
+        finally:  # after an error: the queued placements are let go, none of their results awaited
             for _, placed in in_flight:
                 placed.cancel()
     return params

@@ -105,16 +105,12 @@ class DecoderLayer(nn.Module):
 
     def _mlp(self, x, workspace):
         """x + mlp(norm(x)) -> (x, workspace)."""
-        if not isinstance(self.mlp, MoE):  # the norm and the residual add inside the projection kernels, where they run
-            y = self.mlp.projected(x, norm=self.post_attention_layernorm, residual=x)
-            if y is not None:
-                return y, workspace
-        h = self.post_attention_layernorm(x)
         if isinstance(self.mlp, MoE):
-            y, workspace = self.mlp(h, workspace)
-        else:
-            y = self.mlp(h)
-        return x + y, workspace
+            y, workspace = self.mlp(self.post_attention_layernorm(x), workspace)
+            return x + y, workspace
+        # a dense MLP: the norm and the residual add inside the projection kernels, where they run
+        y = self.mlp.projected(x, norm=self.post_attention_layernorm, residual=x)
+        return (x + self.mlp(self.post_attention_layernorm(x)) if y is None else y), workspace
 
     def __call__(self, x, positions, workspace=None):
         """Returns (x, workspace): the MXFP4 expert workspace (or None) passes from layer to layer."""

@@ -37,6 +37,13 @@ def spy_router_choices(monkeypatch) -> list:
     return calls
 
 
+def taken(calls: list) -> list:
+    """The choices `spy_router_choices` recorded so far, its list emptied for the next run."""
+    out = list(calls)
+    calls.clear()
+    return out
+
+
 def rows_that_held(plain: list, given: list, top_k: int, tie: float = 1e-3) -> np.ndarray:
     """bool [N]: the token rows whose every routed choice is the same in two runs of a step (`spy_router_choices`'
     lists). A row's first moved choice must have been a near tie in the first run (asserted: every expert chosen

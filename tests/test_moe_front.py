@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dayzero.kernels import moe_front, projection
-from router_choices import rows_that_held, spy_router_choices
+from router_choices import rows_that_held, spy_router_choices, taken
 from tiny_decode_cases import prefilled_decode
 from triton_lowering import count_triton_kernels
 
@@ -177,8 +177,7 @@ def test_model_decode_with_the_front(seed, monkeypatch, projections, batch):
     monkeypatch.setattr(projection, "choose", lambda *a, impl=None: chosen_projection(*a, impl=projections))
     choices = spy_router_choices(monkeypatch)
     plain, _ = step(*args, decode=True)
-    plain_choices = list(choices)
-    choices.clear()
+    plain_choices = taken(choices)
     calls, selects = [], []
     front = moe_front.front
     monkeypatch.setattr(moe_front, "choose", lambda *a, impl=None: "interpret")
@@ -354,8 +353,7 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
     monkeypatch.setattr(moe, "SHARED_IN_PACKED_MAX_TOKENS", 0)
     choices = spy_router_choices(monkeypatch)
     apart, _ = step(*args, decode=True)
-    apart_choices = list(choices)
-    choices.clear()
+    apart_choices = taken(choices)
     moe_layers = sum(m == "moe" for m in cfg.mlp_types)
     assert selects and not any(selects) and given == [(False, True)] * moe_layers
     assert all(t is None for t in turns)
@@ -406,9 +404,8 @@ def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):
     plain, plain_cache = step(*args, decode=True)
     moe_layers = sum(m == "moe" for m in cfg.mlp_types)
     assert fronts == [False] * moe_layers and experts_out == [(False, jnp.bfloat16)] * moe_layers
-    plain_choices = list(choices)
+    plain_choices = taken(choices)
     fronts.clear()
-    choices.clear()
     experts_out.clear()
     monkeypatch.setattr(moe, "RESIDUAL_IN_SUMS", True)
     summed, summed_cache = step(*args, decode=True)
