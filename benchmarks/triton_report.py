@@ -136,6 +136,9 @@ def kda_cases() -> dict:
         S((1,) + a.shape[1:], a.dtype) if i in (10, 11) else a for i, a in enumerate(layer) if i > 1)
     counted_step = lambda turns, q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
                                                                  value_split=8, turns=turns)
+    # o_proj (the medium hybrid's 2048 x 2048) in the same kernel (`model.kda.O_PROJ_IN_STEP`)
+    o_proj_step = lambda turns, w, q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
+                                                                   value_split=8, turns=turns, o_weight=w)
     # at batch 16 as the model runs it: f_b's and g_b's products made by XLA (`decode_layer.LOW_RANK_UPS_MIN_ROWS`)
     ups_step = lambda f_up, g_up, *a: decode_layer.decode_step(*a, layer=0, eps=1e-5, lower_bound=None,
                                                                low_rank_ups=(f_up, g_up))
@@ -144,6 +147,8 @@ def kda_cases() -> dict:
             "decode layer B1 H16 value split 8": (split_step, layer_b1),
             "decode layer B1 H16 value split 8, last block shifts": (counted_step,
                                                                       (S((12, 2, 16), jnp.int32),) + layer_b1),
+            "decode layer B1 H16 value split 8, o_proj in the step": (
+                o_proj_step, (S((12, 2, 16), jnp.int32), S((dim, 2048), jnp.bfloat16)) + layer_b1),
             "chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),
             "chunk_kda B1 T8192 one level per pass": (chunk(levels_apart), (q, q, q, g, beta, state)),
             "chunk_kda B1 T8192 IEEE inverse": (chunk(pallas.KdaTuning(wy_inverse="ieee", wy_warps=4)),

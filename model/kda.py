@@ -41,6 +41,11 @@ PROJECTION_PARTIALS = True
 # against 1.055 at batch 1, 2.923 against 2.923 at batch 16 (where XLA's projections then concatenate the weights
 # every step). Off.
 PROJECTIONS_AS_ONE = False
+# Whether `decode_in_place` has the decode-step kernel run o_proj as well where the step is split over value blocks
+# with turn counters (`decode_layer.decode_step(o_weight=)`: its output one partial sum per head, finished by the MoE
+# front kernel or XLA), one kernel per KDA layer fewer than o_proj's own projection kernel. Off until measured on
+# the GPU.
+O_PROJ_IN_STEP = False
 
 
 def _a_log_init(key, shape, dtype):
@@ -151,7 +156,8 @@ class KimiDeltaAttention(nn.Module):
         f_a|g_a|b come out side by side, or all six with `PROJECTIONS_AS_ONE`, as the step kernel takes them; where
         K is split, as float32 partial sums that the step kernel adds up itself, with `PROJECTION_PARTIALS`), and so
         are o_proj and the residual add
-        (with the step split over value blocks, o_proj's loads finish the gated norm: `projection.HeadScaled`).
+        (with the step split over value blocks, o_proj's loads finish the gated norm: `projection.HeadScaled`; or,
+        with `O_PROJ_IN_STEP` and the counters, the step kernel runs o_proj itself, one partial sum per head).
         From `decode_layer.LOW_RANK_UPS_MIN_ROWS` rows on, f_b's and g_b's products of the rows' f_a and g_a outputs
         are two XLA matmuls handed to the step kernel (`decode_step(low_rank_ups=)`) instead of a weight load per
         (row, head) program.
@@ -182,15 +188,21 @@ class KimiDeltaAttention(nn.Module):
                 fgb = projection.finished(fgb)
                 ups = decode_layer.low_rank_ups(fgb, f_b, g_b)
         fits = turns is not None and turns.shape[1] >= rows.shape[0]  # else: the XLA scatter, the counters untouched
+        split = decode_layer.value_split(rows.shape[0], cfg.kda_head_dim)
+        o_weight = weight(self.o_proj)
+        o_in_step = O_PROJ_IN_STEP and fits and split > 1 and o_weight.dtype == jnp.dtype(self.dtype)
         o, conv_cache, state_pool, *counters = decode_layer.decode_step(
             qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
             f_b, self.A_log, self.dt_bias, g_b, weight(self.o_norm, "weight"),
             conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=cfg.rms_norm_eps,
             lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
-            value_split=decode_layer.value_split(rows.shape[0], cfg.kda_head_dim), turns=turns if fits else None,
-            low_rank_ups=ups,
-            interpret=self.decode_layer_kind(x) == "interpret")
+            value_split=split, turns=turns if fits else None, low_rank_ups=ups,
+            o_weight=o_weight if o_in_step else None, interpret=self.decode_layer_kind(x) == "interpret")
         turns = tuple(counters) if fits else (() if turns is None else (turns,))
+        if o_in_step:  # o is o_proj's output already, one partial sum per head
+            if unfinished:
+                return ((o, rows), conv_cache, state_pool, *turns)
+            return (projection.finished(o, residual=rows)[:, None], conv_cache, state_pool, *turns)
         if unfinished:
             (update,) = project(o, ((weight(self.o_proj),),), finish=False)
             return ((update, rows), conv_cache, state_pool, *turns)

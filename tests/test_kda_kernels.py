@@ -282,6 +282,44 @@ def test_decode_layer_value_split(seed, head_dim, split):
         decode_layer.decode_step(*args, **options, value_split=split, turns=turns[:, :2])
 
 
+@pytest.mark.parametrize("head_dim,split,hidden", [(32, 2, 48), (64, 4, 128)])
+def test_decode_layer_runs_o_proj(seed, head_dim, split, hidden):
+    """`decode_step(o_weight=)` (interpret mode, each head's blocks counted by the turn counters): the caches of the
+    step without it bit for bit, o_proj's output as one `projection.Partials` slice per head whose sum is o_proj
+    of the step's `HeadScaled` output (within bf16 rounding: that path rounds the scaled values before the product,
+    this one multiplies them unrounded; checked also against float64), the counters left at zero; a weight of
+    the wrong shape or without turns refused by name."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+
+    heads, batch = 2, 3
+    args = decode_layer_inputs(seed, batch, heads, head_dim)
+    options = dict(layer=1, eps=1e-5, lower_bound=-5.0, interpret=True, value_split=split)
+    rng = np.random.default_rng(seed + 1)
+    w = jnp.asarray(rng.standard_normal((heads * head_dim, hidden)) * 0.05, jnp.bfloat16)
+    turns = jnp.zeros((2, batch, heads), jnp.int32)
+    plain = decode_layer.decode_step(*args, **options, turns=turns)
+    got = decode_layer.decode_step(*args, **options, turns=turns, o_weight=w)
+    assert len(got) == 4 and not np.any(np.asarray(got[3]))
+    for g, p in zip(got[1:3], plain[1:3]):
+        assert np.array_equal(np.asarray(g, np.float32), np.asarray(p, np.float32))
+    sums = got[0]
+    assert isinstance(sums, projection.Partials) and sums.squares is None
+    assert sums.sums.shape == (heads, batch, hidden) and sums.sums.dtype == jnp.float32
+    out = projection.finished(sums)
+    assert out.dtype == jnp.bfloat16
+    want = projection.reference(plain[0], ((w,),))[0]
+    assert _rel_err(out, want) < 1e-2
+    scaled = np.asarray(plain[0].values, np.float64) * np.asarray(plain[0].scales(), np.float64)
+    exact = scaled @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(jnp.sum(sums.sums, axis=0)), exact, rtol=1e-4, atol=1e-4)
+    assert np.all(np.asarray(sums.sums[:, 0]) == 0)  # the padding row
+    with pytest.raises(ValueError, match="o_weight"):
+        decode_layer.decode_step(*args, **options, o_weight=w)  # no turn counters
+    with pytest.raises(ValueError, match="o_weight"):
+        decode_layer.decode_step(*args, **options, turns=turns, o_weight=w[1:])
+
+
 @pytest.mark.parametrize("split", [1, 2])
 def test_decode_layer_takes_low_rank_ups(seed, split):
     """`decode_step(low_rank_ups=)` with f_a @ f_b and g_a @ g_b made by `low_rank_ups` (interpret mode): the
@@ -416,6 +454,10 @@ def test_decode_layer_lowers_to_triton():
     counted = lambda turns, *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None, value_split=8,
                                                          turns=turns)
     assert count_triton_kernels(counted, spec((2, 2, 16), jnp.int32), *args) == 1
+    # and o_proj in the same kernel (its rows asked into L2 where the lowering has the prefetch)
+    in_step = lambda turns, w, *a: decode_layer.decode_step(*a, layer=1, eps=1e-5, lower_bound=None, value_split=8,
+                                                            turns=turns, o_weight=w)
+    assert count_triton_kernels(in_step, spec((2, 2, 16), jnp.int32), spec((2048, 2048), jnp.bfloat16), *args) == 1
 
 
 def test_model_decode_layer_path_equals_step(seed, monkeypatch):
@@ -491,9 +533,11 @@ def test_model_decode_layer_path_equals_step(seed, monkeypatch):
 def test_model_decode_with_value_split(seed, monkeypatch):
     """KimiDeltaAttention.decode_in_place with the step split over value blocks (`decode_layer.VALUE_SPLIT`, interpret
     mode) and o_proj through the projection kernel (interpret mode, finishing the heads' norm as it loads) or XLA:
-    the unsplit path's output and caches to bf16 rounding."""
+    the unsplit path's output and caches to bf16 rounding; with the turn counters the same, and with o_proj in the
+    step kernel (`O_PROJ_IN_STEP`) the same caches and the output to bf16 rounding."""
     from dayzero.kernels import projection
     from dayzero.kernels.kda import decode_layer
+    from dayzero.model import kda as kda_model
     from dayzero.model.kda import KimiDeltaAttention
     from dayzero.model.presets import tiny
 
@@ -529,6 +573,20 @@ def test_model_decode_with_value_split(seed, monkeypatch):
         assert len(counted) == 4 and not np.any(np.asarray(counted[3]))  # the counters left at zero
         for c, g in zip(counted[:3], got):
             assert np.array_equal(np.asarray(c, np.float32), np.asarray(g, np.float32))
+        # o_proj in the step kernel (`O_PROJ_IN_STEP`): the same caches, the output to bf16 rounding; unfinished,
+        # one partial sum per head for the front kernel
+        monkeypatch.setattr(kda_model, "O_PROJ_IN_STEP", True)
+        in_step = attn.apply(params, x, norm_weight, valid, conv, pool, slots, layer, turns=turns,
+                             method="decode_in_place")
+        (parts, rows), *_ = attn.apply(params, x, norm_weight, valid, conv, pool, slots, layer, turns=turns,
+                                       unfinished=True, method="decode_in_place")
+        monkeypatch.setattr(kda_model, "O_PROJ_IN_STEP", False)
+        assert len(in_step) == 4 and not np.any(np.asarray(in_step[3]))
+        assert _rel_err(in_step[0] - x, counted[0] - x) < 1e-2, projections
+        for c, g in zip(in_step[1:3], counted[1:3]):
+            assert np.array_equal(np.asarray(c, np.float32), np.asarray(g, np.float32))
+        assert isinstance(parts, projection.Partials) and parts.sums.shape == (16, 2, cfg.hidden_size)
+        assert np.array_equal(np.asarray(projection.finished(parts, residual=rows)), np.asarray(in_step[0][:, 0]))
 
 
 @pytest.mark.parametrize("projections", ["reference", "interpret"])

@@ -228,6 +228,43 @@ def test_model_decode_with_the_front_choosing(seed, monkeypatch):
     assert not np.any(np.asarray(chosen_cache["moe_turns"]))
 
 
+def test_model_decode_with_o_proj_in_the_kda_step(seed, monkeypatch):
+    """`model.kda.O_PROJ_IN_STEP` (every kernel in interpret mode, one row, the KDA step split in 2 value blocks per
+    head): the KDA layers' o_proj runs in their step kernel and its per-head partial sums go to the front kernel
+    (one slice per head); the logits match the step with o_proj's own kernel to bf16 rounding (where the router
+    choices held); the first KDA layer's caches are the same, the later ones' to bf16 rounding."""
+    from dayzero.kernels.kda import decode_layer
+    from dayzero.model import kda as kda_model
+    from dayzero.model.presets import tiny
+
+    cfg = tiny().replace(hidden_size=64, kda_num_heads=4, kda_head_dim=32, num_experts=16, num_experts_per_token=2,
+                         index_topk=0, q_lora_rank=32, kv_lora_rank=28, qk_rope_head_dim=4, num_heads=4,
+                         v_head_dim=16, moe_intermediate_size=16)
+    assert decode_layer.value_split(1, 32) == 2
+    step, args = prefilled_decode(cfg, seed, 1)
+    monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
+    updates = []
+    front = moe_front.front
+    monkeypatch.setattr(moe_front, "front", lambda *a, **k: updates.append(a[0]) or front(*a, **k))
+    choices = spy_router_choices(monkeypatch)
+    plain, plain_cache = step(*args, decode=True)
+    plain_choices = taken(choices)
+    plain_slices = [u.slices for u in updates if isinstance(u, projection.Partials)]
+    updates.clear()
+    monkeypatch.setattr(kda_model, "O_PROJ_IN_STEP", True)
+    fused, fused_cache = step(*args, decode=True)
+    kda_moe = sum(t == "kda" and m == "moe" for t, m in zip(cfg.layer_types, cfg.mlp_types))
+    heads = [u.slices for u in updates if isinstance(u, projection.Partials) and u.slices == cfg.kda_num_heads]
+    assert kda_moe >= 1 and len(heads) == kda_moe and cfg.kda_num_heads not in plain_slices
+    for name in ("conv", "state"):  # the first KDA layer's exactly (its o_proj comes after), the later ones close
+        got, want = np.asarray(fused_cache[name], np.float64), np.asarray(plain_cache[name], np.float64)
+        assert np.array_equal(got[0], want[0]) and np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+    assert not np.any(np.asarray(fused_cache["kda_turns"]))
+    held = rows_that_held(plain_choices, choices, cfg.num_experts_per_token)
+    a, b = np.asarray(fused, np.float64)[held], np.asarray(plain, np.float64)[held]
+    assert a.size == 0 or np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+
+
 @pytest.mark.parametrize("sigmoid,parts", [(True, 2), (False, 1)])
 def test_front_makes_the_routers_choice(seed, sigmoid, parts):
     """`front(select=)` (interpret mode): the same x, normed and logits as without, and the last program's choice

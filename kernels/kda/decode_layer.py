@@ -23,6 +23,11 @@ q's and k's conv inputs in place while the head's other blocks may still read th
 does, found by an atomic counter per (row, head) kept in the cache (`turns`), or, without counters, they go out
 separately and XLA writes them into the cache after the kernel.
 
+With `o_weight` (split, with the counters) the kernel runs o_proj too: each block multiplies its share of the output
+by its rows of o_proj's weight, and the head's last block adds the head's products and scales them by the head's
+1 / rms, so the step hands the next kernel one float32 partial sum of o_proj's output per head (`projection.Partials`)
+and o_proj needs no kernel of its own.
+
 Arithmetic is float32 throughout, rounded to the activations' dtype where the model's XLA path materialises a
 16-bit tensor (the conv outputs, the f_b and g_b outputs, the recurrent output); XLA may keep more precision inside
 its fusions (`xla_allow_excess_precision`), so the two agree to 16-bit rounding, not bit for bit. Rows of length 0
@@ -38,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .. import atomics, dispatch, projection, short_conv, tiles as tiling
+from .. import atomics, dispatch, l2_prefetch, projection, short_conv, tiles as tiling
 from . import reference as kda_reference
 from .pallas import _delta_step, _l2normalize, _params
 
@@ -62,6 +67,10 @@ NUM_WARPS = 4
 # session; tests/gpu/test_kda_gpu.py -k value_split passes, three calls in a row each). 1: off.
 VALUE_SPLIT = 8
 VALUE_SPLIT_MAX_ROWS = 2
+# `decode_step(o_weight=)`: columns of o_proj's output per step of a block's product (a power-of-two divisor of the
+# hidden size at most this), and whether each block asks its rows of the weight into L2 as it starts.
+O_PROJ_CHUNK = 512
+O_PROJ_PREFETCH = True
 # Decode calls of at least this many rows hand the kernel f_a @ f_b and g_a @ g_b made by XLA over all rows
 # (`decode_step(low_rank_ups=)`), instead of each (row, head) program loading the head's f_b and g_b columns (64 KB at
 # the medium hybrid's 128 x 128 per head, as many bytes as its state) and reducing over them. 0: never. On the H200
@@ -109,7 +118,7 @@ def _projected_loader(refs, b, *, layout):
 
 
 def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, scale, eps, lower_bound, act,
-            qkv_layout, fgb_layout, value_split, last_block_shifts, ups_given, interpret):
+            qkv_layout, fgb_layout, value_split, last_block_shifts, ups_given, o_chunk, prefetch, interpret):
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2)  # which of the head's `value_split` blocks of value columns (state columns) this is
     qkv_at, refs = _projected_loader(refs, b, layout=qkv_layout)
@@ -123,12 +132,18 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     ups = ()  # (f_a @ f_b, g_a @ g_b) of all rows, where the caller made them
     if ups_given:
         ups, refs = refs[:2], refs[2:]
+    ow_ref = None  # o_proj's weight [H * K, D], where the kernel runs o_proj too (`o_chunk`)
+    if o_chunk:
+        ow_ref, refs = refs[0], refs[1:]
     if last_block_shifts:
         refs = refs[1:]  # the turn counters' input: aliased with their output (in split_refs), not read
     conv_ref, pool_ref, o_ref, *split_refs, conv_out_ref, pool_out_ref = refs
     # split: the blocks' sums of o^2 [B, H * P], then the shifted q, k conv inputs [B, 2, H * K, W - 1] or, with
-    # `last_block_shifts`, the turn counters [L, R, H]
-    squares_ref, qk_rows_ref, turns_ref = None, None, None
+    # `last_block_shifts`, the turn counters [L, R, H]. With o_proj (`o_chunk`): o_ref is o_proj's per-head sums
+    # [H, B, D], and the blocks' products [B, H, P, D] come before the squares
+    squares_ref, qk_rows_ref, turns_ref, products_ref = None, None, None, None
+    if o_chunk:
+        products_ref, split_refs = split_refs[0], split_refs[1:]
     if split_refs:
         squares_ref, other = split_refs
         turns_ref, qk_rows_ref = (other, None) if last_block_shifts else (None, other)
@@ -140,6 +155,11 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     c0 = pl.multiple_of(h * head_dim, head_dim)
     v0 = pl.multiple_of(part * vb, vb)  # the block's value columns within the head
     chans, values = pl.ds(c0, head_dim), pl.ds(pl.multiple_of(c0 + v0, vb), vb)
+    rows_o = pl.ds(pl.multiple_of(c0 + v0, vb), vb)  # the block's rows of o_proj's weight
+    if o_chunk and prefetch:  # o_proj's rows into L2 now: the product at the end reads them from there
+        hidden = ow_ref.shape[1]
+        offsets = (c0 + v0 + jax.lax.broadcasted_iota(jnp.int32, (vb,), 0)) * hidden
+        l2_prefetch.prefetch(ow_ref, offsets, hidden * ow_ref.dtype.itemsize)
     state = pool_ref[layer, slot, h, :, pl.ds(v0, vb)]  # first: its HBM read overlaps the conv and gate work below
 
     def taps_of(stream, cols, size):  # the channels' last W - 1 inputs from the cache, then this token's
@@ -191,6 +211,12 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     if value_split == 1:
         normed = o * jax.lax.rsqrt(jnp.sum(o * o) / head_dim + eps)
         o_ref[b, chans] = (weight * normed * gate).astype(o_ref.dtype)
+    elif o_chunk:  # the block's share of o_proj, unscaled: the head's last block scales by the head's 1 / rms
+        y = weight * o * gate
+        for c in range(ow_ref.shape[1] // o_chunk):
+            cols = pl.ds(c * o_chunk, o_chunk)
+            products_ref[b, h, part, cols] = jnp.sum(y[:, None] * ow_ref[rows_o, cols].astype(jnp.float32), axis=0)
+        squares_ref[b, h * value_split + part] = jnp.sum(o * o)
     else:  # the head's norm needs all its blocks: o_proj's loads scale by it (`projection.HeadScaled`)
         o_ref[b, values] = weight * o * gate
         squares_ref[b, h * value_split + part] = jnp.sum(o * o)
@@ -204,6 +230,12 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
         def _shift_head():
             for stream, taps in ((0, q_taps), (1, k_taps)):
                 shift(taps, store_into(conv_out_ref, layer, slot, stream, chans))
+            if o_chunk:  # o_proj's sums over the head: its blocks' products times the head's 1 / rms
+                squares = squares_ref[b, pl.ds(pl.multiple_of(h * value_split, value_split), value_split)]
+                head_scale = jax.lax.rsqrt(jnp.sum(squares) / head_dim + eps)
+                for c in range(ow_ref.shape[1] // o_chunk):
+                    cols = pl.ds(c * o_chunk, o_chunk)
+                    o_ref[h, b, cols] = jnp.sum(products_ref[b, h, :, cols], axis=0) * head_scale
             turns_ref[layer, b, h] = jnp.int32(0)
 
 
@@ -219,7 +251,8 @@ def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple |
 def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, conv_cache, state_pool, slots,
                 lengths, *, layer: int, eps: float, lower_bound: float | None, num_warps: int = NUM_WARPS,
                 value_split: int = 1, turns: jax.Array | None = None,
-                low_rank_ups: tuple[jax.Array, jax.Array] | None = None, interpret: bool = False):
+                low_rank_ups: tuple[jax.Array, jax.Array] | None = None, o_weight: jax.Array | None = None,
+                interpret: bool = False):
     """One decode token per row through the KDA layer's conv, gates, recurrence and gated norm.
 
     qkv [B, 3 * H * K] (the q, k, v projections, concatenated), fgb [B, 2R + H] (the f_a and g_a projections and
@@ -228,7 +261,8 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     as `projection.finished` would); conv_weights (q, k, v) [H * K, W] each; f_b, g_b [R, H * K]; a_log [H];
     dt_bias [H * K]; norm_weight [K] (the gated norm's); conv_cache [L, S, 3, H * K, W - 1] and state_pool
     [L, S, H, K, K] float32, both updated in place at (layer, slots[b]); slots [B] int32, lengths [B] int32 (0: a
-    padding row). Returns (o [B, H * K] ready for o_proj, conv_cache, state_pool). `fgb` None: qkv holds all six
+    padding row). Returns (o [B, H * K] ready for o_proj, conv_cache, state_pool); o_proj's output with
+    `o_weight`. `fgb` None: qkv holds all six
     projections side by side [B, 3 * H * K + 2R + H] (one projection output, one XLA finishing fusion fewer).
 
     `value_split` P > 1: each head runs as P programs of K / P value columns (P times the programs, for batches too
@@ -245,6 +279,14 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     of the rows' f_a and g_a outputs, made by the caller (as the model's XLA path does: one small matmul over all
     rows, `low_rank_ups`); the kernel then reads them instead of multiplying by f_b's and g_b's head columns itself,
     which every (row, head) program would otherwise load (as many weight bytes as its state's).
+
+    `o_weight` (o_proj's weight [H * K, D] of the activations' dtype; needs `value_split` > 1 and `turns`): the
+    kernel runs o_proj too, and o comes back as its output unfinished, a `projection.Partials` of one slice per head
+    (sums [H, B, D] float32, no squares; `finished` adds them up and rounds). Each block multiplies its float32
+    weight * o * gate by its K / P rows of the weight (`O_PROJ_CHUNK` columns at a time, the rows asked into L2 as
+    the program starts with `O_PROJ_PREFETCH`), and the head's last block adds its blocks' products and scales them
+    by the head's 1 / rms. The values go into the product unrounded: where o_proj's own kernel rounds each scaled
+    value to the activations' dtype first (`projection.HeadScaled`), so the two agree to that rounding.
     """
     act = jnp.dtype(qkv.dtype)  # (a Partials' dtype is the one its sums round to)
     batch = qkv.sums.shape[1] if isinstance(qkv, projection.Partials) else qkv.shape[0]
@@ -269,15 +311,27 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     if low_rank_ups is not None and any(u.shape != (batch, heads * head_dim) or u.dtype != act for u in low_rank_ups):
         raise ValueError(f"kda decode layer: low_rank_ups {[f'{u.dtype}{list(u.shape)}' for u in low_rank_ups]} "
                          f"(needs two {act.name} [{batch}, {heads * head_dim}])")
+    dim = heads * head_dim
+    if o_weight is not None and (not last_block_shifts or o_weight.ndim != 2 or o_weight.shape[0] != dim
+                                 or o_weight.dtype != act):
+        raise ValueError(f"kda decode layer: o_weight {o_weight.dtype}{list(o_weight.shape)} (needs {act.name} "
+                         f"[{dim}, D], a value_split above 1 ({value_split}) and turns "
+                         f"({'given' if turns is not None else 'none'}))")
+    o_chunk = 0 if o_weight is None else tiling.pow2_divisor(o_weight.shape[1], O_PROJ_CHUNK)
     (qkv_ops, qkv_layout), (fgb_ops, fgb_layout) = _operands(qkv), (([], "after_qkv") if fgb is None
                                                                      else _operands(fgb))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     inputs = [slots.astype(jnp.int32), lengths.astype(jnp.int32), *qkv_ops, *fgb_ops, *conv_weights, f_b,
               a_log.astype(jnp.float32), dt_bias.astype(jnp.float32), g_b, norm_weight, *(low_rank_ups or ()),
-              *([turns] if last_block_shifts else []), conv_cache, state_pool]
+              *([o_weight] if o_chunk else []), *([turns] if last_block_shifts else []), conv_cache, state_pool]
     split = value_split > 1
-    dim = heads * head_dim
-    outputs = [jax.ShapeDtypeStruct((batch, dim), jnp.float32 if split else act),
+    if o_chunk:  # o_proj's per-head sums, then the blocks' products
+        hidden = o_weight.shape[1]
+        first = [jax.ShapeDtypeStruct((heads, batch, hidden), jnp.float32),
+                 jax.ShapeDtypeStruct((batch, heads, value_split, hidden), jnp.float32)]
+    else:
+        first = [jax.ShapeDtypeStruct((batch, dim), jnp.float32 if split else act)]
+    outputs = [*first,
                *([jax.ShapeDtypeStruct((batch, heads * value_split), jnp.float32),  # the blocks' sums of o^2
                   jax.ShapeDtypeStruct(turns.shape, turns.dtype) if last_block_shifts  # the turn counters
                   else jax.ShapeDtypeStruct((batch, 2, dim, width - 1), conv_cache.dtype)]  # shifted q, k inputs
@@ -286,12 +340,13 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
                jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype)]
     aliases = {len(inputs) - 2: len(outputs) - 2, len(inputs) - 1: len(outputs) - 1}
     if last_block_shifts:
-        aliases[len(inputs) - 3] = 2
+        aliases[len(inputs) - 3] = len(first) + 1
     o, *split_outs, conv_cache, state_pool = tiling.pallas_call(
         functools.partial(_kernel, layer=layer, heads=heads, head_dim=head_dim, low_rank=low_rank, width=width,
                           scale=head_dim ** -0.5, eps=eps, lower_bound=lower_bound, act=act, qkv_layout=qkv_layout,
                           fgb_layout=fgb_layout, value_split=value_split, last_block_shifts=last_block_shifts,
-                          ups_given=low_rank_ups is not None, interpret=interpret),
+                          ups_given=low_rank_ups is not None, o_chunk=o_chunk,
+                          prefetch=O_PROJ_PREFETCH and l2_prefetch.available(interpret), interpret=interpret),
         grid=(batch, heads, value_split),
         in_specs=[any_spec] * len(inputs),
         out_specs=[any_spec] * len(outputs),
@@ -301,9 +356,13 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
         interpret=interpret,
         name="kda_decode_layer",
     )(*inputs)
+    if o_chunk:
+        split_outs = split_outs[1:]  # (the blocks' products: the kernel's own scratch)
+        o = projection.Partials(o, None, dim, float(eps), act.name)
     if split:
         squares, other = split_outs
-        o = projection.HeadScaled(o, squares, head_dim, float(eps), act.name)
+        if not o_chunk:
+            o = projection.HeadScaled(o, squares, head_dim, float(eps), act.name)
         if last_block_shifts:
             turns = other
         else:

@@ -232,6 +232,40 @@ def test_decode_layer_value_split_on_gpu(split, batch):
     assert _rel(kernel[:batch], want) < 1e-2
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("split,batch", [(8, 1), (4, 2)])
+def test_decode_layer_runs_o_proj_on_gpu(monkeypatch, prefetch, split, batch):
+    """o_proj in the split decode step (`decode_step(o_weight=)`, medium hybrid's layer, the rows asked into L2 or
+    not): the caches of the step without it bit for bit, call after call with the counters back at zero, and its
+    per-head partial sums adding up to o_proj of the finished `HeadScaled` rows (float64 product) to float32
+    rounding, and to the model's bf16 product to bf16 rounding."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+    from test_kda_kernels import decode_layer_inputs
+
+    monkeypatch.setattr(decode_layer, "O_PROJ_PREFETCH", prefetch)
+    seed = _seed()
+    args = decode_layer_inputs(seed, batch, 16, 128, slots_total=40, padding_row=batch > 1)
+    options = dict(layer=1, eps=1e-5, lower_bound=None, value_split=split)
+    w = (jax.random.normal(jax.random.key(seed), (2048, 2048)) * 0.02).astype(jnp.bfloat16)
+    plain = jax.jit(lambda t, *a: decode_layer.decode_step(*a, **options, turns=t))
+    fused = jax.jit(lambda t, w, *a: decode_layer.decode_step(*a, **options, turns=t, o_weight=w))
+    turns = jnp.zeros((2, batch, 16), jnp.int32)
+    *want, turns = plain(turns, *args)
+    for _ in range(3):
+        *got, turns = fused(turns, w, *args)
+        assert not np.any(np.asarray(turns))
+        for g, p in zip(got[1:], want[1:]):
+            assert np.array_equal(np.asarray(g, np.float32), np.asarray(p, np.float32))
+        assert isinstance(got[0], projection.Partials) and got[0].sums.shape == (16, batch, 2048)
+        scaled = np.asarray(want[0].values, np.float64) * np.asarray(want[0].scales(), np.float64)
+        exact = scaled @ np.asarray(w, np.float64)
+        total = np.asarray(jnp.sum(got[0].sums, axis=0), np.float64)
+        assert np.max(np.abs(total - exact)) <= 1e-4 * np.max(np.abs(exact)) + 1e-6
+    (model,) = projection.reference(want[0], ((w,),))
+    assert _rel(projection.finished(got[0]), model) < 1e-2
+
+
 @pytest.mark.parametrize("batch", [1, 8])
 def test_decode_layer_six_projections_side_by_side_on_gpu(batch):
     """The decode step given q|k|v|f_a|g_a|b as one array (the model's single projection output), compiled at the
