@@ -5,7 +5,8 @@ kernel after them waits to start. Hopper's bulk prefetch `cp.async.bulk.prefetch
 the memory system to bring a contiguous range into L2 and returns at once: nothing waits for it, no register or
 shared memory holds the data. `prefetch(ref, offsets, chunk_bytes)` issues one such prefetch per element of
 `offsets` (int32 element offsets into `ref`, any shape; each thread issues the elements it holds), so a kernel can
-hand its idle time to the next kernel's weight reads.
+hand its idle time to the next kernel's weight reads; `prefetch_range(ref, offset, bytes)` asks for one contiguous
+range, issued by the program's first thread alone.
 
 Only the Triton lowering emits it (a primitive with its own lowering rule through JAX's private Pallas Triton
 lowering API; kept out of the jaxpr's dead-code elimination, its result unused). Callers skip it in interpret mode
@@ -20,13 +21,17 @@ from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
 
 _PTX = "cp.async.bulk.prefetch.L2.global [$1], {bytes};\n\tmov.u32 $0, 0;"
+# the same from the program's first thread only (`prefetch_range`: one range per program, not one per lane)
+_PTX_FIRST_THREAD = ("{{\n\t.reg .u32 first_tid;\n\t.reg .pred first_lane;\n\tmov.u32 first_tid, %tid.x;\n\t"
+                     "setp.eq.u32 first_lane, first_tid, 0;\n\t"
+                     "@first_lane cp.async.bulk.prefetch.L2.global [$1], {bytes};\n\t}}\n\tmov.u32 $0, 0;")
 
 l2_prefetch_p = jax_core.Primitive("dayzero_l2_prefetch")
 
 
 @l2_prefetch_p.def_abstract_eval
-def _abstract_eval(ref, offsets, *, chunk_bytes):
-    del ref, chunk_bytes
+def _abstract_eval(ref, offsets, *, chunk_bytes, first_thread=False):
+    del ref, chunk_bytes, first_thread
     return jax_core.ShapedArray(offsets.shape, jnp.int32)
 
 
@@ -43,13 +48,14 @@ def _register_triton_lowering() -> bool:
         return False
 
     @lowering.register_lowering(l2_prefetch_p)
-    def _lower(ctx, ptr, offsets, *, chunk_bytes):
+    def _lower(ctx, ptr, offsets, *, chunk_bytes, first_thread=False):
         shape = ctx.avals_in[1].shape
         ptrs = lowering._bcast_to(ptr, shape)
         addresses = tt_dialect.addptr(ptrs.type, ptrs, offsets)
         result = ir.RankedTensorType.get(shape, ir.IntegerType.get_signless(32)) if shape else \
             ir.IntegerType.get_signless(32)
-        return tt_dialect.elementwise_inline_asm([result], _PTX.format(bytes=chunk_bytes), constraints="=r,l",
+        ptx = (_PTX_FIRST_THREAD if first_thread else _PTX).format(bytes=chunk_bytes)
+        return tt_dialect.elementwise_inline_asm([result], ptx, constraints="=r,l",
                                                  pure=False, packed_element=1, args=[addresses])
 
     return True
@@ -69,6 +75,18 @@ def prefetch(ref, offsets: jax.Array, chunk_bytes: int) -> jax.Array:
     if chunk_bytes <= 0 or chunk_bytes % 16:
         raise ValueError(f"l2_prefetch: chunk of {chunk_bytes} bytes is not a positive multiple of 16")
     return l2_prefetch_p.bind(ref, offsets.astype(jnp.int32), chunk_bytes=int(chunk_bytes))
+
+
+def prefetch_range(ref, offset: jax.Array, num_bytes: int) -> jax.Array:
+    """Inside a Pallas Triton kernel: prefetch the `num_bytes` of `ref` from element `offset` (an int32 scalar) into
+    L2, one request issued by the program's first thread (a multiple of 16 bytes, 16-byte aligned). Returns an int32
+    zero (unused)."""
+    if num_bytes <= 0 or num_bytes % 16:
+        raise ValueError(f"l2_prefetch: range of {num_bytes} bytes is not a positive multiple of 16")
+    offset = jnp.asarray(offset, jnp.int32)
+    if offset.shape:
+        raise ValueError(f"l2_prefetch: prefetch_range takes one offset, not {offset.shape}")
+    return l2_prefetch_p.bind(ref, offset, chunk_bytes=int(num_bytes), first_thread=True)
 
 
 def chunk_offsets(total_elements: int, itemsize: int, parts: int, part: jax.Array, lanes: int,

@@ -156,10 +156,9 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     v0 = pl.multiple_of(part * vb, vb)  # the block's value columns within the head
     chans, values = pl.ds(c0, head_dim), pl.ds(pl.multiple_of(c0 + v0, vb), vb)
     rows_o = pl.ds(pl.multiple_of(c0 + v0, vb), vb)  # the block's rows of o_proj's weight
-    if o_chunk and prefetch:  # o_proj's rows into L2 now: the product at the end reads them from there
+    if o_chunk and prefetch:  # o_proj's rows (contiguous) into L2 now: the product at the end reads them from there
         hidden = ow_ref.shape[1]
-        offsets = (c0 + v0 + jax.lax.broadcasted_iota(jnp.int32, (vb,), 0)) * hidden
-        l2_prefetch.prefetch(ow_ref, offsets, hidden * ow_ref.dtype.itemsize)
+        l2_prefetch.prefetch_range(ow_ref, (c0 + v0) * hidden, vb * hidden * ow_ref.dtype.itemsize)
     state = pool_ref[layer, slot, h, :, pl.ds(v0, vb)]  # first: its HBM read overlaps the conv and gate work below
 
     def taps_of(stream, cols, size):  # the channels' last W - 1 inputs from the cache, then this token's
