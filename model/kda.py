@@ -43,8 +43,13 @@ PROJECTION_PARTIALS = True
 PROJECTIONS_AS_ONE = False
 # Whether `decode_in_place` has the decode-step kernel run o_proj as well where the step is split over value blocks
 # with turn counters (`decode_layer.decode_step(o_weight=)`: its output one partial sum per head, finished by the MoE
-# front kernel or XLA), one kernel per KDA layer fewer than o_proj's own projection kernel. Off until measured on
-# the GPU.
+# front kernel or XLA), one kernel per KDA layer fewer than o_proj's own projection kernel. Off: slower. On the H100
+# (medium hybrid with MXFP4 experts, decode_profile.py --set model.kda.O_PROJ_IN_STEP=True, thirty-seventh session;
+# tests/gpu/test_kda_gpu.py -k o_proj passes) batch 1 took 0.971 ms of kernels per token against 0.932 (113.5
+# kernels against 124.5): the step kernel grew 8.6 -> 16.0 us per layer (15.1 without the L2 prefetch,
+# `decode_layer.O_PROJ_PREFETCH`: 0.954 ms), more than o_proj's own kernel took (5.4 us), and the front reading 16
+# slices instead of 8 ~0.6 us more. Each block's product waits on its 64 KB of weight after the step, and the
+# head's last block then reads its blocks' products back: two latency-bound phases in place of one kernel.
 O_PROJ_IN_STEP = False
 
 
