@@ -155,7 +155,6 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     c0 = pl.multiple_of(h * head_dim, head_dim)
     v0 = pl.multiple_of(part * vb, vb)  # the block's value columns within the head
     chans, values = pl.ds(c0, head_dim), pl.ds(pl.multiple_of(c0 + v0, vb), vb)
-    rows_o = pl.ds(pl.multiple_of(c0 + v0, vb), vb)  # the block's rows of o_proj's weight
     if o_chunk and prefetch:  # o_proj's rows (contiguous) into L2 now: the product at the end reads them from there
         hidden = ow_ref.shape[1]
         l2_prefetch.prefetch_range(ow_ref, (c0 + v0) * hidden, vb * hidden * ow_ref.dtype.itemsize)
@@ -210,11 +209,12 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     if value_split == 1:
         normed = o * jax.lax.rsqrt(jnp.sum(o * o) / head_dim + eps)
         o_ref[b, chans] = (weight * normed * gate).astype(o_ref.dtype)
-    elif o_chunk:  # the block's share of o_proj, unscaled: the head's last block scales by the head's 1 / rms
+    elif o_chunk:  # the block's share of o_proj (its value columns are its rows of the weight), unscaled: the
+        # head's last block scales by the head's 1 / rms
         y = weight * o * gate
         for c in range(ow_ref.shape[1] // o_chunk):
             cols = pl.ds(c * o_chunk, o_chunk)
-            products_ref[b, h, part, cols] = jnp.sum(y[:, None] * ow_ref[rows_o, cols].astype(jnp.float32), axis=0)
+            products_ref[b, h, part, cols] = jnp.sum(y[:, None] * ow_ref[values, cols].astype(jnp.float32), axis=0)
         squares_ref[b, h * value_split + part] = jnp.sum(o * o)
     else:  # the head's norm needs all its blocks: o_proj's loads scale by it (`projection.HeadScaled`)
         o_ref[b, values] = weight * o * gate
@@ -260,9 +260,8 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     as `projection.finished` would); conv_weights (q, k, v) [H * K, W] each; f_b, g_b [R, H * K]; a_log [H];
     dt_bias [H * K]; norm_weight [K] (the gated norm's); conv_cache [L, S, 3, H * K, W - 1] and state_pool
     [L, S, H, K, K] float32, both updated in place at (layer, slots[b]); slots [B] int32, lengths [B] int32 (0: a
-    padding row). Returns (o [B, H * K] ready for o_proj, conv_cache, state_pool); o_proj's output with
-    `o_weight`. `fgb` None: qkv holds all six
-    projections side by side [B, 3 * H * K + 2R + H] (one projection output, one XLA finishing fusion fewer).
+    padding row). Returns (o [B, H * K] ready for o_proj, conv_cache, state_pool), o being o_proj's output
+    with `o_weight`. `fgb` None: qkv holds all six projections side by side [B, 3 * H * K + 2R + H] (one projection output, one XLA finishing fusion fewer).
 
     `value_split` P > 1: each head runs as P programs of K / P value columns (P times the programs, for batches too
     small to fill the GPU); the gated norm then cannot finish in a program, and o comes back as
