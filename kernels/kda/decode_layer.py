@@ -261,7 +261,8 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     dt_bias [H * K]; norm_weight [K] (the gated norm's); conv_cache [L, S, 3, H * K, W - 1] and state_pool
     [L, S, H, K, K] float32, both updated in place at (layer, slots[b]); slots [B] int32, lengths [B] int32 (0: a
     padding row). Returns (o [B, H * K] ready for o_proj, conv_cache, state_pool), o being o_proj's output
-    with `o_weight`. `fgb` None: qkv holds all six projections side by side [B, 3 * H * K + 2R + H] (one projection output, one XLA finishing fusion fewer).
+    with `o_weight`. `fgb` None: qkv holds all six projections side by side [B, 3 * H * K + 2R + H] (one
+    projection output, one XLA finishing fusion fewer).
 
     `value_split` P > 1: each head runs as P programs of K / P value columns (P times the programs, for batches too
     small to fill the GPU); the gated norm then cannot finish in a program, and o comes back as
