@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from jax._src import core as jax_core
 from jax._src.interpreters import partial_eval as pe
 
-_PTX = "cp.async.bulk.prefetch.L2.global [$1], {bytes};\n\tmov.u32 $0, 0;"
+_PREFETCH = "cp.async.bulk.prefetch.L2.global [$1], {bytes};"
+_PTX = _PREFETCH + "\n\tmov.u32 $0, 0;"
 # the same from the program's first thread only (`prefetch_range`: one range per program, not one per lane)
 _PTX_FIRST_THREAD = ("{{\n\t.reg .u32 first_tid;\n\t.reg .pred first_lane;\n\tmov.u32 first_tid, %tid.x;\n\t"
-                     "setp.eq.u32 first_lane, first_tid, 0;\n\t"
-                     "@first_lane cp.async.bulk.prefetch.L2.global [$1], {bytes};\n\t}}\n\tmov.u32 $0, 0;")
+                     "setp.eq.u32 first_lane, first_tid, 0;\n\t@first_lane " + _PREFETCH + "\n\t}}\n\tmov.u32 $0, 0;")
 
 l2_prefetch_p = jax_core.Primitive("dayzero_l2_prefetch")
 

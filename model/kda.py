@@ -205,14 +205,15 @@ class KimiDeltaAttention(nn.Module):
             o_weight=o_weight if o_in_step else None, interpret=self.decode_layer_kind(x) == "interpret")
         turns = tuple(counters) if fits else (() if turns is None else (turns,))
         if o_in_step:  # o is o_proj's output already, one partial sum per head
-            if unfinished:
-                return ((o, rows), conv_cache, state_pool, *turns)
-            return (projection.finished(o, residual=rows)[:, None], conv_cache, state_pool, *turns)
+            update = o
+        elif unfinished:
+            (update,) = project(o, ((o_weight,),), finish=False)
+        else:  # the residual added in o_proj's kernel
+            (out,) = project(o, ((o_weight,),), residual=rows)
+            return (out[:, None], conv_cache, state_pool, *turns)
         if unfinished:
-            (update,) = project(o, ((weight(self.o_proj),),), finish=False)
             return ((update, rows), conv_cache, state_pool, *turns)
-        (out,) = project(o, ((weight(self.o_proj),),), residual=rows)
-        return (out[:, None], conv_cache, state_pool, *turns)
+        return (projection.finished(update, residual=rows)[:, None], conv_cache, state_pool, *turns)
 
     def step(self, x, valid, conv_state, state_pool, slots, layer: int, decode: bool):
         """Continues from slot states: x [B, T, D], valid [B, T] (padding at the end of rows), conv_state

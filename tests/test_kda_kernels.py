@@ -282,6 +282,13 @@ def test_decode_layer_value_split(seed, head_dim, split):
         decode_layer.decode_step(*args, **options, value_split=split, turns=turns[:, :2])
 
 
+def head_scaled_o_proj(head_scaled, w) -> np.ndarray:
+    """float64 [M, D]: o_proj's weight w [K, D] times `projection.HeadScaled` rows scaled by their heads' 1 / rms, not
+    rounded (what `decode_step(o_weight=)` computes)."""
+    scaled = np.asarray(head_scaled.values, np.float64) * np.asarray(head_scaled.scales(), np.float64)
+    return scaled @ np.asarray(w, np.float64)
+
+
 @pytest.mark.parametrize("head_dim,split,hidden", [(32, 2, 48), (64, 4, 128)])
 def test_decode_layer_runs_o_proj(seed, head_dim, split, hidden):
     """`decode_step(o_weight=)` (interpret mode, each head's blocks counted by the turn counters): the caches of the
@@ -310,9 +317,8 @@ def test_decode_layer_runs_o_proj(seed, head_dim, split, hidden):
     assert out.dtype == jnp.bfloat16
     want = projection.reference(plain[0], ((w,),))[0]
     assert _rel_err(out, want) < 1e-2
-    scaled = np.asarray(plain[0].values, np.float64) * np.asarray(plain[0].scales(), np.float64)
-    exact = scaled @ np.asarray(w, np.float64)
-    np.testing.assert_allclose(np.asarray(jnp.sum(sums.sums, axis=0)), exact, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(jnp.sum(sums.sums, axis=0)), head_scaled_o_proj(plain[0], w), rtol=1e-4,
+                               atol=1e-4)
     assert np.all(np.asarray(sums.sums[:, 0]) == 0)  # the padding row
     with pytest.raises(ValueError, match="o_weight"):
         decode_layer.decode_step(*args, **options, o_weight=w)  # no turn counters

@@ -249,8 +249,7 @@ def test_model_decode_with_o_proj_in_the_kda_step(seed, monkeypatch):
     choices = spy_router_choices(monkeypatch)
     plain, plain_cache = step(*args, decode=True)
     plain_choices = taken(choices)
-    plain_slices = [u.slices for u in updates if isinstance(u, projection.Partials)]
-    updates.clear()
+    plain_slices = [u.slices for u in taken(updates) if isinstance(u, projection.Partials)]
     monkeypatch.setattr(kda_model, "O_PROJ_IN_STEP", True)
     fused, fused_cache = step(*args, decode=True)
     kda_moe = sum(t == "kda" and m == "moe" for t, m in zip(cfg.layer_types, cfg.mlp_types))

@@ -155,7 +155,9 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     c0 = pl.multiple_of(h * head_dim, head_dim)
     v0 = pl.multiple_of(part * vb, vb)  # the block's value columns within the head
     chans, values = pl.ds(c0, head_dim), pl.ds(pl.multiple_of(c0 + v0, vb), vb)
-    if o_chunk and prefetch:  # o_proj's rows (contiguous) into L2 now: the product at the end reads them from there
+    # o_proj's output columns in steps of `o_chunk`; the block's rows of its weight are its value columns
+    o_columns = [pl.ds(c, o_chunk) for c in range(0, ow_ref.shape[1], o_chunk)] if o_chunk else []
+    if o_chunk and prefetch:  # those rows (contiguous) into L2 now: the product at the end reads them from there
         hidden = ow_ref.shape[1]
         l2_prefetch.prefetch_range(ow_ref, (c0 + v0) * hidden, vb * hidden * ow_ref.dtype.itemsize)
     state = pool_ref[layer, slot, h, :, pl.ds(v0, vb)]  # first: its HBM read overlaps the conv and gate work below
@@ -209,15 +211,14 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     if value_split == 1:
         normed = o * jax.lax.rsqrt(jnp.sum(o * o) / head_dim + eps)
         o_ref[b, chans] = (weight * normed * gate).astype(o_ref.dtype)
-    elif o_chunk:  # the block's share of o_proj (its value columns are its rows of the weight), unscaled: the
-        # head's last block scales by the head's 1 / rms
+    else:  # the head's norm needs all its blocks: o_proj's loads scale by it (`projection.HeadScaled`), or with
+        # o_proj here the head's last block scales the blocks' unscaled products
         y = weight * o * gate
-        for c in range(ow_ref.shape[1] // o_chunk):
-            cols = pl.ds(c * o_chunk, o_chunk)
-            products_ref[b, h, part, cols] = jnp.sum(y[:, None] * ow_ref[values, cols].astype(jnp.float32), axis=0)
-        squares_ref[b, h * value_split + part] = jnp.sum(o * o)
-    else:  # the head's norm needs all its blocks: o_proj's loads scale by it (`projection.HeadScaled`)
-        o_ref[b, values] = weight * o * gate
+        if o_chunk:
+            for cols in o_columns:
+                products_ref[b, h, part, cols] = jnp.sum(y[:, None] * ow_ref[values, cols].astype(jnp.float32), 0)
+        else:
+            o_ref[b, values] = y
         squares_ref[b, h * value_split + part] = jnp.sum(o * o)
     if last_block_shifts:
         # Count this block's turn once its q and k taps are used (the l2 norms and the delta step above reduce over
@@ -232,8 +233,7 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
             if o_chunk:  # o_proj's sums over the head: its blocks' products times the head's 1 / rms
                 squares = squares_ref[b, pl.ds(pl.multiple_of(h * value_split, value_split), value_split)]
                 head_scale = jax.lax.rsqrt(jnp.sum(squares) / head_dim + eps)
-                for c in range(ow_ref.shape[1] // o_chunk):
-                    cols = pl.ds(c * o_chunk, o_chunk)
+                for cols in o_columns:
                     o_ref[h, b, cols] = jnp.sum(products_ref[b, h, :, cols], axis=0) * head_scale
             turns_ref[layer, b, h] = jnp.int32(0)
 

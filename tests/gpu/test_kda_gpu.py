@@ -241,7 +241,7 @@ def test_decode_layer_runs_o_proj_on_gpu(monkeypatch, prefetch, split, batch):
     rounding, and to the model's bf16 product to bf16 rounding."""
     from dayzero.kernels import projection
     from dayzero.kernels.kda import decode_layer
-    from test_kda_kernels import decode_layer_inputs
+    from test_kda_kernels import decode_layer_inputs, head_scaled_o_proj
 
     monkeypatch.setattr(decode_layer, "O_PROJ_PREFETCH", prefetch)
     seed = _seed()
@@ -258,8 +258,7 @@ def test_decode_layer_runs_o_proj_on_gpu(monkeypatch, prefetch, split, batch):
         for g, p in zip(got[1:], want[1:]):
             assert np.array_equal(np.asarray(g, np.float32), np.asarray(p, np.float32))
         assert isinstance(got[0], projection.Partials) and got[0].sums.shape == (16, batch, 2048)
-        scaled = np.asarray(want[0].values, np.float64) * np.asarray(want[0].scales(), np.float64)
-        exact = scaled @ np.asarray(w, np.float64)
+        exact = head_scaled_o_proj(want[0], w)
         total = np.asarray(jnp.sum(got[0].sums, axis=0), np.float64)
         assert np.max(np.abs(total - exact)) <= 1e-4 * np.max(np.abs(exact)) + 1e-6
     (model,) = projection.reference(want[0], ((w,),))
