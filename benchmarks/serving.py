@@ -10,11 +10,13 @@ routed experts, run by the MXFP4 kernels, and the floors count them at 4.25 bits
 `--repeats` times: its ITL is the median over the runs (each run's ITL the median of its requests' mean ITLs; one host
 stall in a 64-token run moves a single request's mean by as much as the stall / 63), and the runs' ITLs are reported
 too; a compilation during a timed run is named in the output (`compiled_while_timed`). With `--peer SCRIPT` it runs the
-peer stack's anchor script (../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same run and reports
-it beside ours, with the peer's batch-16 ITL over ours and over the batch-16 floor (the most any bf16 engine could reach
-against it); with `--trace-batches 1,16` those batches' generate runs once more under the profiler (GPU busy and idle
-time); `--xla-option` adds an XLA compile option to the model's GPU functions for the run (as decode_profile.py's does),
-named in the results line. Prints a table and appends one dated line to the results file.
+peer stack's anchor script (../shared/anchors/peer_transformers_fla.py: transformers + fla) in the same run, first,
+before JAX starts on the GPU and takes most of its memory (run second, on an 80 GB card, the peer ran out of memory
+beside our process), and reports it beside ours, with the peer's batch-16 ITL over ours and over the batch-16 floor (the
+most any bf16 engine could reach against it); with `--trace-batches 1,16` those batches' generate runs once more under
+the profiler (GPU busy and idle time); `--xla-option` adds an XLA compile option to the model's GPU functions for the
+run (as decode_profile.py's does), named in the results line. Prints a table and appends one dated line to the results
+file.
 """
 
 from __future__ import annotations
@@ -110,6 +112,10 @@ def main(argv=None) -> int:
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an XLA option added to dayzero's GPU compile options (repeatable), to try one")
     args = parser.parse_args(argv)
+    # the peer first: once JAX's GPU backend starts, its allocator holds most of the card until the process ends
+    peer = run_peer(args.peer, args.peer_timeout) if args.peer else {}
+    if args.peer:
+        print(f"peer transformers+fla: {json.dumps(peer)}", flush=True)
     if args.unrolled_decode is None:  # the engine's default, resolved here so the results line names it
         args.unrolled_decode = unrolled_by_default(jax.default_backend())
     xla_options = use_xla_options(args.xla_option)
@@ -173,8 +179,7 @@ def main(argv=None) -> int:
     if compiled_while_timed:
         res["compiled_while_timed"] = compiled_while_timed
         print(f"warning: compilations during timed runs {compiled_while_timed}: those figures include them")
-    print(f"dayzero: {json.dumps(res)}", flush=True)  # before the peer runs: kept even if the run is cut there
-    peer = run_peer(args.peer, args.peer_timeout) if args.peer else {}
+    print(f"dayzero: {json.dumps(res)}", flush=True)
     print("\n| figure | dayzero | peer (transformers+fla) |\n|---|---|---|")
     rows = [("TTFT 2K (ms)", res["ttft_P2048_ms"], peer.get("hf_B1_P2048_ttft_ms")),
             ("ITL batch 1 (ms)", res["itl_B1_ms"], peer.get("hf_B1_P2048_itl_ms")),
