@@ -235,7 +235,7 @@ def projection_cases() -> dict:
 def mla_absorb_cases() -> dict:
     """Absorbed MLA's W_UK and W_UV kernels at the medium hybrid's 16 heads and DeepSeek-V3.2's 128 (nope 128, rope
     64, v 128, latent 512, bf16), 1 and 16 rows, 8 splits."""
-    from dayzero.kernels import mla_absorb
+    from dayzero.kernels import mla_absorb, paged, paged_pallas, projection
     from dayzero.kernels.sparse_mla import SplitLatents
 
     S = jax.ShapeDtypeStruct
@@ -250,6 +250,16 @@ def mla_absorb_cases() -> dict:
                 lambda o, lse, w, heads=heads: mla_absorb.up_project(SplitLatents(o, lse, heads, "bfloat16"), w,
                                                                      nope=128, v_dim=128),
                 (bf(rows, 8, heads, 512), S((rows, 8, heads), jnp.float32), bf(512, heads * 256)))
+    for rows in (1, 16):  # the medium hybrid's MLA decode with the latent cache write in the absorb kernel
+        cases[f"absorb H16 M{rows} + latent write"] = (
+            lambda s, sq, w, cache, tables, weight, rows=rows: mla_absorb.absorb_queries(
+                projection.Partials(s, sq, 2048, 1e-5, "bfloat16"), w, heads=16, nope=128, rope=64, v_dim=128,
+                cache=cache, latent_write=paged_pallas.DecodeRows(
+                    0, tables, jnp.zeros((rows,), jnp.int32), jnp.ones((rows,), bool),
+                    projection.Partials(s[..., :576], sq, 2048, 1e-5, "bfloat16"),
+                    paged.LeadingNorm(weight, 512, 1e-5))),
+            (S((8, rows, 16 * 192), jnp.float32), S((8, rows), jnp.float32), bf(512, 16 * 256), bf(4, 64, 64, 576),
+             S((rows, 8), jnp.int32), bf(512)))
     return cases
 
 

@@ -7,7 +7,10 @@ decode attention its merge (a max, an einsum, a convert) before the W_UV product
 
 - `absorb_queries`: q [M, H * (nope + rope)] (the query projection's output as it comes) and the kernel w_kv
   [R, H * (nope + v)] -> q_latent [M, H, R] = per head q_nope . W_UK^T, and q_rope [M, H, E] copied out of q.
-  Grid (head, block of R, block of 16 rows); each program reads its [block_r, nope] piece of W_UK once.
+  Grid (head, block of R, block of 16 rows); each program reads its [block_r, nope] piece of W_UK once. With
+  `latent_write` it also writes the step's latent cache rows, as the paged write's decode kernel would
+  (`kernels.paged_pallas.store_decode_row`), program p of a row block writing its row p while its W_UK loads are in
+  flight, so that write needs no launch of its own (`model.mla.LATENT_WRITE_IN_ABSORB`).
 - `up_project`: the decode attention's per-split outputs (`SplitLatents`, from `sparse_mla(merge=False)`), or
   latents already merged, and w_kv -> o [M, H * v]: the splits merged with their log-sum-exp weights (rounded to
   the output dtype, as `sparse_mla.combine_normalized` does), times W_UV. Grid (head, block of v columns, row):
@@ -30,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from . import dispatch, projection, tiles as tiling
+from . import dispatch, paged_pallas, projection, tiles as tiling
 from .sparse_mla import SplitLatents
 
 # Whether CUDA runs the kernels by default: tests/gpu/test_mla_absorb_gpu.py passes on the H200 (2026-12-03), and
@@ -94,10 +97,15 @@ def absorb_reference(q: jax.Array, w_kv: jax.Array, *, heads: int, nope: int, ro
     return jnp.einsum("mhn,rhn->mhr", q[..., :nope], w), q[..., nope:]
 
 
-def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials):
-    """`partials`: q comes as a `projection.Partials` layout (its sums and squares refs first), finished as loaded."""
+def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials, write):
+    """`partials`: q comes as a `projection.Partials` layout (its sums and squares refs first), finished as loaded.
+    `write`: a `paged_pallas.DecodeWrite` whose operands come after w_kv (then the cache, aliased, not read), the
+    cache rows' output after q_rope's."""
     n_q = 1 if partials is None else 1 + partials[2]
-    q_refs, (w_ref, ql_ref, qr_ref) = refs[:n_q], refs[n_q:]
+    q_refs, (w_ref, *refs) = refs[:n_q], refs[n_q:]
+    if write is not None:
+        write_refs, refs = refs[:write.n_operands], refs[write.n_operands + 1:]
+    ql_ref, qr_ref, *cache_out = refs
     h, j = pl.program_id(0), pl.program_id(1)
     index = _row_index(rows)
     if partials is None:
@@ -108,6 +116,14 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials):
     q_nope = q_at(pl.ds(q_start, nope))
     r0 = pl.multiple_of(j * block_r, block_r)
     w = w_ref[pl.ds(r0, block_r), pl.ds(pl.multiple_of(h * (nope + v_dim), math.gcd(nope + v_dim, nope)), nope)]
+    if write is not None:  # the block's row p by its program p (`writes_latents`), while W_UK's loads are in flight
+        p = h * pl.num_programs(1) + j
+        row = pl.program_id(2) * BLOCK_ROWS + p
+
+        @pl.when((p < BLOCK_ROWS) & (row < rows))
+        def _():
+            paged_pallas.store_decode_row(row, write_refs, write, cache_out[0])
+
     out = tiling.mm_nt(q_nope, w.astype(q_nope.dtype))
     ql_ref[index, pl.ds(pl.multiple_of(h * rank + r0, block_r), block_r)] = out.astype(ql_ref.dtype)
 
@@ -116,14 +132,25 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials):
         qr_ref[index, pl.ds(pl.multiple_of(h * rope, rope), rope)] = q_at(pl.ds(q_start + nope, rope))
 
 
+def writes_latents(heads: int, rank: int, rows: int, tiles: AbsorbTiles = AbsorbTiles()) -> bool:
+    """Whether `absorb_queries(latent_write=)` takes `rows` rows: each block of 16 rows needs a program per row
+    among its heads x (rank / block_r) programs."""
+    return heads * (rank // tiling.pow2_divisor(rank, tiles.block_r)) >= min(rows, BLOCK_ROWS)
+
+
 @functools.partial(jax.jit, static_argnames=("heads", "nope", "rope", "v_dim", "tiles", "interpret"))
 def absorb_queries(q: jax.Array | projection.Partials, w_kv: jax.Array, *, heads: int, nope: int, rope: int,
-                   v_dim: int, tiles: AbsorbTiles = AbsorbTiles(),
-                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                   v_dim: int, tiles: AbsorbTiles = AbsorbTiles(), cache: jax.Array | None = None,
+                   latent_write: paged_pallas.DecodeRows | None = None, interpret: bool = False) -> tuple:
     """q [M, heads * (nope + rope)], w_kv [R, heads * (nope + v_dim)] (kv_b_proj's kernel) -> q_latent [M, heads, R]
     in q's dtype (float32 sums of q_nope . W_UK per head), q_rope [M, heads, rope] (q's rope columns). q may come as
     the query projection's `projection.Partials` (K split, `project(finish=False)`): each program finishes the
-    columns it reads as `projection.finished` does, so no XLA reduction runs between the two kernels."""
+    columns it reads as `projection.finished` does, so no XLA reduction runs between the two kernels.
+
+    With `latent_write` (the M rows' new latent cache rows, `paged_pallas.DecodeRows`) and the paged `cache`
+    [L, N, block, D] they go into, the kernel also writes them, as `paged_pallas.write`'s decode kernel does (its
+    program p of each block of 16 rows writes row p: `writes_latents`), and the results go on with the cache
+    (in place where its buffer is donated): the cache write needs no kernel of its own."""
     rank = _dims(w_kv, heads, nope, v_dim)
     partials = None
     if isinstance(q, projection.Partials):
@@ -137,18 +164,32 @@ def absorb_queries(q: jax.Array | projection.Partials, w_kv: jax.Array, *, heads
     if not supported(rank, nope, rope, v_dim, tiles):
         raise ValueError(f"mla_absorb: head sizes nope {nope}, rope {rope}, v {v_dim}, rank {rank} not supported")
     block_r = tiling.pow2_divisor(rank, tiles.block_r)
+    inputs = [*q_operands, w_kv]
+    out_shape = [jax.ShapeDtypeStruct((rows, heads * rank), dtype), jax.ShapeDtypeStruct((rows, heads * rope), dtype)]
+    write, aliases = None, {}
+    if (cache is None) != (latent_write is None):
+        raise ValueError("mla_absorb: a latent write needs both the cache and its rows")
+    if latent_write is not None:
+        if latent_write.positions.shape[0] != rows or not writes_latents(heads, rank, rows, tiles):
+            raise ValueError(f"mla_absorb: a latent write of {latent_write.positions.shape[0]} rows with {rows} "
+                             f"queries of {heads} heads (needs the same rows and `writes_latents`)")
+        write_operands, write = latent_write.operands(cache)
+        inputs += [*write_operands, tiling.cache_rows(cache)]
+        aliases = {len(inputs) - 1: 2}
+        out_shape.append(jax.ShapeDtypeStruct(inputs[-1].shape, cache.dtype))
     kernel = functools.partial(_absorb_kernel, rows=rows, nope=nope, rope=rope, v_dim=v_dim, rank=rank,
-                               block_r=block_r, partials=partials)
-    q_latent, q_rope = tiling.pallas_call(
+                               block_r=block_r, partials=partials, write=write)
+    q_latent, q_rope, *written = tiling.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((rows, heads * rank), dtype),
-                   jax.ShapeDtypeStruct((rows, heads * rope), dtype)),
+        out_shape=tuple(out_shape),
         grid=(heads, rank // block_r, -(-rows // BLOCK_ROWS)),
+        input_output_aliases=aliases,
         compiler_params=tiling.compiler_params(tiles.num_warps, tiles.num_stages),
         interpret=interpret,
         name="mla_absorb_queries",
-    )(*q_operands, w_kv)
-    return q_latent.reshape(rows, heads, rank), q_rope.reshape(rows, heads, rope)
+    )(*inputs)
+    results = (q_latent.reshape(rows, heads, rank), q_rope.reshape(rows, heads, rope))
+    return results + (written[0].reshape(cache.shape),) if written else results
 
 
 def _as_split(latents: SplitLatents | jax.Array) -> SplitLatents:

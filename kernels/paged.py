@@ -56,6 +56,15 @@ def write_reference(cache: jax.Array, layer: int, block_tables: jax.Array, posit
     return cache.at[layer, blocks, offsets].set(values.astype(cache.dtype))
 
 
+def decode_kernel_kind(norm: LeadingNorm | None = None, impl: str | None = None) -> str | None:
+    """"pallas" / "interpret" where `write` runs one token per request through the Pallas decode kernel with this
+    `norm` inside it (so another kernel may do that write in its place: `paged_pallas.DecodeRows`), else None."""
+    choice = dispatch.choose("paged_write", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
+    if choice == "reference" or (norm is not None and choice == "pallas" and not NORM_GPU_VERIFIED):
+        return None
+    return choice
+
+
 def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
           values: jax.Array | projection.Partials, impl: str | None = None,
           norm: LeadingNorm | None = None) -> jax.Array:

@@ -9,6 +9,7 @@ as the reference does.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -24,33 +25,105 @@ def _token_rows(pos, ok, table_ref, b, layer_row0, block_size):
     return jnp.where(ok, layer_row0 + page * block_size + safe % block_size, layer_row0)
 
 
-def _decode_kernel(*refs, layer_row0, block_size, pieces, norm, partials):
-    """`partials`: the values come as a `projection.Partials` layout (its sums and squares refs), finished as
-    loaded."""
-    n_values = 1 if partials is None else 1 + partials[2]
+@dataclass(frozen=True)
+class DecodeWrite:
+    """The static layout of a one-token-per-request write (`decode_write`): the layer's first cache row, the block
+    size, the feature pieces, the leading norm's (width, eps) or None, and the values' `projection.Partials`
+    layout or None. Its operands (`decode_write`) are (positions [B], valid [B], block_tables, the values' arrays,
+    the norm's weight where there is a norm)."""
+
+    layer_row0: int
+    block_size: int
+    pieces: tuple[tuple[int, int], ...]
+    norm: tuple[int, float] | None
+    partials: tuple | None
+
+    @property
+    def n_operands(self) -> int:
+        return 3 + (1 if self.partials is None else 1 + self.partials[2]) + (self.norm is not None)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["block_tables", "positions", "valid", "values", "norm"], meta_fields=["layer"])
+@dataclass(frozen=True)
+class DecodeRows:
+    """One token per request for `layer`'s rows of a paged cache, to be written by a kernel that runs anyway
+    (`kernels.mla_absorb.absorb_queries(latent_write=)`) instead of `write`'s own: block_tables [B, NB], positions
+    / valid [B] or [B, 1], values [B, D], [B, 1, D] or a `projection.Partials` (sums [S, B, D]), norm a
+    `paged.LeadingNorm` or None."""
+
+    layer: int
+    block_tables: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+    values: jax.Array | projection.Partials
+    norm: object = None
+
+    def operands(self, cache: jax.Array) -> tuple[list[jax.Array], DecodeWrite]:
+        """`decode_write`'s operands and layout for these rows of `cache`."""
+        return decode_write(cache, self.layer, self.block_tables, self.positions, self.valid, self.values,
+                            self.norm)
+
+
+def store_decode_row(b, refs, spec: DecodeWrite, out_ref) -> None:
+    """In a kernel: stores request b's token (finished and normalised as `spec` says) into the cache rows `out_ref`
+    [L * N * block, D]; refs: `decode_write`'s operands. Used by this module's decode kernel and by kernels that do
+    the write beside their own work (`kernels.mla_absorb.absorb_queries(latent_write=)`)."""
+    n_values = 1 if spec.partials is None else 1 + spec.partials[2]
     (pos_ref, ok_ref, table_ref), refs = refs[:3], refs[3:]
     value_refs, refs = refs[:n_values], refs[n_values:]
-    weight_ref, (_cache_ref, out_ref) = (None, refs) if norm is None else (refs[0], refs[1:])
-    b = pl.program_id(0)
+    weight_ref = refs[0] if spec.norm is not None else None
     ok = ok_ref[b] != 0
-    row = _token_rows(pos_ref[b], ok, table_ref, b, layer_row0, block_size)
-    if partials is None:
-        values = [value_refs[0][b, pl.ds(start, size)] for start, size in pieces]
+    row = _token_rows(pos_ref[b], ok, table_ref, b, spec.layer_row0, spec.block_size)
+    if spec.partials is None:
+        values = [value_refs[0][b, pl.ds(start, size)] for start, size in spec.pieces]
     else:
-        load = projection.partials_loader(value_refs, b, partials)
-        values = [load(pl.ds(start, size)) for start, size in pieces]
-    if norm is not None:  # `paged.LeadingNorm` over the pieces before `width`
-        width, eps = norm
-        lead = [i for i, (start, _) in enumerate(pieces) if start < width]
+        load = projection.partials_loader(value_refs, b, spec.partials)
+        values = [load(pl.ds(start, size)) for start, size in spec.pieces]
+    if spec.norm is not None:  # `paged.LeadingNorm` over the pieces before `width`
+        width, eps = spec.norm
+        lead = [i for i, (start, _) in enumerate(spec.pieces) if start < width]
         ms = sum(jnp.sum(values[i].astype(jnp.float32) ** 2) for i in lead) / width
         inv = jax.lax.rsqrt(ms + eps)
         for i in lead:
-            start, size = pieces[i]
+            start, size = spec.pieces[i]
             normed = (values[i].astype(jnp.float32) * inv).astype(values[i].dtype)
             weight = weight_ref[pl.ds(start, size)].astype(jnp.float32)
             values[i] = (weight * normed.astype(jnp.float32)).astype(values[i].dtype)
-    for (start, size), value in zip(pieces, values):
+    for (start, size), value in zip(spec.pieces, values):
         out_ref[row, pl.ds(start, size)] = value.astype(out_ref.dtype)
+
+
+def _decode_kernel(*refs, spec: DecodeWrite):
+    """One program per request: `store_decode_row`; refs: the write's operands, then the cache rows (aliased with
+    the output, not read) and the output."""
+    store_decode_row(pl.program_id(0), refs[:spec.n_operands], spec, refs[-1])
+
+
+def decode_write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
+                 values: jax.Array | projection.Partials, norm=None) -> tuple[list[jax.Array], DecodeWrite]:
+    """The operands and static layout of writing one token per request: positions / valid [B] (or [B, 1]), values
+    [B, D] (or [B, 1, D]) or a `projection.Partials` with sums [S, B, D], `norm` a `paged.LeadingNorm` or None."""
+    n_layers, n_blocks, block_size, width = cache.shape
+    positions = positions.reshape(positions.shape[0]).astype(jnp.int32)
+    valid = valid.reshape(valid.shape[0]).astype(jnp.int32)
+    batch = positions.shape[0]
+    pieces = tiles.segments(width) if norm is None else \
+        tiles.segments(norm.width) + tiles.segments(width - norm.width, norm.width)
+    partials = None
+    if isinstance(values, projection.Partials):
+        if values.sums.shape[1:] != (batch, width):
+            raise ValueError(f"paged write: partial sums {list(values.sums.shape)} are for one token of each of "
+                             f"{batch} requests, [S, {batch}, {width}]")
+        value_args, partials = projection.partials_operands(values)
+    else:
+        value_args = [values.reshape(batch, width)]
+    operands = [positions, valid, block_tables.astype(jnp.int32), *value_args]
+    if norm is not None:
+        operands.append(norm.weight)
+    spec = DecodeWrite(layer * n_blocks * block_size, block_size, pieces,
+                       None if norm is None else (norm.width, float(norm.eps)), partials)
+    return operands, spec
 
 
 def _prefill_kernel(pos_ref, ok_ref, table_ref, val_ref, _cache_ref, out_ref, *, layer_row0, block_size, block_t,
@@ -70,39 +143,26 @@ def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.
     `norm` (a `paged.LeadingNorm`, one token per request only): the rows' leading features normalized first. One
     token per request may also come as a projection's `projection.Partials` over the B rows (sums [S, B, D]),
     finished as the kernel loads them (`projection.finished`'s arithmetic)."""
-    n_layers, n_blocks, block_size, width = cache.shape
     batch, length = positions.shape
     rows = tiles.cache_rows(cache)
-    pieces = tiles.segments(width) if norm is None else \
-        tiles.segments(norm.width) + tiles.segments(width - norm.width, norm.width)
-    common = dict(layer_row0=layer * n_blocks * block_size, block_size=block_size, pieces=pieces)
-    positions = positions.astype(jnp.int32)
-    valid = valid.astype(jnp.int32)
-    block_tables = block_tables.astype(jnp.int32)
     if norm is not None and length != 1:
         raise ValueError("paged write: a leading norm is for one token per request (the decode kernel)")
-    partials = None
-    if isinstance(values, projection.Partials):
-        if length != 1 or values.sums.shape[1:] != (batch, width):
-            raise ValueError(f"paged write: partial sums {list(values.sums.shape)} are for one token of each of "
-                             f"{batch} requests, [S, {batch}, {width}]")
-        value_args, partials = projection.partials_operands(values)
-    elif length == 1:
-        value_args = [values[:, 0]]
+    if isinstance(values, projection.Partials) and length != 1:
+        raise ValueError(f"paged write: partial sums {list(values.sums.shape)} are for one token of each of "
+                         f"{batch} requests, [S, {batch}, {cache.shape[-1]}]")
     if length == 1:
-        kernel = functools.partial(_decode_kernel, norm=None if norm is None else (norm.width, float(norm.eps)),
-                                   partials=partials, **common)
-        grid = (batch,)
-        args = (positions[:, 0], valid[:, 0], block_tables, *value_args)
-        if norm is not None:
-            args += (norm.weight,)
+        args, spec = decode_write(cache, layer, block_tables, positions, valid, values, norm)
+        kernel, grid = functools.partial(_decode_kernel, spec=spec), (batch,)
     else:
+        n_layers, n_blocks, block_size, width = cache.shape
         block_t = min(block_t, tiles.pow2_at_least(length))
         padded = tiles.round_up(length, block_t)
         pad = ((0, 0), (0, padded - length))
-        kernel = functools.partial(_prefill_kernel, block_t=block_t, **common)
+        kernel = functools.partial(_prefill_kernel, block_t=block_t, layer_row0=layer * n_blocks * block_size,
+                                   block_size=block_size, pieces=tiles.segments(width))
         grid = (batch, padded // block_t)
-        args = (jnp.pad(positions, pad), jnp.pad(valid, pad), block_tables, jnp.pad(values, pad + ((0, 0),)))
+        args = (jnp.pad(positions.astype(jnp.int32), pad), jnp.pad(valid.astype(jnp.int32), pad),
+                block_tables.astype(jnp.int32), jnp.pad(values, pad + ((0, 0),)))
     out = tiles.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype), grid=grid,
         input_output_aliases={len(args): 0}, interpret=interpret, compiler_params=tiles.compiler_params(num_warps, 1),

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from dayzero.kernels import attention as attention_kernels
 from dayzero.kernels import fp8_indexer
 from dayzero.kernels import indexer as indexer_kernels
-from dayzero.kernels import mla_absorb, paged, projection
+from dayzero.kernels import mla_absorb, paged, paged_pallas, projection
 
 from . import rope as rope_lib
 from .config import ModelConfig
@@ -41,6 +41,13 @@ DECODE_PROJECTIONS = True
 # against 136.5 kernels per token, 0.862 against 0.864 ms of kernels (0.843 against 0.844 pipelined);
 # tests/gpu/test_mla_absorb_gpu.py -k partials passes.
 PROJECTION_PARTIALS = True
+# Whether a decode step whose queries go through `kernels.mla_absorb.absorb_queries` has that kernel write the layer's
+# latent cache rows too (`absorb_queries(latent_write=)`: a program per row beside its W_UK product, the loads of
+# both in flight together), instead of the paged write's own decode kernel (~2.3 us per MLA layer on the H100 at
+# batch 1, thirty-eighth session): one kernel fewer per MLA layer. CPU interpret tests give the cache bit for bit as
+# the write kernel leaves it; not yet measured on a GPU (the next call: tests/gpu/test_mla_absorb_gpu.py -k
+# latent_write, then decode_profile.py --set model.mla.LATENT_WRITE_IN_ABSORB=True). Off until then.
+LATENT_WRITE_IN_ABSORB = False
 
 
 def dense(features: int, dtype, use_bias: bool = False, name: str | None = None) -> nn.Dense:
@@ -222,17 +229,21 @@ class MLAttention(nn.Module):
         return mla_absorb.choose(cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim)
 
     def _absorbed_decode(self, q, cos, sin, latent_cache, layer: int, block_tables, query_positions, indices, kind,
-                         out_project=None):
+                         out_project=None, latent_write=None):
         """`_absorbed` for one token per row through `kernels.mla_absorb` (`kind` "pallas" / "interpret"): q
-        [B, 1, H * (nope + rope)] unroped -> [B, 1, D] (`_out`)."""
+        [B, 1, H * (nope + rope)] unroped -> ([B, 1, D] (`_out`), the latent cache). `latent_write`: the step's
+        latent rows (`paged_pallas.DecodeRows`), written into the cache by the absorb kernel."""
         cfg = self.config
         unfinished = isinstance(q, projection.Partials)  # the query projection's sums, for the kernel to finish
         batch = q.sums.shape[1] if unfinished else q.shape[0]
         heads, nope, rope, v_dim = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         w_kv = self._kv_b_kernel()
         interpret = kind == "interpret"
-        q_absorbed, q_rope = mla_absorb.absorb_queries(q if unfinished else q[:, 0], w_kv, heads=heads, nope=nope,
-                                                       rope=rope, v_dim=v_dim, interpret=interpret)
+        written = {} if latent_write is None else dict(cache=latent_cache, latent_write=latent_write)
+        q_absorbed, q_rope, *latent_cache_out = mla_absorb.absorb_queries(
+            q if unfinished else q[:, 0], w_kv, heads=heads, nope=nope, rope=rope, v_dim=v_dim, interpret=interpret,
+            **written)
+        latent_cache = latent_cache_out[0] if latent_cache_out else latent_cache
         q_rope = q_rope[:, None]
         if cfg.mla_use_rope:
             q_rope = rope_lib.apply_interleaved(q_rope, cos, sin)
@@ -246,7 +257,7 @@ class MLAttention(nn.Module):
             o = mla_absorb.up_project(latents, w_kv, nope=nope, v_dim=v_dim, interpret=interpret)
         else:
             o = mla_absorb.up_project_reference(latents, w_kv, nope=nope, v_dim=v_dim)
-        return self._out(o[:, None], out_project)
+        return self._out(o[:, None], out_project), latent_cache
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """Whole sequence: x [B, T, D], positions [B, T] (each row 0, 1, ..., T - 1) -> [B, T, D]."""
@@ -324,8 +335,13 @@ class MLAttention(nn.Module):
         latent_rows, norm = self._cache_rows(x, cos, sin, projected[1])
         query_positions = jnp.where(valid, positions, -1)
         cache = dict(cache)
-        cache["latent"] = paged.write(cache["latent"], layer, block_tables, positions, valid, latent_rows,
-                                      norm=norm)
+        latent_write = None  # the rows, where the absorb kernel writes them (`LATENT_WRITE_IN_ABSORB`)
+        if (LATENT_WRITE_IN_ABSORB and absorb != "reference" and paged.decode_kernel_kind(norm) is not None
+                and mla_absorb.writes_latents(cfg.num_heads, cfg.kv_lora_rank, x.shape[0])):
+            latent_write = paged_pallas.DecodeRows(layer, block_tables, positions, valid, latent_rows, norm)
+        else:
+            cache["latent"] = paged.write(cache["latent"], layer, block_tables, positions, valid, latent_rows,
+                                          norm=norm)
         indices = None
         if cfg.use_dsa:
             keys, scales = self.indexer.keys(x, cos, sin)
@@ -339,6 +355,6 @@ class MLAttention(nn.Module):
             out = self._absorbed(q_nope, q_rope, cache["latent"], layer, block_tables, query_positions, indices,
                                  out_project)
         else:
-            out = self._absorbed_decode(q, cos, sin, cache["latent"], layer, block_tables, query_positions, indices,
-                                        absorb, out_project)
+            out, cache["latent"] = self._absorbed_decode(q, cos, sin, cache["latent"], layer, block_tables,
+                                                         query_positions, indices, absorb, out_project, latent_write)
         return out, cache

@@ -1,6 +1,7 @@
 """kernels/mla_absorb.py: absorbed MLA's W_UK and W_UV products at decode, in interpret mode against a float64 oracle
 and the XLA form, the split merge's corner cases (empty splits, heads that saw nothing, padded heads), errors, the
-Triton lowering at the medium hybrid's and DeepSeek-V3.2's head sizes, and the MLA decode step through them."""
+Triton lowering at the medium hybrid's and DeepSeek-V3.2's head sizes, the MLA decode step through them, and the
+latent cache write inside the absorb kernel (`model.mla.LATENT_WRITE_IN_ABSORB`)."""
 
 from __future__ import annotations
 
@@ -141,10 +142,11 @@ def test_names_what_it_does_not_take():
 
 @pytest.mark.parametrize("heads,rows", [(16, 1), (16, 16), (128, 1)])
 def test_lowers_to_triton(heads, rows):
-    """The medium hybrid's (16 heads) and DeepSeek-V3.2's (128) head sizes: one Triton kernel each side."""
+    """The medium hybrid's (16 heads) and DeepSeek-V3.2's (128) head sizes: one Triton kernel each side, the absorb
+    kernel with the latent cache write in it too."""
     spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
     w = spec(512, heads * 256)
-    absorb = lambda q, w: mla_absorb.absorb_queries(q, w, heads=heads, nope=128, rope=64, v_dim=128)
+    absorb = lambda q, w, **k: mla_absorb.absorb_queries(q, w, heads=heads, nope=128, rope=64, v_dim=128, **k)
     assert count_triton_kernels(absorb, spec(rows, heads * 192), w) == 1
     from dayzero.kernels import projection  # the query projection's partial sums, finished as loaded
 
@@ -153,6 +155,17 @@ def test_lowers_to_triton(heads, rows):
                                 spec(8, rows, dtype=jnp.float32), w) == 1
     up = lambda o, lse, w: mla_absorb.up_project(SplitLatents(o, lse, heads, "bfloat16"), w, nope=128, v_dim=128)
     assert count_triton_kernels(up, spec(rows, 8, heads, 512), spec(rows, 8, heads, dtype=jnp.float32), w) == 1
+    from dayzero.kernels import paged, paged_pallas  # with the latent cache write (576 features, norm over 512)
+
+    def written(s, sq, w, cache, tables, weight):
+        rows_in = projection.Partials(s[..., :576], sq, 2048, 1e-5, "bfloat16")
+        write = paged_pallas.DecodeRows(1, tables, jnp.zeros((rows,), jnp.int32), jnp.ones((rows,), bool), rows_in,
+                                        paged.LeadingNorm(weight, 512, 1e-6))
+        return absorb(projection.Partials(s, sq, 2048, 1e-5, "bfloat16"), w, cache=cache, latent_write=write)
+
+    assert count_triton_kernels(written, spec(8, rows, heads * 192, dtype=jnp.float32),
+                                spec(8, rows, dtype=jnp.float32), w, spec(4, 32, 64, 576),
+                                spec(rows, 8, dtype=jnp.int32), spec(512)) == 1
 
 
 @pytest.mark.parametrize("q_lora_rank,use_rope,up_max_rows", [(None, False, 2), (32, True, 2), (32, True, 1)])
@@ -206,3 +219,72 @@ def test_latent_write_with_its_norm(seed, dtype):
         from dayzero.kernels import paged_pallas
         paged_pallas.write(cache, 1, tables, jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 2), bool),
                            jnp.zeros((3, 2, 48), dtype), interpret=True, norm=norm)
+
+
+@pytest.mark.parametrize("rows,partials", [(1, True), (3, False), (17, True)])
+def test_absorb_queries_writes_the_latent_rows(seed, rows, partials):
+    """`absorb_queries(latent_write=)` (interpret mode): the cache comes back bit for bit as `paged_pallas.write`'s
+    decode kernel leaves it (the latent normed, the rope key after it; an invalid row into the scratch block; 17 rows
+    span two row blocks) and q_latent / q_rope as without the write; the rows as the latent projection's unfinished
+    partial sums or finished. A write of other rows than the queries' is refused; `writes_latents` says where a row
+    block has too few programs."""
+    from dayzero.kernels import paged, paged_pallas, projection
+
+    rng = np.random.default_rng(seed)
+    width = 48  # a 32-feature latent and a 16-feature rope key
+    cache = jnp.asarray(rng.standard_normal((2, 8, 8, width)), jnp.bfloat16)
+    tables = jnp.asarray(rng.permutation(8)[None, :4].repeat(rows, 0) if rows == 1 else
+                         rng.integers(1, 8, (rows, 4)), jnp.int32)
+    positions = jnp.asarray(rng.integers(0, 32, (rows, 1)), jnp.int32)
+    valid = jnp.asarray(np.arange(rows)[:, None] != rows - 1 if rows > 1 else np.ones((1, 1), bool))
+    if partials:
+        values = projection.Partials(jnp.asarray(rng.standard_normal((4, rows, width)), jnp.float32),
+                                     jnp.asarray(rng.uniform(1, 3, (4, rows)), jnp.float32), 256, 1e-6, "bfloat16")
+    else:
+        values = jnp.asarray(rng.standard_normal((rows, 1, width)) * 3, jnp.bfloat16)
+    norm = paged.LeadingNorm(jnp.asarray(rng.standard_normal(32), jnp.bfloat16), 32, 1e-6)
+    q = jnp.asarray(rng.standard_normal((rows, HEADS * (NOPE + ROPE))), jnp.bfloat16)
+    w = _weights(rng, jnp.bfloat16)
+    tiles = mla_absorb.AbsorbTiles(block_r=16)  # 4 heads x 8 latent blocks: a program for each of 16 rows
+    kw = dict(heads=HEADS, nope=NOPE, rope=ROPE, v_dim=V, tiles=tiles, interpret=True)
+    want_cache = paged_pallas.write(cache, 1, tables, positions, valid, values, interpret=True, norm=norm)
+    want = mla_absorb.absorb_queries(q, w, **kw)
+    write = paged_pallas.DecodeRows(1, tables, positions, valid, values, norm)
+    q_lat, q_rope, got_cache = mla_absorb.absorb_queries(q, w, cache=cache, latent_write=write, **kw)
+    np.testing.assert_array_equal(np.asarray(got_cache, np.float32), np.asarray(want_cache, np.float32))
+    assert not np.array_equal(np.asarray(got_cache, np.float32), np.asarray(cache, np.float32))  # something written
+    for g, r in zip((q_lat, q_rope), want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+    assert mla_absorb.writes_latents(HEADS, RANK, rows, tiles) and not mla_absorb.writes_latents(HEADS, RANK, 17)
+    with pytest.raises(ValueError, match="latent write"):  # rows other than the queries'
+        mla_absorb.absorb_queries(jnp.concatenate([q, q]), w, cache=cache, latent_write=write, **kw)
+    with pytest.raises(ValueError, match="both the cache"):
+        mla_absorb.absorb_queries(q, w, latent_write=write, **kw)
+
+
+@pytest.mark.parametrize("q_lora_rank,use_rope", [(None, False), (32, True)])
+def test_mla_decode_writes_latents_in_the_absorb_kernel(seed, monkeypatch, q_lora_rank, use_rope):
+    """`model.mla.LATENT_WRITE_IN_ABSORB` (every kernel in interpret mode, hidden 256: the latent rows come as the
+    projection's partial sums without rope, finished with it): the absorb kernel writes the step's latent rows and
+    the paged write kernel does not run; the next-token logits and the latent cache equal those of the step with the
+    write kernel, bit for bit."""
+    from dayzero.kernels import paged_pallas
+    from dayzero.model import mla
+
+    step, args = prefilled_mla_layer(seed, q_lora_rank=q_lora_rank, hidden_size=256, mla_use_rope=use_rope,
+                                     kv_lora_rank=64)
+    monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
+    plain, plain_cache = step(*args, decode=True)
+    writes, absorbs = [], []
+    write, absorb = paged_pallas.write, mla_absorb.absorb_queries
+    monkeypatch.setattr(paged_pallas, "write", lambda *a, **k: writes.append(a[1]) or write(*a, **k))
+    monkeypatch.setattr(mla_absorb, "absorb_queries",
+                        lambda *a, **k: absorbs.append(k.get("latent_write")) or absorb(*a, **k))
+    monkeypatch.setattr(mla, "LATENT_WRITE_IN_ABSORB", True)
+    fused, fused_cache = step(*args, decode=True)
+    assert not writes and len(absorbs) == 1 and isinstance(absorbs[0], paged_pallas.DecodeRows)
+    np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(plain, np.float32))
+    np.testing.assert_array_equal(np.asarray(fused_cache["latent"], np.float32),
+                                  np.asarray(plain_cache["latent"], np.float32))
+    assert not np.array_equal(np.asarray(fused_cache["latent"], np.float32),
+                              np.asarray(args[3]["latent"], np.float32))  # the step wrote its rows

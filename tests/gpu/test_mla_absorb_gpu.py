@@ -107,3 +107,48 @@ def test_model_decode_with_projection_partials_on_gpu(monkeypatch, batch):
     assert given.count("Partials") == 2, given
     a, b = np.asarray(split, np.float64), np.asarray(plain, np.float64)
     assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_absorb_writes_the_latent_rows_on_gpu(rows):
+    """`absorb_queries(latent_write=)` at the medium hybrid's sizes (16 heads, latent 512 + 64, the rows as the
+    latent projection's partial sums, the norm inside): the cache as the paged write kernel leaves it (to bf16
+    rounding, the rope key bit for bit; only the step's rows changed) and q_latent / q_rope as without the write."""
+    from dayzero.kernels import paged, paged_pallas, projection
+
+    rng = np.random.default_rng(rows)
+    heads, nope, rope, v_dim, rank = 16, 128, 64, 128, 512
+    cache = jnp.asarray(rng.standard_normal((2, 40, 64, rank + rope)), jnp.bfloat16)
+    sums = jnp.asarray(rng.standard_normal((8, rows, rank + rope)), jnp.float32)
+    values = projection.Partials(sums, jnp.asarray(rng.uniform(1, 3, (8, rows)), jnp.float32), 2048, 1e-5,
+                                 "bfloat16")
+    norm = paged.LeadingNorm(jnp.asarray(rng.standard_normal(rank), jnp.bfloat16), rank, 1e-6)
+    tables = jnp.asarray(rng.permutation(np.arange(1, 40))[:rows * 2].reshape(rows, 2), jnp.int32)
+    positions, valid = jnp.asarray(rng.integers(0, 128, (rows, 1)), jnp.int32), jnp.ones((rows, 1), bool)
+    q = jnp.asarray(rng.standard_normal((rows, heads * (nope + rope))), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((rank, heads * (nope + v_dim))) / np.sqrt(rank), jnp.bfloat16)
+    kw = dict(heads=heads, nope=nope, rope=rope, v_dim=v_dim)
+    want_cache = jax.jit(lambda c: paged_pallas.write(c, 1, tables, positions, valid, values, norm=norm))(cache)
+    want = jax.jit(lambda q: mla_absorb.absorb_queries(q, w, **kw))(q)
+    write = paged_pallas.DecodeRows(1, tables, positions, valid, values, norm)
+    got = jax.jit(lambda q, c: mla_absorb.absorb_queries(q, w, cache=c, latent_write=write, **kw))(q, cache)
+    for g, r in zip(got[:2], want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+    a, b, before = (np.asarray(t, np.float32) for t in (got[2], want_cache, cache))
+    assert np.max(np.abs(a - b)) <= 1e-2 * np.max(np.abs(b))
+    np.testing.assert_array_equal(a[..., rank:], b[..., rank:])
+    assert np.count_nonzero(np.any(a != before, axis=-1)) == rows
+
+
+def test_model_decode_writes_latents_in_the_absorb_kernel_on_gpu(monkeypatch):
+    """`model.mla.LATENT_WRITE_IN_ABSORB`: the medium hybrid's first four layers (an MLA layer last) at batch 1, the
+    latent rows written by the absorb kernel against the paged write kernel: the logits to bf16 rounding."""
+    from dayzero.model import mla
+    from medium_prefix_cases import prefilled_medium_prefix
+
+    run, args = prefilled_medium_prefix(150, num_blocks=4, batch=1)
+    plain, _ = run(*args, decode=True)
+    monkeypatch.setattr(mla, "LATENT_WRITE_IN_ABSORB", True)
+    fused, _ = run(*args, decode=True)
+    a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
+    assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
