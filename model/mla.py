@@ -43,11 +43,13 @@ DECODE_PROJECTIONS = True
 PROJECTION_PARTIALS = True
 # Whether a decode step whose queries go through `kernels.mla_absorb.absorb_queries` has that kernel write the layer's
 # latent cache rows too (`absorb_queries(latent_write=)`: a program per row beside its W_UK product, the loads of
-# both in flight together), instead of the paged write's own decode kernel (~2.3 us per MLA layer on the H100 at
-# batch 1, thirty-eighth session): one kernel fewer per MLA layer. CPU interpret tests give the cache bit for bit as
-# the write kernel leaves it; not yet measured on a GPU (the next call: tests/gpu/test_mla_absorb_gpu.py -k
-# latent_write, then decode_profile.py --set model.mla.LATENT_WRITE_IN_ABSORB=True). Off until then.
-LATENT_WRITE_IN_ABSORB = False
+# both in flight together), instead of the paged write's own decode kernel: one kernel fewer per MLA layer. On the
+# H100 (medium hybrid with MXFP4 experts, decode_profile.py --set model.mla.LATENT_WRITE_IN_ABSORB=True, thirty-eighth
+# session): batch 1 0.905 against 0.914 ms per token pipelined (0.917 against 0.925 ms of kernels, 120.5 kernels
+# against 124.5), batch 16 2.106 against 2.110 (247.5 kernels against 251.5); tests/gpu/test_mla_absorb_gpu.py -k
+# 'latent_rows or writes_latents' passes, and the CPU interpret tests give the cache bit for bit as the write kernel
+# leaves it.
+LATENT_WRITE_IN_ABSORB = True
 
 
 def dense(features: int, dtype, use_bias: bool = False, name: str | None = None) -> nn.Dense:

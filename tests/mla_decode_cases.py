@@ -29,13 +29,20 @@ def prefilled_mla_layer(seed: int, **config):
 
 def spy_unfinished_consumers(monkeypatch) -> list[str]:
     """Wraps `kernels.mla_absorb.absorb_queries` and `kernels.paged_pallas.write` to record the type name of what each
-    call gets as its queries / values ("Partials" where `model.mla.PROJECTION_PARTIALS` hands the projection's sums
-    over unfinished); returns the list they append to."""
+    call gets as its queries / values, the absorb kernel's latent rows too where it writes them
+    (`model.mla.LATENT_WRITE_IN_ABSORB`) ("Partials" where `model.mla.PROJECTION_PARTIALS` hands the projection's
+    sums over unfinished); returns the list they append to."""
     from dayzero.kernels import mla_absorb, paged_pallas
 
     given = []
     absorb, write = mla_absorb.absorb_queries, paged_pallas.write
-    monkeypatch.setattr(mla_absorb, "absorb_queries", lambda q, *a, **k: given.append(type(q).__name__)
-                        or absorb(q, *a, **k))
+
+    def spied_absorb(q, *a, **k):  # the latent rows too, where the absorb kernel writes them
+        given.append(type(q).__name__)
+        if k.get("latent_write") is not None:
+            given.append(type(k["latent_write"].values).__name__)
+        return absorb(q, *a, **k)
+
+    monkeypatch.setattr(mla_absorb, "absorb_queries", spied_absorb)
     monkeypatch.setattr(paged_pallas, "write", lambda *a, **k: given.append(type(a[5]).__name__) or write(*a, **k))
     return given

@@ -147,6 +147,7 @@ def test_model_decode_writes_latents_in_the_absorb_kernel_on_gpu(monkeypatch):
     from medium_prefix_cases import prefilled_medium_prefix
 
     run, args = prefilled_medium_prefix(150, num_blocks=4, batch=1)
+    monkeypatch.setattr(mla, "LATENT_WRITE_IN_ABSORB", False)
     plain, _ = run(*args, decode=True)
     monkeypatch.setattr(mla, "LATENT_WRITE_IN_ABSORB", True)
     fused, _ = run(*args, decode=True)
