@@ -56,13 +56,19 @@ def write_reference(cache: jax.Array, layer: int, block_tables: jax.Array, posit
     return cache.at[layer, blocks, offsets].set(values.astype(cache.dtype))
 
 
+def _choice(norm: LeadingNorm | None, impl: str | None) -> tuple[str, bool]:
+    """(the write's implementation, whether a Pallas kernel writes the values as given: no norm, or the norm inside
+    the decode kernel)."""
+    choice = dispatch.choose("paged_write", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
+    norm_outside = norm is not None and choice == "pallas" and not NORM_GPU_VERIFIED
+    return choice, choice != "reference" and not norm_outside
+
+
 def decode_kernel_kind(norm: LeadingNorm | None = None, impl: str | None = None) -> str | None:
     """"pallas" / "interpret" where `write` runs one token per request through the Pallas decode kernel with this
     `norm` inside it (so another kernel may do that write in its place: `paged_pallas.DecodeRows`), else None."""
-    choice = dispatch.choose("paged_write", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
-    if choice == "reference" or (norm is not None and choice == "pallas" and not NORM_GPU_VERIFIED):
-        return None
-    return choice
+    choice, in_kernel = _choice(norm, impl)
+    return choice if in_kernel else None
 
 
 def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
@@ -72,12 +78,10 @@ def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.
     `norm`: the rows' leading features normalized first (in the decode kernel where it runs: `NORM_GPU_VERIFIED`
     on CUDA, or interpret mode). values may be a projection's `projection.Partials` of one token per request
     (sums [S, B, D]): the decode kernel finishes them as it loads them, else XLA first (`projection.finished`)."""
-    choice = dispatch.choose("paged_write", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
-    norm_outside = norm is not None and choice == "pallas" and not NORM_GPU_VERIFIED
-    if isinstance(values, projection.Partials) and (choice == "reference" or norm_outside):
+    choice, in_kernel = _choice(norm, impl)
+    if isinstance(values, projection.Partials) and not in_kernel:
         values = projection.finished(values)[:, None]
-    if norm is not None and (choice == "reference" or norm_outside
-                             or (not isinstance(values, projection.Partials) and values.shape[1] != 1)):
+    if norm is not None and (not in_kernel or (not isinstance(values, projection.Partials) and values.shape[1] != 1)):
         values, norm = norm.apply(values), None
     if choice == "reference":
         return write_reference(cache, layer, block_tables, positions, valid, values)

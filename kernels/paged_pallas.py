@@ -105,20 +105,19 @@ def decode_write(cache: jax.Array, layer: int, block_tables: jax.Array, position
     """The operands and static layout of writing one token per request: positions / valid [B] (or [B, 1]), values
     [B, D] (or [B, 1, D]) or a `projection.Partials` with sums [S, B, D], `norm` a `paged.LeadingNorm` or None."""
     n_layers, n_blocks, block_size, width = cache.shape
-    positions = positions.reshape(positions.shape[0]).astype(jnp.int32)
-    valid = valid.reshape(valid.shape[0]).astype(jnp.int32)
     batch = positions.shape[0]
     pieces = tiles.segments(width) if norm is None else \
         tiles.segments(norm.width) + tiles.segments(width - norm.width, norm.width)
     partials = None
     if isinstance(values, projection.Partials):
-        if values.sums.shape[1:] != (batch, width):
+        if positions.size != batch or values.sums.shape[1:] != (batch, width):
             raise ValueError(f"paged write: partial sums {list(values.sums.shape)} are for one token of each of "
                              f"{batch} requests, [S, {batch}, {width}]")
         value_args, partials = projection.partials_operands(values)
     else:
         value_args = [values.reshape(batch, width)]
-    operands = [positions, valid, block_tables.astype(jnp.int32), *value_args]
+    operands = [positions.reshape(batch).astype(jnp.int32), valid.reshape(batch).astype(jnp.int32),
+                block_tables.astype(jnp.int32), *value_args]
     if norm is not None:
         operands.append(norm.weight)
     spec = DecodeWrite(layer * n_blocks * block_size, block_size, pieces,
@@ -147,10 +146,7 @@ def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.
     rows = tiles.cache_rows(cache)
     if norm is not None and length != 1:
         raise ValueError("paged write: a leading norm is for one token per request (the decode kernel)")
-    if isinstance(values, projection.Partials) and length != 1:
-        raise ValueError(f"paged write: partial sums {list(values.sums.shape)} are for one token of each of "
-                         f"{batch} requests, [S, {batch}, {cache.shape[-1]}]")
-    if length == 1:
+    if length == 1 or isinstance(values, projection.Partials):  # (partial sums of several tokens: refused there)
         args, spec = decode_write(cache, layer, block_tables, positions, valid, values, norm)
         kernel, grid = functools.partial(_decode_kernel, spec=spec), (batch,)
     else:
