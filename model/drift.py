@@ -5,7 +5,9 @@ converted online (the kernels' path: fused or through the workspace), and the sa
 into dense experts (`mxfp4_offline.dequantize_experts`). Per entry (embeddings, each layer, logits computed from the
 final hidden states in float64) it reports the relative max error (max |a - b| / max |b|) of online vs offline (the
 kernels' own error: rounding only), offline vs original (the quantization error) and online vs original, plus the
-workspace hit rate of the online run.
+workspace hit rate of the online run. Per pair it also counts the (token, MoE layer) choices that picked another
+expert set: a router near-tie that rounding tips the other way moves that token's hidden state by a whole expert's
+output, so one such change explains an online-vs-offline error far above rounding.
 `dayzero-drift --model DIR` quantizes DIR itself (into a temporary directory) unless `--mxfp4 DIR` is given.
 """
 
@@ -17,6 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -41,12 +44,17 @@ class Drift:
     workspace_hits: int | None
     workspace_misses: int | None
     execution: MXFP4Execution
+    route_changes: tuple[int, int, int] = (0, 0, 0)  # per pair: (token, MoE layer) choices of another expert set
+    routed_choices: int = 0  # (token, MoE layer) choices in each run
 
     def format(self) -> str:
         lines = [f"{'entry':<34}" + "".join(f"{p:>22}" for p in PAIRS) + "   (relative max error)"]
         rows = list(zip(*(c.rows + ((c.logits,) if c.logits else ()) for c in self.comparisons)))
         for row in rows:
             lines.append(f"{row[0].name:<34}" + "".join(f"{r.rel:>22.3e}" for r in row))
+        lines.append(f"{'routing changes':<34}" + "".join(f"{f'{n} of {self.routed_choices}':>22}"
+                                                         for n in self.route_changes)
+                     + "   ((token, MoE layer) choices of another expert set)")
         ex = self.execution
         if self.workspace_hits is None:
             lines.append(f"online run: mode {ex.mode!r}, impl {ex.impl or 'default'}, experts converted tile by tile "
@@ -59,16 +67,35 @@ class Drift:
         return "\n".join(lines)
 
 
-def workspace_counters(model: Model, token_ids) -> tuple[int, int] | None:
-    """(hits, misses) of the MXFP4 workspace over one forward pass of `token_ids`, None when it is not used."""
+def forward_intermediates(model: Model, token_ids) -> dict:
+    """The "intermediates" collection of one jitted forward pass of `token_ids` [B, T]: the MXFP4 workspace's
+    counters (`Decoder`) and each MoE layer's routed experts (`MoE`)."""
+    forward = jax.jit(lambda params, ids: model.module.apply({"params": params}, ids, mutable=["intermediates"])[1])
     with platforms.activate(model.placement):
-        _, state = model.module.apply({"params": model.params}, jnp.asarray(token_ids, jnp.int32),
-                                      mutable=["intermediates"])
-    found = state.get("intermediates", {}).get("mxfp4_workspace")
+        state = forward(model.params, jnp.asarray(token_ids, jnp.int32))
+    return jax.device_get(state.get("intermediates", {}))
+
+
+def workspace_counters(intermediates: dict) -> tuple[int, int] | None:
+    """(hits, misses) of the MXFP4 workspace over the forward pass that recorded `intermediates`, None when it is not
+    used."""
+    found = intermediates.get("mxfp4_workspace")
     if not found:
         return None
     hits, misses = (int(v) for v in np.asarray(found[0]))
     return hits, misses
+
+
+def routed_experts(intermediates: dict) -> list[np.ndarray]:
+    """Each MoE layer's routed experts [B * T, k] int32, sorted along k, in layer order."""
+    layers = sorted((k for k in intermediates if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
+    found = (intermediates[k].get("mlp", {}).get("routed_experts") for k in layers)
+    return [np.sort(np.asarray(f[0]), axis=-1) for f in found if f]
+
+
+def route_changes(a: list[np.ndarray], b: list[np.ndarray]) -> int:
+    """How many (token, layer) choices of expert set differ between two runs' `routed_experts`."""
+    return sum(int(np.any(x != y, axis=-1).sum()) for x, y in zip(a, b, strict=True))
 
 
 def _logits(model: Model, final: np.ndarray) -> np.ndarray:
@@ -91,17 +118,21 @@ def drift_report(original: str, mxfp4_dir: str, token_ids: np.ndarray, dtype: st
     online = Model(packed.config.replace(mxfp4=execution), packed.params, packed.dtype, placement=packed.placement)
     offline = dequantize_experts(packed)
     offline.placement = packed.placement  # the converted experts live there too; keep the kernel policy
-    runs = []
+    runs, choices = [], []
     for m in (online, offline, base):
         hidden = [np.asarray(h) for h in m.hidden_states(token_ids)]
         runs.append((_logits(m, hidden[-1]), hidden))
+        recorded = forward_intermediates(m, token_ids)
+        choices.append(routed_experts(recorded))
+        if m is online:
+            counters = workspace_counters(recorded)
     names = entry_names(base.config)
     pairs = ((0, 1), (1, 2), (0, 2))
     comparisons = tuple(compare_hidden_states(runs[a][1], runs[b][1], rtol=float("inf"), names=names,
                                               logits=(runs[a][0], runs[b][0])) for a, b in pairs)
-    counters = workspace_counters(online, token_ids)
+    changes = tuple(route_changes(choices[a], choices[b]) for a, b in pairs)
     hits, misses = counters if counters is not None else (None, None)
-    return Drift(comparisons, hits, misses, execution)
+    return Drift(comparisons, hits, misses, execution, changes, sum(c.shape[0] for c in choices[2]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

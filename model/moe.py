@@ -519,6 +519,11 @@ class MoE(nn.Module):
             tiles, True)
         return select, self.variables["params"]["gate"].get("e_score_correction_bias"), zeros
 
+    def _sow_choice(self, ids: jax.Array):
+        """Records the routed experts [N, k] int32 (the router's choice, shared parts left off) as
+        "routed_experts" in the "intermediates" collection, when it is mutable (`model.drift`)."""
+        self.sow("intermediates", "routed_experts", ids[:, :self.config.num_experts_per_token])
+
     @nn.compact
     def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None, chosen=None,
                  x_words=None, counters=None, residual_sums=None):
@@ -543,6 +548,7 @@ class MoE(nn.Module):
         if parts and cfg.quant_method != "mxfp4":
             experts = params["experts"]
             ids, weights, sched = router(flat, shared_parts=parts, logits=logits, chosen=chosen)
+            self._sow_choice(ids)
             y = moe_kernels.routed_and_shared(flat, ids, weights, experts["w_gate"], experts["w_up"],
                                               experts["w_down"], shared, sched=sched)
             return y.reshape(x.shape), workspace
@@ -557,6 +563,7 @@ class MoE(nn.Module):
             sched = sched if counters is None else sched._replace(turns=counters)
         else:
             (ids, weights), sched = router(flat, logits=logits), None
+        self._sow_choice(ids)
         y, workspace = Experts(cfg, self.dtype, self.layer, self.mesh, name="experts")(
             flat, ids, weights, workspace, tiles=tiles, sched=sched, x_words=x_words, shared=shared,
             residual_sums=residual_sums)
