@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tiny_checkpoints import (BUILDERS, MIN_INDEXER_MARGIN, build_hf_model, hf_logits, indexer_margin,
-                             relative_error, rewrite_config, save_hf_model, tie_free_ids)
+from tiny_checkpoints import (BUILDERS, build_hf_model, hf_logits, near_tie, relative_error, rewrite_config,
+                             router_margin, save_hf_model, tie_free_ids)
 from dayzero.model import load_checkpoint
 
 
@@ -21,16 +23,31 @@ def assert_agrees(ours, ref, seed, rtol=1e-4, min_argmax=0.995):
 
 
 def assert_agrees_with_transformers(model, path, ids, seed, dtype="float32"):
-    """`assert_agrees` on model(ids) and transformers' logits. A DSA model that disagrees only because two of its
-    indexer's scores sat within float32 rounding at the top-k boundary (so the two implementations may keep different
-    keys) is checked again on tokens clear of such near-ties (`tie_free_ids`)."""
+    """`assert_agrees` on model(ids) and transformers' logits. A model that disagrees only because two of its DSA
+    indexer's scores, or of a router's expert scores, sat within float32 rounding at the top-k boundary (so the two
+    implementations may keep different keys or experts) is checked again on tokens clear of such near-ties
+    (`tie_free_ids`)."""
     try:
         assert_agrees(model(ids), hf_logits(path, ids, dtype), seed)
     except AssertionError:
-        if not model.config.use_dsa or indexer_margin(model, ids) >= MIN_INDEXER_MARGIN:
+        if not near_tie(model, ids):
             raise
         ids = tie_free_ids(model, ids, seed)
         assert_agrees(model(ids), hf_logits(path, ids, dtype), seed)
+
+
+def test_router_margin_sees_a_tie(checkpoints, token_ids):
+    """The near-tie check behind the retry above: two experts with the same router row and bias, placed second
+    and third by the bias, tie at kimi_linear's top-2 boundary for every token."""
+    ids, _ = token_ids
+    model = load_checkpoint(checkpoints["kimi_linear"], dtype="float32", progress=False)
+    assert router_margin(model, ids) > 0
+    params = jax.tree.map(lambda a: a, model.params)
+    gate = params["layers_2"]["mlp"]["gate"]
+    gate["weight"] = gate["weight"].at[1].set(gate["weight"][0])
+    gate["e_score_correction_bias"] = jnp.asarray([0.5, 0.5, 1.0, 0, 0, 0], jnp.float32)
+    tied = model.__class__(model.config, params, model.dtype)
+    assert router_margin(tied, ids) == 0 and near_tie(tied, ids)
 
 
 @pytest.mark.parametrize("kind", sorted(BUILDERS))

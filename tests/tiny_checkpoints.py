@@ -357,15 +357,80 @@ def indexer_margin(model, ids: np.ndarray) -> float:
 MIN_INDEXER_MARGIN = 1e-5  # relative gap at the top-k boundary that float32 summation order cannot close
 
 
-def tie_free_ids(model, ids: np.ndarray, seed: int, min_margin: float = MIN_INDEXER_MARGIN,
-                 tries: int = 20) -> np.ndarray:
-    """`ids` when `model` has no DSA or its indexer margin on them is at least `min_margin`; otherwise fresh draws
-    (same shape and range, from a stream derived from `seed`, not the one `ids` came from) until one is."""
-    if not model.config.use_dsa:
-        return ids
+def _boundary_gap(scores: np.ndarray, k: int) -> np.ndarray:
+    """Per row of scores [N, M] (-inf where not allowed): the k-th best minus the (k+1)-th, relative to the row's
+    largest |score|; inf where fewer than k + 1 are allowed."""
+    ranked = -np.sort(-scores, axis=-1)
+    if ranked.shape[-1] <= k:
+        return np.full(ranked.shape[:-1], np.inf)
+    gap = ranked[..., k - 1] - ranked[..., k]
+    finite = np.where(np.isfinite(ranked), np.abs(ranked), 0.0)
+    return np.where(np.isfinite(gap), gap / np.maximum(finite.max(axis=-1), 1e-30), np.inf)
+
+
+def router_margin(model, ids: np.ndarray) -> float:
+    """Smallest gap at the routers' top-k boundary over every MoE layer and token of `model` on `ids` [B, T]:
+    between the k-th and (k+1)-th expert's selection score (scores + correction bias, among the kept groups), and
+    where groups restrict the choice, between the topk_group-th and next group score; relative to the token's
+    largest |score| (inf for a model without routed experts).
+
+    As with the indexer (`indexer_margin`), a token whose routers sit within float32 rounding of a tie may pick
+    another expert in another implementation, and move by a whole expert's output."""
+    import flax.linen as nn
+    import jax
+
+    from dayzero.model import model as model_lib
+    from dayzero.model.moe import Router, restricting_groups
+
+    cfg, margins = model.config, [np.inf]
+
+    def margin_of(x, weight, bias):
+        logits = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
+        if cfg.router_activation == "sigmoid":
+            scores = 1 / (1 + np.exp(-logits))
+        else:
+            scores = np.exp(logits - logits.max(-1, keepdims=True))
+            scores /= scores.sum(-1, keepdims=True)
+        choice = scores + (0.0 if bias is None else np.asarray(bias, np.float64))
+        groups = restricting_groups(cfg)
+        if groups > 1:
+            grouped = choice.reshape(choice.shape[0], groups, -1)
+            group_scores = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)
+            margins.append(float(np.min(_boundary_gap(group_scores, cfg.topk_group))))
+            kept = np.argsort(-group_scores, axis=-1)[:, :cfg.topk_group]
+            keep = np.zeros(group_scores.shape, bool)
+            np.put_along_axis(keep, kept, True, axis=-1)
+            choice = np.where(np.repeat(keep, grouped.shape[-1], axis=-1), choice, -np.inf)
+        margins.append(float(np.min(_boundary_gap(choice, cfg.num_experts_per_token))))
+
+    def recording(next_fun, args, kwargs, context):
+        if isinstance(context.module, Router) and context.method_name == "__call__":
+            params = context.module.variables["params"]
+            jax.debug.callback(margin_of, args[0], params["weight"], params.get("e_score_correction_bias"))
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(recording):  # a new function, so a fresh trace sees the interceptor
+        forward = jax.jit(lambda params, tokens: model_lib._forward(model.module, params, tokens, None, False))
+        jax.block_until_ready(forward(model.params, np.asarray(ids, np.int32)))
+    return min(margins)
+
+
+MIN_ROUTER_MARGIN = 1e-6  # ~10x the float32 rounding between two implementations' router scores
+
+
+def near_tie(model, ids: np.ndarray) -> bool:
+    """Whether `model`'s DSA indexer or MoE routers sit within rounding of a top-k tie on `ids` [B, T]."""
+    if model.config.use_dsa and indexer_margin(model, ids) < MIN_INDEXER_MARGIN:
+        return True
+    return router_margin(model, ids) < MIN_ROUTER_MARGIN
+
+
+def tie_free_ids(model, ids: np.ndarray, seed: int, tries: int = 20) -> np.ndarray:
+    """`ids` when `model` has no near-tie on them (`near_tie`); otherwise fresh draws (same shape and range, from a
+    stream derived from `seed`, not the one `ids` came from) until one has none."""
     rng = np.random.default_rng([seed, 1])
     for _ in range(tries):
-        if indexer_margin(model, ids) >= min_margin:
+        if not near_tie(model, ids):
             return ids
         ids = rng.integers(3, 197, ids.shape)
     raise AssertionError(f"no tie-free token draw in {tries} tries (token seed {seed})")
