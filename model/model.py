@@ -6,6 +6,7 @@ decoder's): `model(token_ids, pixel_values, image_grid_thw)` puts each image's f
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,12 +45,24 @@ def resolve_dtype(dtype: Any, config: ModelConfig) -> jnp.dtype:
 
 
 def expected_params(config: ModelConfig, dtype: jnp.dtype) -> dict[ParamPath, jax.ShapeDtypeStruct]:
-    """Shapes and dtypes of every param, by path, without allocating anything."""
+    """Shapes and dtypes of every param, by path, without allocating anything (a fresh dict per call). Tracing a
+    large config's init takes seconds (the medium hybrid ~2.5 s on 2 CPU cores), so the last few configs' shapes
+    are kept (`_traced_params`)."""
+    dtype = jnp.dtype(dtype)
+    try:
+        hash(config)
+    except TypeError:  # a field holding a list: trace it every time
+        return dict(_traced_params.__wrapped__(config, dtype))
+    return dict(_traced_params(config, dtype))
+
+
+@functools.lru_cache(maxsize=8)
+def _traced_params(config: ModelConfig, dtype: jnp.dtype) -> tuple[tuple[ParamPath, jax.ShapeDtypeStruct], ...]:
     module = Decoder(config, dtype)
     shapes = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
     if config.vision is not None:
         shapes = {**shapes, **vision_param_shapes(config.vision, config.hidden_size, dtype)}
-    return traverse_util.flatten_dict(shapes)
+    return tuple(traverse_util.flatten_dict(shapes).items())
 
 
 def random_params(config: ModelConfig, dtype: jnp.dtype, seed: int = 0) -> dict[str, Any]:
