@@ -101,7 +101,7 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials, writ
     """`partials`: q comes as a `projection.Partials` layout (its sums and squares refs first), finished as loaded.
     `write`: a `paged_pallas.DecodeWrite` whose operands come after w_kv (then the cache, aliased, not read), the
     cache rows' output after q_rope's."""
-    n_q = 1 if partials is None else 1 + partials[2]
+    n_q = projection.operand_count(partials)
     q_refs, (w_ref, *refs) = refs[:n_q], refs[n_q:]
     if write is not None:
         write_refs, refs = refs[:write.n_operands], refs[write.n_operands + 1:]

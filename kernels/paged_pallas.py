@@ -40,7 +40,7 @@ class DecodeWrite:
 
     @property
     def n_operands(self) -> int:
-        return 3 + (1 if self.partials is None else 1 + self.partials[2]) + (self.norm is not None)
+        return 3 + projection.operand_count(self.partials) + (self.norm is not None)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -69,7 +69,7 @@ def store_decode_row(b, refs, spec: DecodeWrite, out_ref) -> None:
     """In a kernel: stores request b's token (finished and normalised as `spec` says) into the cache rows `out_ref`
     [L * N * block, D]; refs: `decode_write`'s operands. Used by this module's decode kernel and by kernels that do
     the write beside their own work (`kernels.mla_absorb.absorb_queries(latent_write=)`)."""
-    n_values = 1 if spec.partials is None else 1 + spec.partials[2]
+    n_values = projection.operand_count(spec.partials)
     (pos_ref, ok_ref, table_ref), refs = refs[:3], refs[3:]
     value_refs, refs = refs[:n_values], refs[n_values:]
     weight_ref = refs[0] if spec.norm is not None else None

@@ -161,6 +161,12 @@ def partials_operands(parts: Partials) -> tuple[list[jax.Array], tuple[int, floa
     return [parts.sums, *squares], (parts.k_dim, parts.eps, bool(squares), parts.dtype)
 
 
+def operand_count(layout: tuple[int, float, bool, str] | None) -> int:
+    """How many kernel operands one projection output takes: 1 for a plain array (`layout` None), else the sums and,
+    where the `partials_operands` layout has them, the squares."""
+    return 1 if layout is None else 1 + layout[2]
+
+
 def partials_loader(refs, rows, layout: tuple[int, float, bool, str]):
     """In a consumer kernel: a function (columns -> those columns of rows `rows`, finished as `finished` does: the
     float32 sums over the slices, times the norm's 1 / rms where there are squares, rounded to the Partials' dtype)

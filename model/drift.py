@@ -44,8 +44,8 @@ class Drift:
     workspace_hits: int | None
     workspace_misses: int | None
     execution: MXFP4Execution
-    route_changes: tuple[int, int, int] = (0, 0, 0)  # per pair: (token, MoE layer) choices of another expert set
-    routed_choices: int = 0  # (token, MoE layer) choices in each run
+    route_changes: tuple[int, int, int]  # per pair: (token, MoE layer) choices of another expert set
+    routed_choices: int  # (token, MoE layer) choices in each run
 
     def format(self) -> str:
         lines = [f"{'entry':<34}" + "".join(f"{p:>22}" for p in PAIRS) + "   (relative max error)"]
@@ -118,19 +118,18 @@ def drift_report(original: str, mxfp4_dir: str, token_ids: np.ndarray, dtype: st
     online = Model(packed.config.replace(mxfp4=execution), packed.params, packed.dtype, placement=packed.placement)
     offline = dequantize_experts(packed)
     offline.placement = packed.placement  # the converted experts live there too; keep the kernel policy
-    runs, choices = [], []
+    runs, recorded = [], []
     for m in (online, offline, base):
         hidden = [np.asarray(h) for h in m.hidden_states(token_ids)]
         runs.append((_logits(m, hidden[-1]), hidden))
-        recorded = forward_intermediates(m, token_ids)
-        choices.append(routed_experts(recorded))
-        if m is online:
-            counters = workspace_counters(recorded)
+        recorded.append(forward_intermediates(m, token_ids))
+    choices = [routed_experts(r) for r in recorded]
     names = entry_names(base.config)
     pairs = ((0, 1), (1, 2), (0, 2))
     comparisons = tuple(compare_hidden_states(runs[a][1], runs[b][1], rtol=float("inf"), names=names,
                                               logits=(runs[a][0], runs[b][0])) for a, b in pairs)
     changes = tuple(route_changes(choices[a], choices[b]) for a, b in pairs)
+    counters = workspace_counters(recorded[0])
     hits, misses = counters if counters is not None else (None, None)
     return Drift(comparisons, hits, misses, execution, changes, sum(c.shape[0] for c in choices[2]))
 

@@ -319,6 +319,27 @@ def save_kimi_k25(model, path, published_config: bool = False) -> str:
     return str(path)
 
 
+def _boundary_gap(scores: np.ndarray, k: int) -> float:
+    """The smallest gap, over the rows of scores [..., M] (-inf where not allowed), between a row's k-th and
+    (k+1)-th best, relative to its best |score| (rows with fewer than k + 1 allowed, or none: inf)."""
+    ranked = -np.sort(-np.asarray(scores, np.float64), axis=-1)
+    if ranked.shape[-1] <= k:
+        return np.inf
+    gap = (ranked[..., k - 1] - ranked[..., k]) / np.maximum(np.abs(ranked[..., 0]), 1e-30)
+    return float(np.min(np.where(np.isfinite(gap), gap, np.inf), initial=np.inf))
+
+
+def _trace_afresh(model, ids: np.ndarray) -> None:
+    """One full-sequence forward pass of `model` on `ids` [B, T] through a new jitted function, so that a patch or
+    interceptor active now sees the trace (the model's own jit may hold one already)."""
+    import jax
+
+    from dayzero.model import model as model_lib
+
+    forward = jax.jit(lambda params, tokens: model_lib._forward(model.module, params, tokens, None, False))
+    jax.block_until_ready(forward(model.params, np.asarray(ids, np.int32)))
+
+
 def indexer_margin(model, ids: np.ndarray) -> float:
     """Smallest gap between the k-th and (k+1)-th lightning-indexer score over every DSA layer and query of `model`
     on `ids` [B, T], relative to that query's largest score (inf when no query has more than k candidates).
@@ -331,7 +352,6 @@ def indexer_margin(model, ids: np.ndarray) -> float:
     from unittest import mock
 
     from dayzero.kernels import indexer
-    from dayzero.model import model as model_lib
 
     topk, margins = model.config.index_topk, [np.inf]
     scores_of = indexer.index_scores
@@ -339,9 +359,7 @@ def indexer_margin(model, ids: np.ndarray) -> float:
     def margin_of(scores):
         allowed = np.tril(np.ones(scores.shape[-2:], bool))
         s = np.where(allowed, np.asarray(scores), -np.inf)[:, topk:]  # queries with more than topk candidates
-        ranked = -np.sort(-s, axis=-1)
-        scale_of_row = np.maximum(np.abs(ranked[..., :1]), 1e-30)
-        margins.append(float(np.min((ranked[..., topk - 1:topk] - ranked[..., topk:topk + 1]) / scale_of_row)))
+        margins.append(_boundary_gap(s, topk))
 
     def recording(q, k, weights, scale):
         scores = scores_of(q, k, weights, scale)
@@ -349,37 +367,24 @@ def indexer_margin(model, ids: np.ndarray) -> float:
         return scores
 
     with mock.patch.object(indexer, "index_scores", recording):  # a new function, so a fresh trace sees the patch
-        forward = jax.jit(lambda params, tokens: model_lib._forward(model.module, params, tokens, None, False))
-        jax.block_until_ready(forward(model.params, np.asarray(ids, np.int32)))
+        _trace_afresh(model, ids)
     return min(margins)
 
 
 MIN_INDEXER_MARGIN = 1e-5  # relative gap at the top-k boundary that float32 summation order cannot close
 
 
-def _boundary_gap(scores: np.ndarray, k: int) -> np.ndarray:
-    """Per row of scores [N, M] (-inf where not allowed): the k-th best minus the (k+1)-th, relative to the row's
-    largest |score|; inf where fewer than k + 1 are allowed."""
-    ranked = -np.sort(-scores, axis=-1)
-    if ranked.shape[-1] <= k:
-        return np.full(ranked.shape[:-1], np.inf)
-    gap = ranked[..., k - 1] - ranked[..., k]
-    finite = np.where(np.isfinite(ranked), np.abs(ranked), 0.0)
-    return np.where(np.isfinite(gap), gap / np.maximum(finite.max(axis=-1), 1e-30), np.inf)
-
-
 def router_margin(model, ids: np.ndarray) -> float:
     """Smallest gap at the routers' top-k boundary over every MoE layer and token of `model` on `ids` [B, T]:
     between the k-th and (k+1)-th expert's selection score (scores + correction bias, among the kept groups), and
     where groups restrict the choice, between the topk_group-th and next group score; relative to the token's
-    largest |score| (inf for a model without routed experts).
+    best score (inf for a model without routed experts).
 
     As with the indexer (`indexer_margin`), a token whose routers sit within float32 rounding of a tie may pick
     another expert in another implementation, and move by a whole expert's output."""
     import flax.linen as nn
     import jax
 
-    from dayzero.model import model as model_lib
     from dayzero.model.moe import Router, restricting_groups
 
     cfg, margins = model.config, [np.inf]
@@ -396,12 +401,12 @@ def router_margin(model, ids: np.ndarray) -> float:
         if groups > 1:
             grouped = choice.reshape(choice.shape[0], groups, -1)
             group_scores = -np.sort(-grouped, axis=-1)[..., :2].sum(-1)
-            margins.append(float(np.min(_boundary_gap(group_scores, cfg.topk_group))))
+            margins.append(_boundary_gap(group_scores, cfg.topk_group))
             kept = np.argsort(-group_scores, axis=-1)[:, :cfg.topk_group]
             keep = np.zeros(group_scores.shape, bool)
             np.put_along_axis(keep, kept, True, axis=-1)
             choice = np.where(np.repeat(keep, grouped.shape[-1], axis=-1), choice, -np.inf)
-        margins.append(float(np.min(_boundary_gap(choice, cfg.num_experts_per_token))))
+        margins.append(_boundary_gap(choice, cfg.num_experts_per_token))
 
     def recording(next_fun, args, kwargs, context):
         if isinstance(context.module, Router) and context.method_name == "__call__":
@@ -409,9 +414,8 @@ def router_margin(model, ids: np.ndarray) -> float:
             jax.debug.callback(margin_of, args[0], params["weight"], params.get("e_score_correction_bias"))
         return next_fun(*args, **kwargs)
 
-    with nn.intercept_methods(recording):  # a new function, so a fresh trace sees the interceptor
-        forward = jax.jit(lambda params, tokens: model_lib._forward(model.module, params, tokens, None, False))
-        jax.block_until_ready(forward(model.params, np.asarray(ids, np.int32)))
+    with nn.intercept_methods(recording):
+        _trace_afresh(model, ids)
     return min(margins)
 
 

@@ -112,7 +112,7 @@ def _projected_loader(refs, b, *, layout):
     output uses are returned with the function."""
     if layout is None:
         return (lambda index: refs[0][b, index].astype(jnp.float32)), refs[1:]
-    n_refs = 1 + layout[2]
+    n_refs = projection.operand_count(layout)
     load = projection.partials_loader(refs[:n_refs], b, layout)
     return (lambda index: load(index).astype(jnp.float32)), refs[n_refs:]
 
