@@ -391,7 +391,8 @@ def moe_gemv_cases() -> dict:
 
 def moe_front_cases() -> dict:
     """The MoE front (residual add, norm, router logits) at the medium hybrid's MoE layer (2048 features, 64
-    experts) for one row, after o_proj's 8 K slices."""
+    experts) for one row, after o_proj's 8 K slices: alone, with the router's choice, and with the shared MLP's
+    gate / up products (768 columns) as well."""
     from dayzero.kernels import moe_front, projection
 
     S = jax.ShapeDtypeStruct
@@ -405,10 +406,19 @@ def moe_front_cases() -> dict:
         return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5,
                                select=moe_front.Select(6, True, True, 2.446, 2), bias=bias, turns=turns, layer=1)
 
+    def sharing(sums, residual, norm_weight, router_weight, bias, turns, gate, up):  # + the shared MLP's gate / up
+        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
+        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5,
+                               select=moe_front.Select(6, True, True, 2.446, 4), bias=bias, turns=turns, layer=1,
+                               shared=(gate, up))
+
     shapes = (S((8, 1, 2048), jnp.float32), S((1, 2048), jnp.bfloat16), S((2048,), jnp.float32),
               S((64, 2048), jnp.bfloat16))
+    choice = (S((64,), jnp.float32), S((16, 4), jnp.int32))
     return {"front B1": (fn, shapes),
-            "front B1 with the router's choice": (choosing, shapes + (S((64,), jnp.float32), S((16, 4), jnp.int32)))}
+            "front B1 with the router's choice": (choosing, shapes + choice),
+            "front B1 with the choice and the shared gate/up": (
+                sharing, shapes + choice + (S((2048, 768), jnp.bfloat16), S((2048, 768), jnp.bfloat16)))}
 
 
 CASES = {"indexer": indexer_cases, "kda": kda_cases, "mla_absorb": mla_absorb_cases, "moe_dense": moe_dense_cases,

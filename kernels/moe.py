@@ -119,7 +119,7 @@ def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
                        layer: int | jax.Array = 0, workspace: Workspace | None = None,
                        tiles: Tiles | moe_mxfp4_gemv.GemvTiles | None = None, impl: str | None = None,
                        sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None,
-                       shared: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                       shared: moe_mxfp4_gemv.SharedMLP | tuple[jax.Array, jax.Array, jax.Array] | None = None,
                        residual_sums: jax.Array | None = None) -> tuple[jax.Array, Workspace | None]:
     """x [N, H], topk_ids [N, k], topk_weights [N, k] -> ([N, H] of x.dtype, workspace).
 

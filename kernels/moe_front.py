@@ -33,6 +33,13 @@ With `zeros` as well, its first program writes the int32 zeros the MXFP4 decode 
 With `sums`, the first program of each row also writes x as float32 [M, H]: the buffer the MXFP4 down kernel adds the
 experts' outputs into (`model.moe.RESIDUAL_IN_SUMS`), so the layer's residual add needs no kernel of its own. The
 residual may then be float32 too (the previous layer's such sums), rounded to the weights' dtype as it loads.
+
+With `shared` (one row, beside the choice), extra programs after the router's multiply the normed row by the shared
+MLP's gate and up weights (`SharedProducts`: `SHARED_BLOCK_N` columns over a part of K each, the weight block
+loaded first as the router's is) and store the float32 sums, which the MXFP4 gate/up kernel then finishes
+(`moe_mxfp4_gemv.SharedFold.front_parts`) instead of streaming those weights itself. The router's programs use ~8
+SMs for ~5 us, waiting on their loads and on each other; these programs stream the shared MLP's gate and up weights
+on the SMs the router leaves idle.
 """
 
 from __future__ import annotations
@@ -66,6 +73,10 @@ MAX_ROWS = 16
 # calls), 2.197 against 2.199 at batch 16. The offline sm_90 build: 44 registers against 80 (40 / 85 with the
 # router's choice), no spills.
 NUM_WARPS = 16
+# The shared MLP's gate / up products in this kernel (`front(shared=)`): weight columns per program and parts of K
+# per column block (the medium hybrid: 768 columns / 16 x 2 parts = 96 programs of 64 KB beside the router's 8).
+SHARED_BLOCK_N = 16
+SHARED_K_PARTS = 2
 
 
 class Select(NamedTuple):
@@ -78,6 +89,25 @@ class Select(NamedTuple):
     renormalize: bool
     scale: float
     parts: int
+
+
+class SharedProducts(NamedTuple):
+    """`front(shared=)`'s extra programs: each multiplies the normed row's K part `hidden / k_parts` by `block_n`
+    columns of the shared MLP's gate and up weights; programs n_router + c * k_parts + p (column block c, part p)."""
+
+    block_n: int
+    k_parts: int
+
+
+def shared_products(hidden: int, shared_inter: int) -> SharedProducts | None:
+    """The extra programs for a shared MLP of `shared_inter` columns at hidden size `hidden` (`SHARED_BLOCK_N`,
+    `SHARED_K_PARTS`), or None where they do not divide it."""
+    spec = SharedProducts(SHARED_BLOCK_N, SHARED_K_PARTS)
+    return spec if _divides(spec, hidden, shared_inter) else None
+
+
+def _divides(spec: SharedProducts, hidden: int, shared_inter: int) -> bool:
+    return not (shared_inter % spec.block_n or hidden % spec.k_parts or (hidden // spec.k_parts) % 16)
 
 
 def supported(rows: int, hidden: int, n_experts: int, dtype) -> bool:
@@ -132,98 +162,157 @@ def packed_rows(normed: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def reference(update: projection.Projected | None, residual: jax.Array, norm_weight: jax.Array,
-              router_weight: jax.Array, *, eps: float, pack: bool = False, sums: bool = False) -> tuple:
+              router_weight: jax.Array, *, eps: float, pack: bool = False, sums: bool = False,
+              shared: tuple[jax.Array, jax.Array] | None = None) -> tuple:
     """XLA: (x [M, H] = residual + the update, finished and rounded as o_proj's projection does; normed [M, H] =
     RMSNorm(x) as `model.norms.RMSNorm`; logits [M, E] float32, the sums of float32 products, as
     `model.moe.router_logits` computes them for decode-sized calls), with `pack` then normed's words
-    (`packed_rows`), with `sums` then x as float32. `update`: o_proj's `projection.Partials` (no squares), its
-    finished [M, H] of the model's dtype (`model_dtype`), or None (x = residual). A float32 residual of 16-bit router
-    weights is rounded to their dtype first."""
+    (`packed_rows`), with `sums` then x as float32, with `shared` (gate, up [H, S]) then normed times each as float32
+    sums [1, 2, S] (one row; `front(shared=)`'s in one part of K). `update`: o_proj's `projection.Partials` (no
+    squares), its finished [M, H] of the model's dtype (`model_dtype`), or None (x = residual). A float32 residual of
+    16-bit router weights is rounded to their dtype first."""
     _check(update, residual, norm_weight, router_weight)
     residual = residual.astype(model_dtype(residual, router_weight))
     x = residual if update is None else projection.finished(update, residual)
     normed = projection.rms_norm(x, norm_weight, eps)
     logits = jnp.sum(normed[:, None, :].astype(jnp.float32) * router_weight[None].astype(jnp.float32), axis=-1)
-    return (x, normed, logits) + ((packed_rows(normed),) if pack else ()) + ((x.astype(jnp.float32),) if sums else ())
+    out = (x, normed, logits) + ((packed_rows(normed),) if pack else ()) + ((x.astype(jnp.float32),) if sums else ())
+    if shared is not None:
+        _check_shared(shared, residual.shape[0], residual.shape[1])
+        products = jnp.stack([jnp.dot(normed[0].astype(jnp.float32), w.astype(jnp.float32),
+                                      precision=jax.lax.Precision.HIGHEST) for w in shared])
+        out += (products[None],)
+    return out
 
 
-def _kernel(*refs, hidden, partials, eps, pack, sums, select, layer, zeros, interpret):
+def _check_shared(shared, rows: int, hidden: int):
+    gate, up = shared
+    if rows != 1:
+        raise ValueError(f"moe front: the shared MLP's products are made for one row, not {rows}")
+    if gate.shape != up.shape or gate.ndim != 2 or gate.shape[0] != hidden or jnp.dtype(gate.dtype).itemsize != 2:
+        raise ValueError(f"moe front: the shared MLP's gate {gate.dtype}{list(gate.shape)} / up "
+                         f"{up.dtype}{list(up.shape)} do not match {hidden} features (16-bit [H, S] each)")
+
+
+def _kernel(*refs, hidden, partials, eps, pack, sums, select, layer, zeros, shared, interpret):
     """`partials`: o_proj's update comes as its partial sums (a `projection.partials_operands` layout, no squares),
-    the first ref."""
+    the first ref. `shared`: the `SharedProducts` programs after the router's, or None."""
     sums_ref, refs = (refs[0], refs[1:]) if partials else (None, refs)
-    # with `select` the bias and the turn counters' input (aliased with their output: unused) come in too
-    n_in = 5 if select is not None else 3
-    (res_ref, norm_ref, w_ref, *select_in), refs = refs[:n_in], refs[n_in:]
-    (x_out, normed_out, logits_out), refs = refs[:3], refs[3:]
+    res_ref, norm_ref, w_ref, *refs = refs
+    if shared is not None:
+        gate_ref, up_ref, *refs = refs
+    if select is not None:  # the correction bias, and the turn counters' input (aliased with their output: unused)
+        bias_ref, _, *refs = refs
+    x_out, normed_out, logits_out, *refs = refs
     if pack:
-        (halves_out, factor_out), refs = refs[:2], refs[2:]
+        halves_out, factor_out, *refs = refs
     if sums:
-        sums_out, refs = refs[0], refs[1:]
+        sums_out, *refs = refs
     if select is not None:
-        bias_ref, (ids_out, weights_out, turns_ref), refs = select_in[0], refs[:3], refs[3:]
-    dtype = x_out.dtype  # the model's (`model_dtype`: a float32 residual is rounded to it as it loads)
-    e0 = pl.multiple_of(pl.program_id(0) * EXPERT_BLOCK, EXPERT_BLOCK)
-    row_id = pl.program_id(1)
-    row, cols = pl.ds(row_id, 1), pl.ds(0, hidden)
-    weight = w_ref[pl.ds(e0, EXPERT_BLOCK), cols]  # [EXPERT_BLOCK, H]: first, its read overlaps the rest
-    x = res_ref[row, cols].astype(dtype).astype(jnp.float32)  # [1, H]
-    if partials:
-        x = x + projection.partials_loader([sums_ref], row, partials)(cols).astype(jnp.float32)
-    x = x.astype(dtype).astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)
-    unit = (x * inv_rms).astype(dtype).astype(jnp.float32)
-    normed = (norm_ref[cols].astype(jnp.float32)[None, :] * unit).astype(dtype)
-    logits = jnp.sum(normed.astype(jnp.float32) * weight.astype(jnp.float32), axis=1)  # [EXPERT_BLOCK]
-    logits_out[row, pl.ds(e0, EXPERT_BLOCK)] = logits[None, :]
-
-    @pl.when(pl.program_id(0) == 0)
-    def _():
-        x_out[row, cols] = x.astype(dtype)
-        normed_out[row, cols] = normed
-        if sums:  # x (exact in float32) as the start of the down kernel's sums
-            sums_out[row, cols] = x
-        if pack:  # the row's words for the MXFP4 decode kernels (`packed_rows`)
-            positions, halves, factor = moe_mxfp4_gemv.row_halves(normed.astype(jnp.float32).reshape(hidden))
-            halves_out[row_id, positions] = halves
-            factor_out[row_id] = factor
-
-    if pack:
-        @pl.when((pl.program_id(0) == 0) & (row_id == 0))
-        def _():  # the zero row after the last
-            last = halves_out.shape[0] - 1
-            halves_out[last, cols] = jnp.zeros((hidden,), jnp.int16)
-            factor_out[last] = jnp.float32(ZERO_ROW_FACTOR)
-
+        ids_out, weights_out, turns_ref, *refs = refs
     if zeros:
-        @pl.when((pl.program_id(0) == 0) & (row_id == 0))
-        def _():  # zeros for the MXFP4 decode kernels' turn counters (`front(zeros=)`)
-            tiling.store_zeros(refs[0], 0, zeros)
+        zeros_out, *refs = refs
+    if shared is not None:
+        shared_out, *refs = refs
+    dtype = x_out.dtype  # the model's (`model_dtype`: a float32 residual is rounded to it as it loads)
+    n_router = w_ref.shape[0] // EXPERT_BLOCK
+    program = pl.program_id(0)  # (read here: interpret mode takes no program_id inside a `pl.when`)
+    row_id = pl.program_id(1)
+    row = pl.ds(row_id, 1)
 
-    if select is None:
+    def row_x(cols):
+        """x [1, len(cols)] float32 (the model dtype's values): residual + the finished update, rounded."""
+        x = res_ref[row, cols].astype(dtype).astype(jnp.float32)
+        if partials:
+            x = x + projection.partials_loader([sums_ref], row, partials)(cols).astype(jnp.float32)
+        return x.astype(dtype).astype(jnp.float32)
+
+    def normalised(x, inv_rms, cols):
+        unit = (x * inv_rms).astype(dtype).astype(jnp.float32)
+        return (norm_ref[cols].astype(jnp.float32)[None, :] * unit).astype(dtype)
+
+    def router_program():
+        e0 = pl.multiple_of(program * EXPERT_BLOCK, EXPERT_BLOCK)
+        cols = pl.ds(0, hidden)
+        weight = w_ref[pl.ds(e0, EXPERT_BLOCK), cols]  # [EXPERT_BLOCK, H]: first, its read overlaps the rest
+        x = row_x(cols)
+        inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)
+        normed = normalised(x, inv_rms, cols)
+        logits = jnp.sum(normed.astype(jnp.float32) * weight.astype(jnp.float32), axis=1)  # [EXPERT_BLOCK]
+        logits_out[row, pl.ds(e0, EXPERT_BLOCK)] = logits[None, :]
+
+        @pl.when(program == 0)
+        def _():
+            x_out[row, cols] = x.astype(dtype)
+            normed_out[row, cols] = normed
+            if sums:  # x (exact in float32) as the start of the down kernel's sums
+                sums_out[row, cols] = x
+            if pack:  # the row's words for the MXFP4 decode kernels (`packed_rows`)
+                positions, halves, factor = moe_mxfp4_gemv.row_halves(normed.astype(jnp.float32).reshape(hidden))
+                halves_out[row_id, positions] = halves
+                factor_out[row_id] = factor
+
+        if pack:
+            @pl.when((program == 0) & (row_id == 0))
+            def _():  # the zero row after the last
+                last = halves_out.shape[0] - 1
+                halves_out[last, cols] = jnp.zeros((hidden,), jnp.int16)
+                factor_out[last] = jnp.float32(ZERO_ROW_FACTOR)
+
+        if zeros:
+            @pl.when((program == 0) & (row_id == 0))
+            def _():  # zeros for the MXFP4 decode kernels' turn counters (`front(zeros=)`)
+                tiling.store_zeros(zeros_out, 0, zeros)
+
+        if select is None:
+            return
+        # The choice needs every router program's logits: each counts itself done (an acquire-release atomic after
+        # its logits' store), and the last one reads all of them back and chooses, then resets the counter for the
+        # next call (the `kernels.kda.decode_layer` turns pattern).
+        turn = atomics.take_turn(turns_ref, (jnp.int32(layer), jnp.int32(0)), interpret=interpret)
+
+        @pl.when(turn == n_router - 1)
+        def _choose_experts():
+            n_experts = logits_out.shape[1]
+            block = ids_out.shape[0]  # every row of the router's [BLOCK_M, k_pad] output holds the token's choice
+            logits_all = logits_out[jnp.zeros((block,), jnp.int32), pl.ds(0, n_experts)]
+            ids, weights = router.choose_experts(logits_all, bias_ref[pl.ds(0, n_experts)], ids_out.shape[1],
+                                                 top_k=select.top_k, sigmoid=select.sigmoid,
+                                                 renormalize=select.renormalize, scale=select.scale)
+            ids_out[...], weights_out[...] = router.append_shared(ids, weights, select.top_k, select.parts,
+                                                                  n_experts)
+            turns_ref[layer, 0] = jnp.int32(0)
+
+    if shared is None:
+        router_program()
         return
-    # The choice needs every program's logits: each program counts itself done (an acquire-release atomic after its
-    # logits' store), and the last one reads all of them back and chooses, then resets the counter for the next call
-    # (the `kernels.kda.decode_layer` turns pattern).
-    turn = atomics.take_turn(turns_ref, (jnp.int32(layer), jnp.int32(0)), interpret=interpret)
 
-    @pl.when(turn == pl.num_programs(0) - 1)
-    def _choose_experts():
-        n_experts = logits_out.shape[1]
-        block = ids_out.shape[0]  # every row of the router's [BLOCK_M, k_pad] output holds the token's choice
-        logits_all = logits_out[jnp.zeros((block,), jnp.int32), pl.ds(0, n_experts)]
-        ids, weights = router.choose_experts(logits_all, bias_ref[pl.ds(0, n_experts)], ids_out.shape[1],
-                                             top_k=select.top_k, sigmoid=select.sigmoid,
-                                             renormalize=select.renormalize, scale=select.scale)
-        ids_out[...], weights_out[...] = router.append_shared(ids, weights, select.top_k, select.parts, n_experts)
-        turns_ref[layer, 0] = jnp.int32(0)
+    def shared_program():
+        """normed's K part times block_n columns of the shared gate and up weights -> float32 sums (`shared_out`
+        [k_parts, 2, S])."""
+        p = program - n_router
+        k_len = hidden // shared.k_parts
+        part = p % shared.k_parts
+        ks = pl.ds(pl.multiple_of(part * k_len, k_len), k_len)
+        cs = pl.ds(pl.multiple_of(p // shared.k_parts * shared.block_n, shared.block_n), shared.block_n)
+        weights = [gate_ref[ks, cs], up_ref[ks, cs]]  # [k_len, block_n] each: first, as the router's
+        x = row_x(pl.ds(0, hidden))
+        inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)  # the row's, as the router's programs find it
+        column = normalised(row_x(ks), inv_rms, ks).astype(jnp.float32).reshape(k_len, 1)
+        for i, w in enumerate(weights):
+            shared_out[part, jnp.int32(i), cs] = jnp.sum(column * w.astype(jnp.float32), axis=0)
+
+    pl.when(program < n_router)(router_program)
+    pl.when(program >= n_router)(shared_program)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "pack", "sums", "select", "layer", "zeros",
-                                             "interpret"))
+                                             "shared_programs", "interpret"))
 def front(update: projection.Projected | None, residual: jax.Array, norm_weight: jax.Array,
           router_weight: jax.Array, *, eps: float, num_warps: int = NUM_WARPS, pack: bool = False, sums: bool = False,
           select: Select | None = None, bias: jax.Array | None = None, turns: jax.Array | None = None, layer: int = 0,
-          zeros: int = 0, interpret: bool = False) -> tuple[jax.Array, ...]:
+          zeros: int = 0, shared: tuple[jax.Array, jax.Array] | None = None,
+          shared_programs: SharedProducts | None = None, interpret: bool = False) -> tuple[jax.Array, ...]:
     """`reference`'s results in one kernel (see the module docstring): update (o_proj's `projection.Partials`
     [S, M, H] float32 without squares, a finished [M, H], or None), residual [M, H] 16-bit, norm_weight [H], router
     weight [E, H] -> (x [M, H], normed [M, H], logits [M, E] float32), M the residual's rows, with `pack` then
@@ -287,10 +376,27 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
             raise ValueError("moe front kernel: zeros for the decode kernels come with the router's choice (select)")
         zeros = tiling.pow2_at_least(zeros)
         outputs.append(jax.ShapeDtypeStruct((zeros,), jnp.int32))
+    n_programs = n_experts // EXPERT_BLOCK
+    if shared is not None:
+        if select is None:
+            raise ValueError("moe front kernel: the shared MLP's products come with the router's choice (select)")
+        _check_shared(shared, rows, hidden)
+        shared_programs = shared_programs or SharedProducts(SHARED_BLOCK_N, SHARED_K_PARTS)
+        if not _divides(shared_programs, hidden, shared[0].shape[1]):
+            raise ValueError(f"moe front kernel: a shared MLP of {shared[0].shape[1]} columns at {hidden} features "
+                             f"does not divide into programs of {shared_programs.block_n} columns x "
+                             f"{shared_programs.k_parts} parts of K (each part a multiple of 16)")
+        at = len(operands) + 3  # after the router weight, before the choice's bias and counters
+        inputs[at:at] = list(shared)
+        aliases = {i + 2 if i >= at else i: o for i, o in aliases.items()}
+        outputs.append(jax.ShapeDtypeStruct((shared_programs.k_parts, 2, shared[0].shape[1]), jnp.float32))
+        n_programs += shared[0].shape[1] // shared_programs.block_n * shared_programs.k_parts
+    else:
+        shared_programs = None
     out = tiling.pallas_call(
         functools.partial(_kernel, hidden=hidden, partials=partials, eps=float(eps), pack=pack, sums=sums,
-                          select=select, layer=layer, zeros=zeros, interpret=interpret),
-        grid=(n_experts // EXPERT_BLOCK, rows),
+                          select=select, layer=layer, zeros=zeros, shared=shared_programs, interpret=interpret),
+        grid=(n_programs, rows),
         out_shape=outputs,
         input_output_aliases=aliases,
         compiler_params=tiling.compiler_params(num_warps, 1),

@@ -423,7 +423,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
                    slot_of_expert: jax.Array | None = None, n_experts: int | None = None,
                    tiles: Tiles | moe_mxfp4_gemv.GemvTiles | None = None, interpret: bool = False, *,
                    sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None,
-                   shared: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                   shared: moe_mxfp4_gemv.SharedMLP | tuple[jax.Array, jax.Array, jax.Array] | None = None,
                    residual_sums: jax.Array | None = None) -> jax.Array:
     """Routed SwiGLU experts. x [T, D], topk_ids [T, k] int, topk_weights [T, k] -> [T, D] of x.dtype.
 

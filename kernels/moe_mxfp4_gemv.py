@@ -327,7 +327,10 @@ class SharedFold(NamedTuple):
     columns, which the gate/up kernel wrote into its own row, by those rows of down. A bf16 weight is ~3.8x an MXFP4
     one's bytes, so a quarter of K gives a pseudo-expert's programs about a routed program's bytes. `width`: the
     flat weight's row length (S for gate / up, H for down); `blocks`: MX blocks of K per pseudo-expert; one tile per
-    pseudo-expert and token (1-row tiles), `tiles_per_part` (the call's tokens) apart in the schedule."""
+    pseudo-expert and token (1-row tiles), `tiles_per_part` (the call's tokens) apart in the schedule.
+    `front_parts` > 0 (gate/up, one token): the gate and up sums come made already, float32 [front_parts, 2, S] in
+    parts of K to add up (`kernels.moe_front.front(shared=)`), in place of the weights: quarter 0's programs of each
+    part add them up and write h, the other quarters' programs do nothing."""
 
     n_routed: int
     quarters: int
@@ -335,6 +338,18 @@ class SharedFold(NamedTuple):
     width: int
     blocks: int
     tiles_per_part: int
+    front_parts: int = 0
+
+
+class SharedMLP(NamedTuple):
+    """A shared-expert MLP for `grouped_swiglu(shared=)`: gate [H, S], up [H, S], down [S, H] bf16, and optionally
+    its gate / up sums for the call's one token made already (float32 [F, 2, S] in F parts of K:
+    `kernels.moe_front.front(shared=)`), which the gate/up kernel then finishes instead of streaming gate and up."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    gate_up_sums: jax.Array | None = None
 
 
 def _half_values(bits: jax.Array) -> jax.Array:
@@ -428,7 +443,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     factor_ref = None
     if x_form != "raw":
         factor_ref, *refs = refs
-    n_shared = 0 if shared is None else (2 if role == "gate_up" else 1)
+    n_shared = 0 if shared is None else (2 if role == "gate_up" and not shared.front_parts else 1)
     if role == "gate_up":
         w_refs, s_refs = refs[:4], refs[4:4 + n_shared]
         finishing = split > 1 or shared is not None  # then the turn counters are an aliased input
@@ -534,6 +549,22 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             dest = (lead + (c0 // slice_cols) * shared.tiles_per_part) * rows
             write_hidden(dest, c0 % slice_cols, g, u, None)
 
+    def gate_up_shared_from_front():
+        """A shared pseudo-expert's tile when its gate / up sums are made already (`SharedFold.front_parts`): quarter
+        0's programs (of the first K split) add up the parts of this column block and write its block of h where
+        `gate_up_shared` would; the other quarters' and splits' programs have nothing to do."""
+        part = expert - shared.n_routed
+        piece, quarter = part // shared.quarters, part % shared.quarters
+
+        @pl.when((quarter == 0) & (q == 0))
+        def _():
+            col = piece * shared.part_inter + c0
+            width = shared.width  # S, the sums' row length
+            g, u = (sum(s_refs[0][pl.ds((f * 2 + i) * width + col, bn)] for f in range(shared.front_parts))
+                    for i in (0, 1))
+            slice_cols = shared.part_inter // shared.quarters
+            write_hidden((t + (c0 // slice_cols) * shared.tiles_per_part) * rows, c0 % slice_cols, g, u, None)
+
     def down(width, products=products):
         for r, (y,) in enumerate(products(width)):
             pair = jnp.minimum(src[r], n_src - 1)
@@ -551,7 +582,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     if shared is not None:
         routed = routed & (expert < shared.n_routed)
         if role == "gate_up":
-            pl.when(expert >= shared.n_routed)(gate_up_shared)
+            pl.when(expert >= shared.n_routed)(gate_up_shared_from_front if shared.front_parts else gate_up_shared)
         else:  # a pseudo-expert's row of h is its own
             pl.when(expert >= shared.n_routed)(lambda: down(1, lambda width: shared_products(t * rows)))
     if len(widths) == 1:
@@ -667,7 +698,8 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
     ((blocks, scales) of gate, of up), blocks uint8 [E, I, G, 16], scales uint8 [E, I, G]. Rows of skipped tiles
     (and, with adaptive tiles, a tile's rows past its real ones) are left unwritten. `n_rows`: the rows R to run
     (default all of token_of_row's; a longer table's rows past R are not read). `shared`: (its `SharedFold`, the
-    shared MLP's (gate, up) [H, S] bf16): tiles of experts from fold.n_routed run it (h packed only). `turns`: int32
+    shared MLP's (gate, up) [H, S] bf16, or with `SharedFold.front_parts` its (gate / up sums made ahead,)): tiles of
+    experts from fold.n_routed run it (h packed only). `turns`: int32
     zeros, at least `turn_count` of them, for the turn counters where the kernel takes them (split K or `shared`),
     made ahead by an earlier kernel (`kernels.moe_front.front(zeros=)`) so no zero fill runs here; left nonzero."""
     inter, groups = gate_up[0][0].shape[1], gate_up[0][0].shape[2]
@@ -798,7 +830,7 @@ def shared_parts(n_tokens: int, top_k: int, hidden: int, inter: int, shared_inte
 def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, ew: ExpertWeights,
                    n_experts: int | None = None, tiles: GemvTiles | None = None, interpret: bool = False, *,
                    sched: moe_tiles.Schedule | None = None, x_words: tuple[jax.Array, jax.Array] | None = None,
-                   shared: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                   shared: SharedMLP | tuple[jax.Array, jax.Array, jax.Array] | None = None,
                    residual_sums: jax.Array | None = None) -> jax.Array:
     """Routed SwiGLU experts over MXFP4 `ew`: x [T, D], topk_ids [T, k] int, topk_weights [T, k] -> [T, D] of
     x.dtype (the hidden activations rounded to x.dtype between the projections, as the MMA path does).
@@ -811,10 +843,11 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     (`GemvTiles.pack_in_kernel`) or XLA's packing. The schedule's `turns` (zeros made ahead: `turn_count`) serve as
     the gate/up kernel's turn counters where they are enough.
 
-    `shared` (gate [H, S], up [H, S], down [S, H] bf16): a shared-expert MLP every token runs unweighted, added in by
-    the same two kernels (`SharedFold`: its `shared_parts` pseudo-experts E .. E + P - 1 of weight 1; 1-row tiles);
-    with `sched` given, topk_ids and topk_weights hold their columns already (`kernels.router`'s shared parts), else
-    they are appended here.
+    `shared` (a `SharedMLP`, or its (gate [H, S], up [H, S], down [S, H]) bf16): a shared-expert MLP every token runs
+    unweighted, added in by the same two kernels (`SharedFold`: its `shared_parts` pseudo-experts E .. E + P - 1 of
+    weight 1; 1-row tiles); with `sched` given, topk_ids and topk_weights hold their columns already
+    (`kernels.router`'s shared parts), else they are appended here. Its `gate_up_sums` (one token): the gate/up
+    kernel finishes those instead of streaming gate and up.
 
     `residual_sums` (float32 [T, D], the layer's residual rows: `kernels.moe_front.front(sums=True)`): the down kernel
     adds into it instead of zeros and the result is float32 [T, D], residual + experts, not rounded (the layer's
@@ -826,10 +859,14 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     folds = None
     if shared is not None:
         hidden, inter = x.shape[1], ew.gate.shape[1]
-        s_gate, s_up, s_down = shared
+        s_gate, s_up, s_down, made = SharedMLP(*shared)
         if s_gate.shape != s_up.shape or s_gate.shape[0] != hidden or s_down.shape != s_gate.shape[::-1]:
             raise ValueError(f"shared MLP {s_gate.shape} / {s_up.shape} / {s_down.shape} does not match hidden size "
                              f"{hidden} (gate / up [H, S], down [S, H])")
+        if made is not None and (n_tokens != 1 or made.dtype != jnp.float32 or made.ndim != 3
+                                 or made.shape[1:] != (2, s_gate.shape[1])):
+            raise ValueError(f"the shared MLP's gate / up sums made ahead ({made.dtype}{list(made.shape)}) need one "
+                             f"token and float32 [F, 2, {s_gate.shape[1]}], not {n_tokens} tokens")
         per_part = SHARED_QUARTERS * s_gate.shape[1] // inter
         top_k = topk_ids.shape[1] - (per_part if sched is not None else 0)
         tiles = tiles or tiles_for(n_tokens * top_k, n_experts)
@@ -844,7 +881,8 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
                                             jnp.ones((n_tokens, parts), jnp.float32)], axis=1)
         fold = functools.partial(SharedFold, n_routed=n_experts, quarters=SHARED_QUARTERS, part_inter=inter,
                                  tiles_per_part=n_tokens)
-        folds = ((fold(width=s_gate.shape[1], blocks=hidden // BLOCK // SHARED_QUARTERS), (s_gate, s_up)),
+        folds = ((fold(width=s_gate.shape[1], blocks=hidden // BLOCK // SHARED_QUARTERS,
+                       front_parts=0 if made is None else made.shape[0]), (s_gate, s_up) if made is None else (made,)),
                  (fold(width=hidden, blocks=inter // BLOCK // SHARED_QUARTERS), s_down))
         n_experts += parts
     tiles = tiles or tiles_for(topk_ids.size, n_experts)

@@ -79,8 +79,9 @@ class DecoderLayer(nn.Module):
         """The MoE half of a decode step from the attention's unfinished output: o_proj's `update` and the layer
         input `residual` [B, D] -> (x [B, 1, D], workspace, cache), the residual add, the norm and the router's
         logits in `kernels.moe_front`'s one kernel (with `FRONT_SELECT` and the cache's "moe_turns", the router's
-        choice too, where the router would make it in its one-token select kernel; x's words for the MXFP4 decode
-        kernels where they take them, `MoE.front_packs`). Where the MXFP4 down kernel adds the experts into the
+        choice too, where the router would make it in its one-token select kernel, and then the shared MLP's gate /
+        up sums where `MoE.front_shared` asks; x's words for the MXFP4 decode kernels where they take them,
+        `MoE.front_packs`). Where the MXFP4 down kernel adds the experts into the
         residual rows the front kernel writes (`MoE.residual_in_sums`), x comes back as those float32 sums, which the
         next layer's kernels round as they load (`DecoderLayer.step`)."""
         cfg = self.config
@@ -93,13 +94,17 @@ class DecoderLayer(nn.Module):
         sums = self.mlp.residual_in_sums(residual.shape[0], workspace)  # x as float32, for the down kernel's sums
         choice = {} if select is None else dict(select=select[0], bias=select[1], zeros=select[2],
                                                 turns=cache["moe_turns"], layer=self.layer)
+        shared = None if select is None else self.mlp.front_shared(residual.shape[0], workspace)
+        if shared is not None:  # the shared MLP's gate / up products, in programs beside the router's
+            choice["shared"] = shared
         x, normed, logits, *rest = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps,
                                          pack=pack, sums=sums, **choice)
         x_words, rest = (rest[0], rest[1:]) if pack else (None, rest)
         x_sums, rest = (rest[0], rest[1:]) if sums else (None, rest)
+        shared_sums, rest = (rest[-1], rest[:-1]) if shared is not None else (None, rest)
         counters = rest[3] if len(rest) > 3 else None  # the decode kernels' turn counters, zeroed (`zeros`)
         y, workspace = self.mlp(normed[:, None], workspace, logits=logits, chosen=tuple(rest[:2]) if choice else None,
-                                x_words=x_words, counters=counters, residual_sums=x_sums)
+                                x_words=x_words, counters=counters, residual_sums=x_sums, shared_sums=shared_sums)
         cache = dict(cache, moe_turns=rest[2]) if choice else cache
         return (y if sums else x[:, None] + y), workspace, cache
 

@@ -91,6 +91,12 @@ COUNTERS_FROM_FRONT = True
 # thirty-fourth session): 0.844 against 0.858 ms per token pipelined, 0.864 against 0.885 ms of kernels, 136.5
 # against 150.5 kernels per token; tests/gpu/test_mxfp4_gpu.py -k residual passes.
 RESIDUAL_IN_SUMS = True
+# Whether the MoE front kernel, where it makes one token's choice (`MoE.front_select`) and the MXFP4 decode kernels
+# fold in the shared MLP, also multiplies the normed row by the shared MLP's gate and up weights, in programs beside
+# the router's (`kernels.moe_front.front(shared=)`, `MoE.front_shared`), so the gate/up kernel finishes those sums
+# (`moe_mxfp4_gemv.SharedFold.front_parts`) instead of streaming the 6.3 MB of bf16 weights itself (the medium
+# hybrid). Off until measured on a GPU.
+SHARED_GATE_UP_IN_FRONT = False
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
 # the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
 # token at batch 1 / 16 against 1.397 / 2.990 with the dot (benchmarks/decode_profile.py --router-dot).
@@ -519,6 +525,17 @@ class MoE(nn.Module):
             tiles, True)
         return select, self.variables["params"]["gate"].get("e_score_correction_bias"), zeros
 
+    def front_shared(self, n_tokens: int, workspace: Workspace | None = None) -> tuple[jax.Array, jax.Array] | None:
+        """For a call of `n_tokens` tokens whose choice the front kernel makes (`front_select`): the shared MLP's
+        (gate, up) kernels [H, S] for the front kernel to multiply the normed row by (`SHARED_GATE_UP_IN_FRONT`,
+        `kernels.moe_front.front(shared=)`), the sums then handed back as `__call__(shared_sums=)`; else None."""
+        if (not SHARED_GATE_UP_IN_FRONT or self.decode_tiles(n_tokens, workspace) is None
+                or self.front_select(n_tokens, workspace) is None):
+            return None  # (the MXFP4 decode kernels finish the sums; bf16 experts' kernels take none)
+        mlp = self.variables["params"]["shared_experts"]
+        gate, up = (mlp[n]["kernel"] for n in ("gate_proj", "up_proj"))
+        return (gate, up) if moe_front.shared_products(*gate.shape) is not None else None
+
     def _sow_choice(self, ids: jax.Array):
         """Records the routed experts [N, k] int32 (the router's choice, shared parts left off) as
         "routed_experts" in the "intermediates" collection, when it is mutable (`model.drift`)."""
@@ -526,13 +543,15 @@ class MoE(nn.Module):
 
     @nn.compact
     def __call__(self, x, workspace: Workspace | None = None, logits: jax.Array | None = None, chosen=None,
-                 x_words=None, counters=None, residual_sums=None):
+                 x_words=None, counters=None, residual_sums=None, shared_sums=None):
         """Returns (y, workspace): the MXFP4 expert workspace threads through the layers (see `new_workspace`).
         `logits` [B * T, E] float32: the router's logits of x, computed already (`kernels.moe_front`); `chosen`:
         one token's choice made already (`front_select`); `x_words`: x packed for the MXFP4 decode kernels
         (`front_packs`; `kernels.moe_front.front(pack=True)`); `counters`: int32 zeros for those kernels' turn
         counters (`front_select`); `residual_sums`: float32 [B * T, D], the layer's residual rows for those kernels
-        to add into (`residual_in_sums`), y then float32 [B, T, D], the residual and the experts (shared included).
+        to add into (`residual_in_sums`), y then float32 [B, T, D], the residual and the experts (shared included);
+        `shared_sums`: the shared MLP's gate / up sums of x made by the front kernel (`front_shared`), float32
+        [F, 2, S], for the MXFP4 gate/up kernel to finish (`moe_mxfp4_gemv.SharedMLP.gate_up_sums`).
         Where those kernels run, the router's select kernel also makes their schedule (`ROUTER_SCHEDULE`; static but
         for the experts at one token)."""
         cfg = self.config
@@ -544,13 +563,18 @@ class MoE(nn.Module):
         if parts:
             params = self.variables["params"]
             mlp = params["shared_experts"]
-            shared = tuple(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj"))
+            shared = moe_mxfp4_gemv.SharedMLP(*(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj")),
+                                              gate_up_sums=shared_sums)
+        elif shared_sums is not None:
+            raise ValueError("MoE: the shared MLP's gate / up sums need it folded into the MXFP4 decode kernels")
         if parts and cfg.quant_method != "mxfp4":
+            if shared_sums is not None:
+                raise ValueError("MoE: the shared MLP's gate / up sums are finished by the MXFP4 decode kernels only")
             experts = params["experts"]
             ids, weights, sched = router(flat, shared_parts=parts, logits=logits, chosen=chosen)
             self._sow_choice(ids)
             y = moe_kernels.routed_and_shared(flat, ids, weights, experts["w_gate"], experts["w_up"],
-                                              experts["w_down"], shared, sched=sched)
+                                              experts["w_down"], tuple(shared[:3]), sched=sched)
             return y.reshape(x.shape), workspace
         if chosen is not None and not parts:
             raise ValueError("MoE: a choice made already needs the shared MLP in the expert kernels")

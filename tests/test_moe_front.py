@@ -327,6 +327,59 @@ def test_front_makes_the_routers_choice(seed, sigmoid, parts):
                                 spec((64,), jnp.float32), spec((16, 4), jnp.int32)) == 1
 
 
+@pytest.mark.parametrize("block_n,k_parts", [(16, 2), (32, 4), (64, 1)])
+def test_front_makes_the_shared_products(seed, block_n, k_parts):
+    """`front(shared=)` (interpret mode, with the router's choice): programs beside the router's multiply the normed
+    row by the shared MLP's gate and up weights; everything else is bit for bit the front without them, and the sums
+    over the parts of K are within float32 rounding of a float64 product of the kernel's normed row, as the XLA
+    form's are. The products without the choice, for several rows, of weights that do not fit the hidden size or of
+    columns the programs do not divide are refused by name; it lowers to one Triton kernel at the medium hybrid's
+    shapes."""
+    rng = np.random.default_rng(seed)
+    hidden, n_experts, inter = 128, 64, 192
+    update, residual, norm_weight, router_weight = _inputs(rng, 1, 4, hidden, n_experts)
+    gate, up = (jnp.asarray(rng.standard_normal((hidden, inter)) * 0.1, jnp.bfloat16) for _ in range(2))
+    choice = dict(select=moe_front.Select(6, True, True, 2.5, 4), turns=jnp.zeros((3, 4), jnp.int32), layer=2,
+                  zeros=16)
+    args = (update, residual, norm_weight, router_weight)
+    plain = moe_front.front(*args, eps=1e-5, interpret=True, **choice)
+    *same, sums = moe_front.front(*args, eps=1e-5, interpret=True, shared=(gate, up),
+                                  shared_programs=moe_front.SharedProducts(block_n, k_parts), **choice)
+    assert len(same) == len(plain) and sums.shape == (k_parts, 2, inter) and sums.dtype == jnp.float32
+    for a, b in zip(same, plain):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    oracle = np.stack([np.asarray(same[1], np.float64)[0] @ np.asarray(w, np.float64) for w in (gate, up)])
+    np.testing.assert_allclose(np.asarray(sums, np.float64).sum(0), oracle, rtol=1e-5, atol=1e-5)
+    ref = moe_front.reference(*args, eps=1e-5, shared=(gate, up))
+    ref_oracle = np.stack([np.asarray(ref[1], np.float64)[0] @ np.asarray(w, np.float64) for w in (gate, up)])
+    assert ref[-1].shape == (1, 2, inter)
+    np.testing.assert_allclose(np.asarray(ref[-1][0], np.float64), ref_oracle, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="with the router's choice"):
+        moe_front.front(*args, eps=1e-5, interpret=True, shared=(gate, up))
+    with pytest.raises(ValueError, match="do not match 128 features"):
+        moe_front.front(*args, eps=1e-5, interpret=True, shared=(gate[:64], up[:64]), **choice)
+    with pytest.raises(ValueError, match="programs of 128 columns"):
+        moe_front.front(*args, eps=1e-5, interpret=True, shared=(gate, up),
+                        shared_programs=moe_front.SharedProducts(128, 2), **choice)
+    with pytest.raises(ValueError, match="one row, not 2"):
+        moe_front.reference(None, jnp.concatenate([residual] * 2), norm_weight, router_weight, eps=1e-5,
+                            shared=(gate, up))
+    assert moe_front.shared_products(2048, 768) == moe_front.SharedProducts(moe_front.SHARED_BLOCK_N,
+                                                                           moe_front.SHARED_K_PARTS)
+    assert moe_front.shared_products(2048, 760) is None
+    spec = jax.ShapeDtypeStruct
+
+    def model_shapes(sums, residual, norm_weight, router_weight, bias, turns, gate, up):
+        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
+        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5, bias=bias, turns=turns,
+                               select=choice["select"], layer=1, sums=True, zeros=64, shared=(gate, up))
+
+    assert count_triton_kernels(model_shapes, spec((8, 1, 2048), jnp.float32), spec((1, 2048), jnp.float32),
+                                spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16), spec((64,), jnp.float32),
+                                spec((16, 4), jnp.int32), spec((2048, 768), jnp.bfloat16),
+                                spec((2048, 768), jnp.bfloat16)) == 1
+
+
 def test_model_decode_mxfp4_takes_packed_x_and_the_routers_schedule(seed, monkeypatch):
     """MXFP4 experts at a 4-row decode step (2-row tiles of the MXFP4 decode kernels), every kernel in interpret
     mode: the front kernel packs x for those kernels (`MoE.front_packs`) and the router's select kernel makes their
@@ -410,6 +463,43 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
         return  # a choice moved at a near tie (`router_choices`): the later layers see other inputs
     a, f = np.asarray(apart, np.float32), np.asarray(folded, np.float32)
     assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
+
+
+def test_model_decode_makes_the_shared_gate_up_in_the_front(seed, monkeypatch):
+    """`model.moe.SHARED_GATE_UP_IN_FRONT` (MXFP4 experts, a one-row decode step, every kernel in interpret mode): in
+    every MoE layer the front kernel also makes the shared MLP's gate / up sums and the MXFP4 gate/up kernel finishes
+    them (`SharedMLP.gate_up_sums`); the next-token logits and caches match the step with the switch off to float32
+    summation order (unless a router's near tie moved a choice: `router_choices`), the counters left at zero."""
+    from dayzero.kernels import moe_mxfp4_gemv
+    from dayzero.model import moe
+    cfg = _tiny_mxfp4()
+    step, args = prefilled_decode(cfg, seed, 1)
+    monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
+    fronts, given = [], []
+    front, experts = moe_front.front, moe_mxfp4_gemv.grouped_swiglu
+    monkeypatch.setattr(moe_front, "front",
+                        lambda *a, **k: fronts.append(k.get("shared") is not None) or front(*a, **k))
+    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
+        getattr(k["shared"], "gate_up_sums", None) is not None) or experts(*a, **k))
+    choices = spy_router_choices(monkeypatch)
+    monkeypatch.setattr(moe, "SHARED_GATE_UP_IN_FRONT", False)
+    plain, plain_cache = step(*args, decode=True)
+    plain_choices = taken(choices)
+    moe_layers = sum(m == "moe" for m in cfg.mlp_types)
+    assert fronts == [False] * moe_layers and given == [False] * moe_layers
+    fronts.clear()
+    given.clear()
+    monkeypatch.setattr(moe, "SHARED_GATE_UP_IN_FRONT", True)
+    made, made_cache = step(*args, decode=True)
+    assert fronts == [True] * moe_layers and given == [True] * moe_layers
+    assert not np.any(np.asarray(made_cache["moe_turns"]))
+    if not rows_that_held(plain_choices, choices, cfg.num_experts_per_token).all():
+        return  # a choice moved at a near tie: the later layers see other inputs
+    a, f = np.asarray(plain, np.float32), np.asarray(made, np.float32)
+    assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
+    for name in plain_cache:
+        c, d = np.asarray(plain_cache[name], np.float32), np.asarray(made_cache[name], np.float32)
+        assert np.abs(d - c).max() <= 0.02 * max(np.abs(c).max(), 1e-6), name
 
 
 def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):

@@ -411,6 +411,36 @@ def test_shared_mlp_folds_into_the_kernels(seed, n_tokens, split_k, in_kernel, g
     assert err < 2e-3, f"T={n_tokens} split_k={split_k}: {err:.2e} (seed={seed})"
 
 
+@pytest.mark.parametrize("split_k,parts_of_k", [(4, 2), (1, 1), (2, 4)])
+def test_shared_gate_up_sums_made_ahead(seed, split_k, parts_of_k):
+    """One token with the shared MLP's gate / up sums made ahead (`SharedMLP.gate_up_sums`, as the MoE front kernel
+    makes them in parts of K): the gate/up kernel finishes them (quarter 0's programs) instead of streaming gate and
+    up, giving the same result as the fold that streams them, near the float32 oracle; sums for more than one token
+    or of another shape are refused by name."""
+    hidden, inter, shared_inter, top_k = 1024, 256, 512, 2
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, E, hidden, inter)
+    shared, oracle_mlp = _shared_mlp(rng, hidden, shared_inter)
+    tiles = gemv.GemvTiles(rows=1, block_n=32, max_groups=2, split_k=split_k, min_programs=512, pack_in_kernel=True)
+    x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
+    ids, w = routing(rng, "random", 1, E, top_k)
+    xs = np.asarray(x, np.float64).reshape(parts_of_k, -1)
+    sums = np.stack([np.stack([xs[f] @ np.asarray(m, np.float64).reshape(parts_of_k, -1, shared_inter)[f]
+                               for m in shared[:2]]) for f in range(parts_of_k)])
+    made = gemv.SharedMLP(*shared, gate_up_sums=jnp.asarray(sums, jnp.float32))
+    args = (x, jnp.asarray(ids), jnp.asarray(w), ew, E, tiles)
+    got = gemv.grouped_swiglu(*args, interpret=True, shared=made)
+    streamed = gemv.grouped_swiglu(*args, interpret=True, shared=shared)
+    want = oracle(np.asarray(x, np.float32), ids, w, ew) + oracle_mlp(np.asarray(x, np.float32))
+    # (x and the result in bf16: the oracle within its rounding)
+    assert rel_err(got, streamed) < 1e-2 and rel_err(got, want) < 6e-3, (rel_err(got, streamed), rel_err(got, want))
+    with pytest.raises(ValueError, match="one token"):
+        gemv.grouped_swiglu(jnp.concatenate([x, x]), jnp.asarray(np.concatenate([ids, ids])),
+                            jnp.asarray(np.concatenate([w, w])), ew, E, tiles, interpret=True, shared=made)
+    with pytest.raises(ValueError, match=r"float32 \[F, 2, 512\]"):
+        gemv.grouped_swiglu(*args, interpret=True, shared=made._replace(gate_up_sums=made.gate_up_sums[:, :1]))
+
+
 def test_shared_mlp_fold_limits():
     """Where the fold does not apply `shared_parts` is 0 (2-row tiles; I not a multiple of 32 x quarters; the down
     kernel's K splits not dividing a quarter), and `grouped_swiglu(shared=)` refuses such a call with a typed error;

@@ -116,3 +116,61 @@ def test_front_makes_the_routers_choice_on_gpu(sigmoid):
         got = router.one_token_routing(ids, weights, 8, 66)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_front_makes_the_shared_products_on_gpu():
+    """`front(shared=)` compiled on the GPU at the medium hybrid's MoE layer (2048 features, 64 experts, top-6, the
+    shared MLP's 768 columns): the router's results as without the shared programs, call after call (the counters
+    back at zero), and the shared gate / up sums within float32 rounding of a float64 product of the kernel's normed
+    row."""
+    k = jax.random.split(jax.random.key(5), 6)
+    residual = jax.random.normal(k[0], (1, 2048), jnp.bfloat16)
+    update = projection.Partials(jax.random.normal(k[1], (8, 1, 2048), jnp.float32), None, 2048, 1e-6, "bfloat16")
+    norm_weight = jax.random.uniform(k[2], (2048,), jnp.float32, 0.5, 1.5)
+    router_weight = (jax.random.normal(k[3], (64, 2048)) * 0.02).astype(jnp.bfloat16)
+    gate, up = ((jax.random.normal(key, (2048, 768)) * 0.02).astype(jnp.bfloat16) for key in k[4:6])
+    select = moe_front.Select(6, True, True, 2.446, 4)
+
+    def run(u, r, n, w, t, *shared):
+        return moe_front.front(u, r, n, w, eps=1e-5, select=select, turns=t, layer=3, zeros=64, sums=True,
+                               shared=shared or None)
+
+    plain, sharing = jax.jit(run), jax.jit(run)
+    turns = jnp.zeros((16, 4), jnp.int32)
+    want = plain(update, residual, norm_weight, router_weight, turns)
+    for _ in range(3):
+        *got, sums = sharing(update, residual, norm_weight, router_weight, turns, gate, up)
+        assert not np.any(np.asarray(got[6])) and not np.any(np.asarray(got[7]))  # counters, zeros
+        turns = got[6]
+        for i in (0, 1, 3):  # x, normed, x as float32 (another build of the same sums: within ~2 bf16 steps)
+            a, b = np.asarray(got[i], np.float64), np.asarray(want[i], np.float64)
+            assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -6 + 1e-30)
+        np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-4, atol=1e-5)  # logits
+        assert np.array_equal(np.asarray(got[4]), np.asarray(want[4]))  # the choice (ids)
+        oracle = np.stack([np.asarray(got[1], np.float64)[0] @ np.asarray(w, np.float64) for w in (gate, up)])
+        assert sums.shape == (moe_front.SHARED_K_PARTS, 2, 768)
+        np.testing.assert_allclose(np.asarray(sums, np.float64).sum(0), oracle, rtol=1e-4, atol=1e-5)
+
+
+def test_model_decode_makes_the_shared_gate_up_in_the_front_on_gpu(monkeypatch):
+    """The medium hybrid's first layers with MXFP4 experts, a one-row decode step: with the front kernel making the
+    shared MLP's gate / up sums (`model.moe.SHARED_GATE_UP_IN_FRONT`) against without: the next-token logits to bf16
+    rounding, the gate/up kernel given the sums in every MoE layer."""
+    from dayzero.kernels import moe_mxfp4_gemv
+    from dayzero.model import moe as model_moe
+    from medium_prefix_cases import prefilled_medium_prefix
+
+    run, args = prefilled_medium_prefix(9, num_blocks=3, batch=1, mxfp4=True)
+    given, experts = [], moe_mxfp4_gemv.grouped_swiglu
+    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
+        getattr(k.get("shared"), "gate_up_sums", None) is not None) or experts(*a, **k))
+    monkeypatch.setattr(model_moe, "SHARED_GATE_UP_IN_FRONT", False)
+    plain, _ = run(*args, decode=True)
+    assert given and not any(given)
+    given.clear()
+    monkeypatch.setattr(model_moe, "SHARED_GATE_UP_IN_FRONT", True)
+    made, cache = run(*args, decode=True)
+    assert given and all(given), given
+    assert not np.any(np.asarray(cache["moe_turns"]))
+    a, b = np.asarray(made, np.float64), np.asarray(plain, np.float64)
+    assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
