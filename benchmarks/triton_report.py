@@ -367,7 +367,8 @@ def moe_gemv_cases() -> dict:
     """The MXFP4 decode kernels (CUDA-core products, kernels/moe_mxfp4_gemv.py) at the DeepSeek-size layer (256
     experts, top-8, 7168 x 2048) and the medium hybrid's (64, top-6, 2048 x 768): 1 token (`tiles_for`'s tiles, the
     activations packed in the kernels); 16 and 64 tokens with 2- and 4-row tiles, and 4-row tiles that multiply only
-    their real rows ("4a": `GemvTiles.adaptive`)."""
+    their real rows ("4a": `GemvTiles.adaptive`); the medium layer's token with the shared MLP folded in (streamed,
+    its gate / up sums made by the front kernel, and its down projection in the gate/up kernel as well)."""
     from dayzero.kernels import moe_mxfp4_gemv, mxfp4
 
     tiles = moe_mxfp4_gemv.GemvTiles
@@ -386,6 +387,20 @@ def moe_gemv_cases() -> dict:
             return moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=gemv_tiles)
 
         cases[f"{label} T{n_tokens} rows{rows}"] = (fn, _moe_layer_shapes(*shape, n_tokens, "mxfp4"))
+    S = jax.ShapeDtypeStruct
+    shared_shapes = (S((2048, 768), jnp.bfloat16), S((2048, 768), jnp.bfloat16), S((768, 2048), jnp.bfloat16),
+                     S((2, 2, 768), jnp.float32), S((1, 2048), jnp.float32))
+    medium_tiles = moe_mxfp4_gemv.tiles_for(6, 64)
+    for label, made, early in (("streamed", False, False), ("gate/up sums from the front", True, False),
+                               ("and the down in the gate/up kernel", True, True)):
+        def folded(x, ids, w, g, u, d, gs, us, ds, sg, su, sd, sums, residual, made=made, early=early):
+            ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds)
+            shared = moe_mxfp4_gemv.SharedMLP(sg, su, sd, gate_up_sums=sums if made else None, down_in_gate_up=early)
+            return moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=medium_tiles, shared=shared,
+                                                 residual_sums=residual)
+
+        cases[f"medium T1 shared MLP folded: {label}"] = (
+            folded, _moe_layer_shapes(64, 6, 2048, 768, 1, "mxfp4") + shared_shapes)
     return cases
 
 

@@ -315,6 +315,8 @@ def _block_products(acc, w, xs, facs, asm: bool):
 # with the shared MLP apart); the K split set by the routed tiles alone instead of all tiles: 0.894.
 SHARED_QUARTERS = 4
 SHARED_STEP_BLOCKS = 4
+# Rows of down per step of the shared MLP's down projection where the gate/up kernel runs it (`SharedFold.down_cols`).
+SHARED_DOWN_ROWS = 32
 
 
 class SharedFold(NamedTuple):
@@ -330,7 +332,11 @@ class SharedFold(NamedTuple):
     pseudo-expert and token (1-row tiles), `tiles_per_part` (the call's tokens) apart in the schedule.
     `front_parts` > 0 (gate/up, one token): the gate and up sums come made already, float32 [front_parts, 2, S] in
     parts of K to add up (`kernels.moe_front.front(shared=)`), in place of the weights: quarter 0's programs of each
-    part add them up and write h, the other quarters' programs do nothing."""
+    part add them up and write h, the other quarters' programs do nothing. With `down_cols` > 0 as well the gate/up
+    kernel runs the shared MLP's down projection too, from those sums (`_shared_down`: each program of a
+    pseudo-expert's tile takes `down_cols` of the `hidden` output columns over its share of the quarter's rows of
+    down, SwiGLU applied to the sums as it reads them, adding into the token's float32 sums), and the down kernel's
+    fold is `skip`: its pseudo-experts' tiles do nothing."""
 
     n_routed: int
     quarters: int
@@ -339,17 +345,23 @@ class SharedFold(NamedTuple):
     blocks: int
     tiles_per_part: int
     front_parts: int = 0
+    down_cols: int = 0
+    hidden: int = 0
+    skip: bool = False
 
 
 class SharedMLP(NamedTuple):
     """A shared-expert MLP for `grouped_swiglu(shared=)`: gate [H, S], up [H, S], down [S, H] bf16, and optionally
     its gate / up sums for the call's one token made already (float32 [F, 2, S] in F parts of K:
-    `kernels.moe_front.front(shared=)`), which the gate/up kernel then finishes instead of streaming gate and up."""
+    `kernels.moe_front.front(shared=)`), which the gate/up kernel then finishes instead of streaming gate and up;
+    with `down_in_gate_up` as well (and residual rows to add into), the gate/up kernel also runs its down projection
+    from those sums (`SharedFold.down_cols`), so the down kernel streams the routed experts alone."""
 
     gate: jax.Array
     up: jax.Array
     down: jax.Array
     gate_up_sums: jax.Array | None = None
+    down_in_gate_up: bool = False
 
 
 def _half_values(bits: jax.Array) -> jax.Array:
@@ -443,14 +455,22 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     factor_ref = None
     if x_form != "raw":
         factor_ref, *refs = refs
-    n_shared = 0 if shared is None else (2 if role == "gate_up" and not shared.front_parts else 1)
+    if shared is None or shared.skip:
+        n_shared = 0
+    elif role == "gate_up":  # the weights (gate, up), or the front's sums (and down, which runs here)
+        n_shared = 1 + bool(shared.down_cols) if shared.front_parts else 2
+    else:
+        n_shared = 1
     if role == "gate_up":
         w_refs, s_refs = refs[:4], refs[4:4 + n_shared]
-        finishing = split > 1 or shared is not None  # then the turn counters are an aliased input
-        outs = refs[4 + n_shared + finishing:]
+        # aliased inputs: the turn counters (split K or a shared MLP), and the token sums the shared down adds into
+        n_aliased = (split > 1 or shared is not None) + bool(shared is not None and shared.down_cols)
+        outs = refs[4 + n_shared + n_aliased:]
         n_h = 2 if h_form == "halves" else 1
         h_refs, outs = outs[:n_h], outs[n_h:]
         zero_ref, finish_refs = (outs[0], outs[1:]) if zero_chunk else (None, outs)
+        if shared is not None and shared.down_cols:  # (partials, token sums, turn counters)
+            finish_refs, sums_ref = (finish_refs[0], finish_refs[2]), finish_refs[1]
     else:
         pair_weight_ref, *w_refs = refs[:3]
         s_refs = refs[3:3 + n_shared]
@@ -565,6 +585,33 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             slice_cols = shared.part_inter // shared.quarters
             write_hidden((t + (c0 // slice_cols) * shared.tiles_per_part) * rows, c0 % slice_cols, g, u, None)
 
+    def shared_down():
+        """A shared pseudo-expert's tile running its quarter of the down projection (`SharedFold.down_cols`): program
+        (j, q) takes output columns j * C .. (j + 1) * C (C = down_cols) over split q's share of the quarter's rows
+        of down, h = silu(g) * u of those rows from the front's sums (rounded to `h_dtype` as the gate/up kernel
+        writes h), and adds h @ down into the token's sums (one token: row 0)."""
+        part = expert - shared.n_routed
+        piece, quarter = part // shared.quarters, part % shared.quarters
+        hidden, cols = shared.hidden, shared.down_cols
+        rows_q = shared.part_inter // shared.quarters
+        per = rows_q // split  # rows of down in this program
+        chunk = tiling.pow2_divisor(per, SHARED_DOWN_ROWS)
+        r0 = piece * shared.part_inter + quarter * rows_q + q * per
+        columns = j * cols + jax.lax.broadcasted_iota(jnp.int32, (cols,), 0)
+        sums_in, down_ref = s_refs
+
+        def step(s, acc):
+            r = r0 + s * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+            g, u = (sum(sums_in[(f * 2 + i) * shared.width + r] for f in range(shared.front_parts)) for i in (0, 1))
+            h = (g / (1.0 + jnp.exp(-g)) * u).astype(h_dtype).astype(jnp.float32)
+            w = down_ref[r[:, None] * hidden + columns[None, :]].astype(jnp.float32)  # [chunk, C]
+            return acc + jnp.sum(h[:, None] * w, axis=0)
+
+        @pl.when(j * cols < hidden)  # (the tile's programs past the output columns have nothing to do)
+        def _():
+            acc = jax.lax.fori_loop(0, per // chunk, step, jnp.zeros((cols,), jnp.float32))
+            atomics.add_relaxed(sums_ref, (columns,), acc)
+
     def down(width, products=products):
         for r, (y,) in enumerate(products(width)):
             pair = jnp.minimum(src[r], n_src - 1)
@@ -581,9 +628,11 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     routed = expert >= 0
     if shared is not None:
         routed = routed & (expert < shared.n_routed)
-        if role == "gate_up":
+        if role == "gate_up" and shared.down_cols:
+            pl.when(expert >= shared.n_routed)(shared_down)
+        elif role == "gate_up":
             pl.when(expert >= shared.n_routed)(gate_up_shared_from_front if shared.front_parts else gate_up_shared)
-        else:  # a pseudo-expert's row of h is its own
+        elif not shared.skip:  # a pseudo-expert's row of h is its own
             pl.when(expert >= shared.n_routed)(lambda: down(1, lambda width: shared_products(t * rows)))
     if len(widths) == 1:
         pl.when(routed)(lambda: body(rows))
@@ -685,7 +734,8 @@ def turn_count(n_pairs: int, n_experts: int, hidden: int, inter: int, tiles: Gem
 
 def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvTiles, n_tokens: int, dtype,
                 interpret: bool = False, zeroed: int = 0, n_rows: int | None = None,
-                shared: tuple[SharedFold, tuple[jax.Array, jax.Array]] | None = None, turns: jax.Array | None = None):
+                shared: tuple[SharedFold, tuple[jax.Array, ...]] | None = None, turns: jax.Array | None = None,
+                token_sums: jax.Array | None = None):
     """The gate/up kernel: silu(x @ gate) * (x @ up) at each row's token, rounded to `dtype` -> (h, its form for
     `token_sums`, zeros): with `GemvTiles.pack_hidden` (where it applies), h already packed for the down
     kernel ((words uint32 [R, G, 16], factors float32 [R, G]): each MX block of h scaled on its own, "blocks"), else
@@ -699,9 +749,11 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
     (and, with adaptive tiles, a tile's rows past its real ones) are left unwritten. `n_rows`: the rows R to run
     (default all of token_of_row's; a longer table's rows past R are not read). `shared`: (its `SharedFold`, the
     shared MLP's (gate, up) [H, S] bf16, or with `SharedFold.front_parts` its (gate / up sums made ahead,)): tiles of
-    experts from fold.n_routed run it (h packed only). `turns`: int32
-    zeros, at least `turn_count` of them, for the turn counters where the kernel takes them (split K or `shared`),
-    made ahead by an earlier kernel (`kernels.moe_front.front(zeros=)`) so no zero fill runs here; left nonzero."""
+    experts from fold.n_routed run it (h packed only); with `SharedFold.down_cols` (sums made ahead, down [S, H]) they
+    run its down projection instead, adding into `token_sums` (float32 [T * H], one token: the down kernel's sums,
+    e.g. the residual rows), which then come back as zeros. `turns`: int32 zeros, at least `turn_count` of them, for
+    the turn counters where the kernel takes them (split K or `shared`), made ahead by an earlier kernel
+    (`kernels.moe_front.front(zeros=)`) so no zero fill runs here; left nonzero."""
     inter, groups = gate_up[0][0].shape[1], gate_up[0][0].shape[2]
     n_rows = token_of_row.shape[0] if n_rows is None else n_rows
     fold, shared_weights = (None, ()) if shared is None else (shared[0], tuple(w.reshape(-1) for w in shared[1]))
@@ -711,6 +763,16 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
     if fold is not None and (not halves or fold.blocks % split):
         raise ValueError(f"the shared MLP folds into the gate/up kernel where it writes h packed and its {split} K "
                          f"splits divide the pseudo-experts' {fold.blocks} blocks of K")
+    down_here = fold is not None and fold.down_cols > 0
+    if down_here:
+        blocks_n = _grid(groups, inter, n_rows, tiles)[0][1]
+        rows_q = fold.part_inter // fold.quarters
+        if (token_sums is None or zeroed or n_tokens != 1 or token_sums.shape != (fold.hidden,)
+                or fold.hidden % fold.down_cols or fold.hidden > blocks_n * fold.down_cols or rows_q % split):
+            raise ValueError(f"the shared MLP's down projection runs in the gate/up kernel for one token with its sums "
+                             f"given (float32 [{fold.hidden}], not {None if token_sums is None else token_sums.shape}"
+                             f"; no zeros asked) in {blocks_n} programs of {fold.down_cols} columns per pseudo-expert "
+                             f"and {split} K splits dividing its {rows_q} rows")
 
     def outputs(blocks_n, split, bn):
         if halves:
@@ -726,15 +788,16 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
         # each split's sums (whole blocks: no masked stores), then the turn counters (one per tile and block),
         # zeroed: the caller's where they are enough, else a zero fill here
         zeros = turns if turns is not None and turns.shape[0] >= count else jnp.zeros((count,), jnp.int32)
-        shapes += [jax.ShapeDtypeStruct((split, n_rows, 2, blocks_n * bn), jnp.float32),
-                   jax.ShapeDtypeStruct(zeros.shape, zeros.dtype)]
-        return tuple(shapes), (zeros,), dict(zero_chunk=chunk)
+        shapes.append(jax.ShapeDtypeStruct((split, n_rows, 2, blocks_n * bn), jnp.float32))
+        aliased = (token_sums, zeros) if down_here else (zeros,)  # (the shared down adds into the token sums)
+        shapes += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased]
+        return tuple(shapes), aliased, dict(zero_chunk=chunk)
 
     out = _call("gate_up", tile_expert, token_of_row, x, x_form, (), gate_up, outputs, tiles, interpret, n_rows,
                 shared_weights, n_src=n_tokens, top_k=1, n_tokens=n_tokens, h_form="halves" if halves else "values",
                 h_dtype=jnp.dtype(dtype), shared=fold)
     n_h = 2 if halves else 1
-    zeros = out[n_h] if zeroed else None
+    zeros = out[n_h] if zeroed else (out[-2] if down_here else None)
     if halves:
         return (halves_as_words(out[0]), out[1]), "blocks", zeros
     return out[0], "raw", zeros
@@ -782,7 +845,8 @@ def token_sums(tile_expert, pair_of_row, h, h_form: str, pair_weights, top_k: in
     `scratch_row` False: sums holds the T rows alone (T * `sums_width` floats, e.g. the residual rows to add into:
     `grouped_swiglu(residual_sums=)`), for schedules without padding rows (1-row tiles), which would add there."""
     hidden = down[0][0].shape[1]
-    fold, shared_weights = (None, ()) if shared is None else (shared[0], (shared[1].reshape(-1),))
+    fold, shared_weights = (None, ()) if shared is None else (
+        shared[0], () if shared[0].skip else (shared[1].reshape(-1),))
     n_pairs = pair_weights.shape[0]
     width = sums_width(hidden, down[0][0].shape[2], tiles)
     size = (n_tokens + scratch_row) * width
@@ -859,7 +923,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     folds = None
     if shared is not None:
         hidden, inter = x.shape[1], ew.gate.shape[1]
-        s_gate, s_up, s_down, made = SharedMLP(*shared)
+        s_gate, s_up, s_down, made, down_early = SharedMLP(*shared)
         if s_gate.shape != s_up.shape or s_gate.shape[0] != hidden or s_down.shape != s_gate.shape[::-1]:
             raise ValueError(f"shared MLP {s_gate.shape} / {s_up.shape} / {s_down.shape} does not match hidden size "
                              f"{hidden} (gate / up [H, S], down [S, H])")
@@ -867,6 +931,9 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
                                  or made.shape[1:] != (2, s_gate.shape[1])):
             raise ValueError(f"the shared MLP's gate / up sums made ahead ({made.dtype}{list(made.shape)}) need one "
                              f"token and float32 [F, 2, {s_gate.shape[1]}], not {n_tokens} tokens")
+        if down_early and (made is None or residual_sums is None):
+            raise ValueError("the shared MLP's down projection runs in the gate/up kernel from its gate / up sums made "
+                             "ahead, adding into the residual rows (`residual_sums`)")
         per_part = SHARED_QUARTERS * s_gate.shape[1] // inter
         top_k = topk_ids.shape[1] - (per_part if sched is not None else 0)
         tiles = tiles or tiles_for(n_tokens * top_k, n_experts)
@@ -881,9 +948,16 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
                                             jnp.ones((n_tokens, parts), jnp.float32)], axis=1)
         fold = functools.partial(SharedFold, n_routed=n_experts, quarters=SHARED_QUARTERS, part_inter=inter,
                                  tiles_per_part=n_tokens)
-        folds = ((fold(width=s_gate.shape[1], blocks=hidden // BLOCK // SHARED_QUARTERS,
-                       front_parts=0 if made is None else made.shape[0]), (s_gate, s_up) if made is None else (made,)),
-                 (fold(width=hidden, blocks=inter // BLOCK // SHARED_QUARTERS), s_down))
+        gate_up_fold = fold(width=s_gate.shape[1], blocks=hidden // BLOCK // SHARED_QUARTERS,
+                            front_parts=0 if made is None else made.shape[0])
+        down_fold = fold(width=hidden, blocks=inter // BLOCK // SHARED_QUARTERS)
+        if down_early:  # the down projection in the gate/up kernel's pseudo-expert tiles, none in the down kernel's
+            blocks_n = pl.cdiv(inter, _launch(hidden // BLOCK, tiles)[0])  # the gate/up kernel's programs per tile
+            gate_up_fold = gate_up_fold._replace(down_cols=tiling.pow2_at_least(-(-hidden // blocks_n)),
+                                                 hidden=hidden)
+            folds = ((gate_up_fold, (made, s_down)), (down_fold._replace(skip=True), None))
+        else:
+            folds = ((gate_up_fold, (s_gate, s_up) if made is None else (made,)), (down_fold, s_down))
         n_experts += parts
     tiles = tiles or tiles_for(topk_ids.size, n_experts)
     n_rows = _call_rows(topk_ids.size, n_experts, tiles)
@@ -914,13 +988,14 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
         raise ValueError(f"the residual rows to add into ({residual_sums.dtype}{list(residual_sums.shape)}) need "
                          f"float32 {list(x.shape)} and 1-row tiles over whole blocks of the hidden size, not {tiles}")
     zeroed = 0 if residual_sums is not None else sums_size(n_tokens, down, tiles)  # (else the residual rows)
+    down_early = folds is not None and folds[0][0].down_cols > 0
     h, h_form, zeros = hidden_rows(sched.tile_expert, sched.token_of_row, *xs,
                                    ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales)), tiles, n_tokens, x.dtype,
                                    interpret, zeroed=zeroed, n_rows=n_rows, shared=folds and folds[0],
-                                   turns=sched.turns)
+                                   turns=sched.turns, token_sums=residual_sums.reshape(-1) if down_early else None)
     if h_form == "raw" and not tiles.pack_in_kernel:
         h, h_form = row_scaled_words(h), "rows"
-    if residual_sums is not None:
+    if residual_sums is not None and not down_early:
         zeros = residual_sums.reshape(-1)
     sums = token_sums(sched.tile_expert, sched.pair_of_row(), h, h_form, pair_weights, stride, n_tokens, down,
                       tiles, interpret, sums=zeros, n_rows=n_rows, shared=folds and folds[1],

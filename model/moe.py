@@ -97,6 +97,11 @@ RESIDUAL_IN_SUMS = True
 # (`moe_mxfp4_gemv.SharedFold.front_parts`) instead of streaming the 6.3 MB of bf16 weights itself (the medium
 # hybrid). Off until measured on a GPU.
 SHARED_GATE_UP_IN_FRONT = False
+# Whether, with SHARED_GATE_UP_IN_FRONT, the MXFP4 gate/up kernel's shared tiles also run the shared MLP's down
+# projection from those sums, adding into the residual rows (`RESIDUAL_IN_SUMS`; `moe_mxfp4_gemv.SharedMLP.
+# down_in_gate_up`), so the down kernel streams the routed experts alone (the medium hybrid's 3.1 MB of bf16 down
+# moves beside the gate/up kernel's routed programs). Off until measured on a GPU.
+SHARED_DOWN_IN_GATE_UP = False
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
 # the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
 # token at batch 1 / 16 against 1.397 / 2.990 with the dot (benchmarks/decode_profile.py --router-dot).
@@ -564,7 +569,9 @@ class MoE(nn.Module):
             params = self.variables["params"]
             mlp = params["shared_experts"]
             shared = moe_mxfp4_gemv.SharedMLP(*(mlp[n]["kernel"] for n in ("gate_proj", "up_proj", "down_proj")),
-                                              gate_up_sums=shared_sums)
+                                              gate_up_sums=shared_sums,
+                                              down_in_gate_up=(SHARED_DOWN_IN_GATE_UP and shared_sums is not None
+                                                               and residual_sums is not None))
         elif shared_sums is not None:
             raise ValueError("MoE: the shared MLP's gate / up sums need it folded into the MXFP4 decode kernels")
         if parts and cfg.quant_method != "mxfp4":

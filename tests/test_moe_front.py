@@ -465,11 +465,13 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
     assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
 
 
-def test_model_decode_makes_the_shared_gate_up_in_the_front(seed, monkeypatch):
+@pytest.mark.parametrize("down_early", [False, True])
+def test_model_decode_makes_the_shared_gate_up_in_the_front(seed, monkeypatch, down_early):
     """`model.moe.SHARED_GATE_UP_IN_FRONT` (MXFP4 experts, a one-row decode step, every kernel in interpret mode): in
     every MoE layer the front kernel also makes the shared MLP's gate / up sums and the MXFP4 gate/up kernel finishes
-    them (`SharedMLP.gate_up_sums`); the next-token logits and caches match the step with the switch off to float32
-    summation order (unless a router's near tie moved a choice: `router_choices`), the counters left at zero."""
+    them (`SharedMLP.gate_up_sums`), with `SHARED_DOWN_IN_GATE_UP` running the shared down projection there too; the
+    next-token logits and caches match the step with the switches off to float32 summation order (unless a router's
+    near tie moved a choice: `router_choices`), the counters left at zero."""
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
     cfg = _tiny_mxfp4()
@@ -480,18 +482,20 @@ def test_model_decode_makes_the_shared_gate_up_in_the_front(seed, monkeypatch):
     monkeypatch.setattr(moe_front, "front",
                         lambda *a, **k: fronts.append(k.get("shared") is not None) or front(*a, **k))
     monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
-        getattr(k["shared"], "gate_up_sums", None) is not None) or experts(*a, **k))
+        (getattr(k["shared"], "gate_up_sums", None) is not None, getattr(k["shared"], "down_in_gate_up", False)))
+        or experts(*a, **k))
     choices = spy_router_choices(monkeypatch)
+    monkeypatch.setattr(moe, "SHARED_DOWN_IN_GATE_UP", down_early)
     monkeypatch.setattr(moe, "SHARED_GATE_UP_IN_FRONT", False)
     plain, plain_cache = step(*args, decode=True)
     plain_choices = taken(choices)
     moe_layers = sum(m == "moe" for m in cfg.mlp_types)
-    assert fronts == [False] * moe_layers and given == [False] * moe_layers
+    assert fronts == [False] * moe_layers and given == [(False, False)] * moe_layers
     fronts.clear()
     given.clear()
     monkeypatch.setattr(moe, "SHARED_GATE_UP_IN_FRONT", True)
     made, made_cache = step(*args, decode=True)
-    assert fronts == [True] * moe_layers and given == [True] * moe_layers
+    assert fronts == [True] * moe_layers and given == [(True, down_early)] * moe_layers
     assert not np.any(np.asarray(made_cache["moe_turns"]))
     if not rows_that_held(plain_choices, choices, cfg.num_experts_per_token).all():
         return  # a choice moved at a near tie: the later layers see other inputs

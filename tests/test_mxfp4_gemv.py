@@ -441,6 +441,39 @@ def test_shared_gate_up_sums_made_ahead(seed, split_k, parts_of_k):
         gemv.grouped_swiglu(*args, interpret=True, shared=made._replace(gate_up_sums=made.gate_up_sums[:, :1]))
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_shared_down_in_the_gate_up_kernel(seed, split_k):
+    """One token with the shared MLP's gate / up sums made ahead and `down_in_gate_up`: the gate/up kernel's shared
+    tiles run the down projection from those sums into the residual rows (`SharedFold.down_cols`) and the down
+    kernel's skip them; residual + routed + shared as with the down kernel running the shared down, near the float32
+    oracle. Without the residual rows, or without the sums, it is refused by name."""
+    hidden, inter, shared_inter, top_k = 1024, 256, 512, 2
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, E, hidden, inter)
+    shared, oracle_mlp = _shared_mlp(rng, hidden, shared_inter)
+    tiles = gemv.GemvTiles(rows=1, block_n=32, max_groups=2, split_k=split_k, min_programs=512, pack_in_kernel=True)
+    x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
+    residual = jnp.asarray(rng.standard_normal((1, hidden)) * 4, jnp.float32)
+    ids, w = routing(rng, "random", 1, E, top_k)
+    xf = np.asarray(x, np.float64)[0]
+    sums = jnp.asarray(np.stack([np.stack([xf @ np.asarray(m, np.float64) for m in shared[:2]])]), jnp.float32)
+    args = (x, jnp.asarray(ids), jnp.asarray(w), ew, E, tiles)
+    early = gemv.grouped_swiglu(*args, interpret=True, residual_sums=residual,
+                                shared=gemv.SharedMLP(*shared, gate_up_sums=sums, down_in_gate_up=True))
+    late = gemv.grouped_swiglu(*args, interpret=True, residual_sums=residual,
+                               shared=gemv.SharedMLP(*shared, gate_up_sums=sums))
+    assert early.dtype == jnp.float32 and early.shape == (1, hidden)
+    want = (np.asarray(residual, np.float64) + oracle(np.asarray(x, np.float32), ids, w, ew)
+            + oracle_mlp(np.asarray(x, np.float32)))
+    assert rel_err(early, late) < 1e-5 and rel_err(early, want) < 3e-3, (rel_err(early, late), rel_err(early, want))
+    with pytest.raises(ValueError, match="residual rows"):
+        gemv.grouped_swiglu(*args, interpret=True, shared=gemv.SharedMLP(*shared, gate_up_sums=sums,
+                                                                         down_in_gate_up=True))
+    with pytest.raises(ValueError, match="residual rows"):
+        gemv.grouped_swiglu(*args, interpret=True, residual_sums=residual,
+                            shared=gemv.SharedMLP(*shared, down_in_gate_up=True))
+
+
 def test_shared_mlp_fold_limits():
     """Where the fold does not apply `shared_parts` is 0 (2-row tiles; I not a multiple of 32 x quarters; the down
     kernel's K splits not dividing a quarter), and `grouped_swiglu(shared=)` refuses such a call with a typed error;

@@ -152,10 +152,12 @@ def test_front_makes_the_shared_products_on_gpu():
         np.testing.assert_allclose(np.asarray(sums, np.float64).sum(0), oracle, rtol=1e-4, atol=1e-5)
 
 
-def test_model_decode_makes_the_shared_gate_up_in_the_front_on_gpu(monkeypatch):
+@pytest.mark.parametrize("down_early", [False, True])
+def test_model_decode_makes_the_shared_gate_up_in_the_front_on_gpu(monkeypatch, down_early):
     """The medium hybrid's first layers with MXFP4 experts, a one-row decode step: with the front kernel making the
-    shared MLP's gate / up sums (`model.moe.SHARED_GATE_UP_IN_FRONT`) against without: the next-token logits to bf16
-    rounding, the gate/up kernel given the sums in every MoE layer."""
+    shared MLP's gate / up sums (`model.moe.SHARED_GATE_UP_IN_FRONT`; with `SHARED_DOWN_IN_GATE_UP` the gate/up
+    kernel running the shared down projection too) against without: the next-token logits to bf16 rounding, the
+    gate/up kernel given the sums in every MoE layer."""
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe as model_moe
     from medium_prefix_cases import prefilled_medium_prefix
@@ -164,6 +166,7 @@ def test_model_decode_makes_the_shared_gate_up_in_the_front_on_gpu(monkeypatch):
     given, experts = [], moe_mxfp4_gemv.grouped_swiglu
     monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
         getattr(k.get("shared"), "gate_up_sums", None) is not None) or experts(*a, **k))
+    monkeypatch.setattr(model_moe, "SHARED_DOWN_IN_GATE_UP", down_early)
     monkeypatch.setattr(model_moe, "SHARED_GATE_UP_IN_FRONT", False)
     plain, _ = run(*args, decode=True)
     assert given and not any(given)

@@ -309,6 +309,42 @@ def test_gemv_shared_fold(seed, shape):
     assert rel_err(got, want) < 4e-3, f"{shape}: {rel_err(got, want):.2e} (seed={seed})"
 
 
+@pytest.mark.parametrize("shape", [(64, 6, 2048, 768), (256, 8, 7168, 2048)])
+def test_gemv_shared_sums_made_ahead(seed, shape):
+    """One token, the model's tiles, residual rows to add into: the shared MLP streamed by the decode kernels, its
+    gate / up sums made ahead (`SharedMLP.gate_up_sums`, here by XLA in two parts of K), and with its down
+    projection in the gate/up kernel as well (`down_in_gate_up`) give the same sums to float32 rounding (the atomics'
+    order varies), near the float32 reference."""
+    n_experts, top_k, hidden, inter = shape
+    key = jax.random.key(seed)
+    ew = mxfp4.random_experts(key, n_experts, hidden, inter)
+    ids, w = _device_routing(jax.random.fold_in(key, 1), 1, n_experts, top_k)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (1, hidden), jnp.float32).astype(jnp.bfloat16)
+    residual = jax.random.normal(jax.random.fold_in(key, 3), (1, hidden), jnp.float32) * 4
+    shared = tuple((jax.random.normal(jax.random.fold_in(key, 4 + i), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+                   for i, s in enumerate(((hidden, inter), (hidden, inter), (inter, hidden))))
+    with jax.default_matmul_precision("highest"):
+        parts = x.astype(jnp.float32).reshape(2, hidden // 2)
+        sums = jnp.stack([jnp.stack([parts[f] @ m.astype(jnp.float32).reshape(2, hidden // 2, inter)[f]
+                                     for m in shared[:2]]) for f in range(2)])
+    tiles = moe_mxfp4_gemv.tiles_for(top_k, n_experts)
+    run = jax.jit(lambda x, ids, w, ew, sh, r: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=tiles, shared=sh,
+                                                                            residual_sums=r))
+    streamed = np.asarray(run(x, ids, w, ew, moe_mxfp4_gemv.SharedMLP(*shared), residual), np.float64)
+    routed, _ = _reference(x.astype(jnp.float32), ids, w, ew)
+    with jax.default_matmul_precision("highest"):
+        gate, up, down = (s.astype(jnp.float32) for s in shared)
+        xf = x.astype(jnp.float32)
+        want = np.asarray(residual + routed + (jax.nn.silu(xf @ gate) * (xf @ up)) @ down, np.float64)
+    scale = np.max(np.abs(want))
+    for early in (False, True):
+        got = np.asarray(run(x, ids, w, ew, moe_mxfp4_gemv.SharedMLP(*shared, gate_up_sums=sums,
+                                                                     down_in_gate_up=early), residual), np.float64)
+        assert np.all(np.isfinite(got))
+        assert np.max(np.abs(got - streamed)) <= 2e-3 * scale, f"{shape} early={early} (seed={seed})"
+        assert np.max(np.abs(got - want)) <= 2e-2 * scale, f"{shape} early={early} (seed={seed})"
+
+
 def test_decode_step_folds_the_shared_mlp_on_gpu(monkeypatch):
     """The medium hybrid's first layers with MXFP4 experts, a one-row decode step: with the shared MLP folded into
     the decode kernels (`SHARED_IN_PACKED_MAX_TOKENS`) and the front kernel choosing with its parts, against the
