@@ -327,7 +327,11 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     the token's choice, k_pad the next power of two of top_k + parts). Needs `select_supported` too. With `zeros` > 0
     as well, the results end with int32 zeros [at least `zeros`, a power of two], written by the first program: the
     MXFP4 decode kernels' turn counters (`moe_mxfp4_gemv.turn_count`, `Schedule.turns`), which would otherwise be
-    a zero fill of their own between this kernel and those."""
+    a zero fill of their own between this kernel and those.
+
+    With `shared` (the shared MLP's gate and up, 16-bit [H, S] each; needs `select`), the results end with the
+    normed row times each as float32 sums [k_parts, 2, S], to add up over the parts of K, made by programs beside
+    the router's (`shared_programs`, default `SHARED_BLOCK_N` x `SHARED_K_PARTS`; `shared_products`)."""
     _check(update, residual, norm_weight, router_weight)
     rows, hidden = residual.shape
     n_experts = router_weight.shape[0]

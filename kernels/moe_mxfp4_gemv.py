@@ -911,7 +911,8 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     unweighted, added in by the same two kernels (`SharedFold`: its `shared_parts` pseudo-experts E .. E + P - 1 of
     weight 1; 1-row tiles); with `sched` given, topk_ids and topk_weights hold their columns already
     (`kernels.router`'s shared parts), else they are appended here. Its `gate_up_sums` (one token): the gate/up
-    kernel finishes those instead of streaming gate and up.
+    kernel finishes those instead of streaming gate and up; with `down_in_gate_up` too (and `residual_sums`) it runs
+    the shared down projection from them as well, and the down kernel the routed experts alone.
 
     `residual_sums` (float32 [T, D], the layer's residual rows: `kernels.moe_front.front(sums=True)`): the down kernel
     adds into it instead of zeros and the result is float32 [T, D], residual + experts, not rounded (the layer's

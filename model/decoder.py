@@ -81,9 +81,9 @@ class DecoderLayer(nn.Module):
         logits in `kernels.moe_front`'s one kernel (with `FRONT_SELECT` and the cache's "moe_turns", the router's
         choice too, where the router would make it in its one-token select kernel, and then the shared MLP's gate /
         up sums where `MoE.front_shared` asks; x's words for the MXFP4 decode kernels where they take them,
-        `MoE.front_packs`). Where the MXFP4 down kernel adds the experts into the
-        residual rows the front kernel writes (`MoE.residual_in_sums`), x comes back as those float32 sums, which the
-        next layer's kernels round as they load (`DecoderLayer.step`)."""
+        `MoE.front_packs`). Where the MXFP4 down kernel adds the experts into the residual rows the front kernel
+        writes (`MoE.residual_in_sums`), x comes back as those float32 sums, which the next layer's kernels round as
+        they load (`DecoderLayer.step`)."""
         cfg = self.config
         router_weight = self.mlp.variables["params"]["gate"]["weight"]
         norm_weight = self.post_attention_layernorm.variables["params"]["weight"]

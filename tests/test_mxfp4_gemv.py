@@ -411,12 +411,10 @@ def test_shared_mlp_folds_into_the_kernels(seed, n_tokens, split_k, in_kernel, g
     assert err < 2e-3, f"T={n_tokens} split_k={split_k}: {err:.2e} (seed={seed})"
 
 
-@pytest.mark.parametrize("split_k,parts_of_k", [(4, 2), (1, 1), (2, 4)])
-def test_shared_gate_up_sums_made_ahead(seed, split_k, parts_of_k):
-    """One token with the shared MLP's gate / up sums made ahead (`SharedMLP.gate_up_sums`, as the MoE front kernel
-    makes them in parts of K): the gate/up kernel finishes them (quarter 0's programs) instead of streaming gate and
-    up, giving the same result as the fold that streams them, near the float32 oracle; sums for more than one token
-    or of another shape are refused by name."""
+def _one_token_with_shared(seed: int, split_k: int):
+    """One token of a 1024-wide layer (E experts of 256 columns, top-2) with a 512-column shared MLP, in 1-row
+    tiles splitting K up to `split_k` -> (rng, experts, shared MLP, its oracle, x [1, 1024] bf16, ids, weights,
+    tiles)."""
     hidden, inter, shared_inter, top_k = 1024, 256, 512, 2
     rng = np.random.default_rng(seed)
     ew = packed_experts(rng, E, hidden, inter)
@@ -424,10 +422,26 @@ def test_shared_gate_up_sums_made_ahead(seed, split_k, parts_of_k):
     tiles = gemv.GemvTiles(rows=1, block_n=32, max_groups=2, split_k=split_k, min_programs=512, pack_in_kernel=True)
     x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
     ids, w = routing(rng, "random", 1, E, top_k)
-    xs = np.asarray(x, np.float64).reshape(parts_of_k, -1)
-    sums = np.stack([np.stack([xs[f] @ np.asarray(m, np.float64).reshape(parts_of_k, -1, shared_inter)[f]
-                               for m in shared[:2]]) for f in range(parts_of_k)])
-    made = gemv.SharedMLP(*shared, gate_up_sums=jnp.asarray(sums, jnp.float32))
+    return rng, ew, shared, oracle_mlp, x, ids, w, tiles
+
+
+def _gate_up_sums(x, shared, parts: int) -> jax.Array:
+    """x [1, H] times the shared MLP's gate and up in float64, as float32 sums [parts, 2, S] over `parts` equal parts
+    of K (as `kernels.moe_front.front(shared=)` hands them over)."""
+    xs = np.asarray(x, np.float64).reshape(parts, -1)
+    width = shared[0].shape[1]
+    return jnp.asarray(np.stack([np.stack([xs[f] @ np.asarray(m, np.float64).reshape(parts, -1, width)[f]
+                                           for m in shared[:2]]) for f in range(parts)]), jnp.float32)
+
+
+@pytest.mark.parametrize("split_k,parts_of_k", [(4, 2), (1, 1), (2, 4)])
+def test_shared_gate_up_sums_made_ahead(seed, split_k, parts_of_k):
+    """One token with the shared MLP's gate / up sums made ahead (`SharedMLP.gate_up_sums`, as the MoE front kernel
+    makes them in parts of K): the gate/up kernel finishes them (quarter 0's programs) instead of streaming gate and
+    up, giving the same result as the fold that streams them, near the float32 oracle; sums for more than one token
+    or of another shape are refused by name."""
+    rng, ew, shared, oracle_mlp, x, ids, w, tiles = _one_token_with_shared(seed, split_k)
+    made = gemv.SharedMLP(*shared, gate_up_sums=_gate_up_sums(x, shared, parts_of_k))
     args = (x, jnp.asarray(ids), jnp.asarray(w), ew, E, tiles)
     got = gemv.grouped_swiglu(*args, interpret=True, shared=made)
     streamed = gemv.grouped_swiglu(*args, interpret=True, shared=shared)
@@ -447,22 +461,15 @@ def test_shared_down_in_the_gate_up_kernel(seed, split_k):
     tiles run the down projection from those sums into the residual rows (`SharedFold.down_cols`) and the down
     kernel's skip them; residual + routed + shared as with the down kernel running the shared down, near the float32
     oracle. Without the residual rows, or without the sums, it is refused by name."""
-    hidden, inter, shared_inter, top_k = 1024, 256, 512, 2
-    rng = np.random.default_rng(seed)
-    ew = packed_experts(rng, E, hidden, inter)
-    shared, oracle_mlp = _shared_mlp(rng, hidden, shared_inter)
-    tiles = gemv.GemvTiles(rows=1, block_n=32, max_groups=2, split_k=split_k, min_programs=512, pack_in_kernel=True)
-    x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
-    residual = jnp.asarray(rng.standard_normal((1, hidden)) * 4, jnp.float32)
-    ids, w = routing(rng, "random", 1, E, top_k)
-    xf = np.asarray(x, np.float64)[0]
-    sums = jnp.asarray(np.stack([np.stack([xf @ np.asarray(m, np.float64) for m in shared[:2]])]), jnp.float32)
+    rng, ew, shared, oracle_mlp, x, ids, w, tiles = _one_token_with_shared(seed, split_k)
+    residual = jnp.asarray(rng.standard_normal((1, x.shape[1])) * 4, jnp.float32)
+    sums = _gate_up_sums(x, shared, 1)
     args = (x, jnp.asarray(ids), jnp.asarray(w), ew, E, tiles)
     early = gemv.grouped_swiglu(*args, interpret=True, residual_sums=residual,
                                 shared=gemv.SharedMLP(*shared, gate_up_sums=sums, down_in_gate_up=True))
     late = gemv.grouped_swiglu(*args, interpret=True, residual_sums=residual,
                                shared=gemv.SharedMLP(*shared, gate_up_sums=sums))
-    assert early.dtype == jnp.float32 and early.shape == (1, hidden)
+    assert early.dtype == jnp.float32 and early.shape == x.shape
     want = (np.asarray(residual, np.float64) + oracle(np.asarray(x, np.float32), ids, w, ew)
             + oracle_mlp(np.asarray(x, np.float32)))
     assert rel_err(early, late) < 1e-5 and rel_err(early, want) < 3e-3, (rel_err(early, late), rel_err(early, want))

@@ -309,12 +309,9 @@ def test_gemv_shared_fold(seed, shape):
     assert rel_err(got, want) < 4e-3, f"{shape}: {rel_err(got, want):.2e} (seed={seed})"
 
 
-@pytest.mark.parametrize("shape", [(64, 6, 2048, 768), (256, 8, 7168, 2048)])
-def test_gemv_shared_sums_made_ahead(seed, shape):
-    """One token, the model's tiles, residual rows to add into: the shared MLP streamed by the decode kernels, its
-    gate / up sums made ahead (`SharedMLP.gate_up_sums`, here by XLA in two parts of K), and with its down
-    projection in the gate/up kernel as well (`down_in_gate_up`) give the same sums to float32 rounding (the atomics'
-    order varies), near the float32 reference."""
+def _one_token_with_residual(seed: int, shape):
+    """One token of an MoE layer `shape` (experts, top-k, hidden, intermediate): random MXFP4 experts, routing, x
+    [1, H] bf16, float32 residual rows [1, H] and a bf16 shared MLP (gate, up, down) of the experts' width."""
     n_experts, top_k, hidden, inter = shape
     key = jax.random.key(seed)
     ew = mxfp4.random_experts(key, n_experts, hidden, inter)
@@ -323,6 +320,17 @@ def test_gemv_shared_sums_made_ahead(seed, shape):
     residual = jax.random.normal(jax.random.fold_in(key, 3), (1, hidden), jnp.float32) * 4
     shared = tuple((jax.random.normal(jax.random.fold_in(key, 4 + i), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
                    for i, s in enumerate(((hidden, inter), (hidden, inter), (inter, hidden))))
+    return ew, ids, w, x, residual, shared
+
+
+@pytest.mark.parametrize("shape", [(64, 6, 2048, 768), (256, 8, 7168, 2048)])
+def test_gemv_shared_sums_made_ahead(seed, shape):
+    """One token, the model's tiles, residual rows to add into: the shared MLP streamed by the decode kernels, its
+    gate / up sums made ahead (`SharedMLP.gate_up_sums`, here by XLA in two parts of K), and with its down
+    projection in the gate/up kernel as well (`down_in_gate_up`) give the same sums to float32 rounding (the atomics'
+    order varies), near the float32 reference."""
+    n_experts, top_k, hidden, inter = shape
+    ew, ids, w, x, residual, shared = _one_token_with_residual(seed, shape)
     with jax.default_matmul_precision("highest"):
         parts = x.astype(jnp.float32).reshape(2, hidden // 2)
         sums = jnp.stack([jnp.stack([parts[f] @ m.astype(jnp.float32).reshape(2, hidden // 2, inter)[f]
@@ -375,13 +383,7 @@ def test_gemv_adds_into_the_residual_rows(seed, shape):
     residual rows (`grouped_swiglu(residual_sums=)`, no zeros written by the gate/up kernel) gives the residual plus
     what it gives from zeros, to float32 rounding (the atomics' order varies)."""
     n_experts, top_k, hidden, inter = shape
-    key = jax.random.key(seed)
-    ew = mxfp4.random_experts(key, n_experts, hidden, inter)
-    ids, w = _device_routing(jax.random.fold_in(key, 1), 1, n_experts, top_k)
-    x = jax.random.normal(jax.random.fold_in(key, 2), (1, hidden), jnp.float32).astype(jnp.bfloat16)
-    residual = jax.random.normal(jax.random.fold_in(key, 3), (1, hidden), jnp.float32) * 4
-    shared = tuple((jax.random.normal(jax.random.fold_in(key, 4 + i), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
-                   for i, s in enumerate(((hidden, inter), (hidden, inter), (inter, hidden))))
+    ew, ids, w, x, residual, shared = _one_token_with_residual(seed, shape)
     tiles = moe_mxfp4_gemv.tiles_for(top_k, n_experts)
     assert moe_mxfp4_gemv.sums_take_residual(hidden, inter, tiles)
     run = jax.jit(lambda x, ids, w, ew, sh, r: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=tiles, shared=sh,
