@@ -213,6 +213,16 @@ def module_constant(text: str) -> tuple[object, str, object]:
     return module, constant, parse_value(raw)
 
 
+def set_module_constants(texts: list[str]) -> dict[str, object]:
+    """Sets each 'MODULE.CONSTANT=VALUE' (`module_constant`) for this process, before the model traces; returns
+    {constant: value} for the results line."""
+    done = {}
+    for module, constant, value in [module_constant(text) for text in texts]:
+        setattr(module, constant, value)
+        done[constant] = value
+    return done
+
+
 def run(args, hlo_folder: str) -> dict:
     """Profiles each batch size of `args`; prints its table and returns the per-token summary by batch size."""
     config = get_preset(args.preset)
@@ -323,9 +333,7 @@ def main(argv=None) -> int:
                                           (args.router_dot, "model.moe.REDUCE_LOGITS_MAX_TOKENS=0")) if flag]
     if args.dense_epilogue_min_pairs is not None:
         shorthands.append(f"kernels.moe_dense.EPILOGUE_MIN_PAIRS={args.dense_epilogue_min_pairs}")
-    for module, constant, value in [module_constant(text) for text in shorthands + args.set]:
-        setattr(module, constant, value)
-        extra[constant] = value  # the results line names the constant and the value the run took
+    extra.update(set_module_constants(shorthands + args.set))  # the results line names each constant and value
     with tempfile.TemporaryDirectory(prefix="dayzero_hlo_") as hlo_folder, \
             dispatch.use_policy({"cuda": args.pallas} if args.pallas else None), \
             dense_tiles_with(**tile_options):

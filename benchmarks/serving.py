@@ -1,7 +1,8 @@
 """Serving benchmark: the medium hybrid preset (random weights: bf16, or MXFP4 routed experts) through dayzero's Engine.
 
     python3 benchmarks/serving.py [--experts bf16|mxfp4] [--peer SCRIPT] [--long-prompt N] [--repeats N]
-                                  [--trace-batches 1,16] [--xla-option NAME=VALUE]
+                                  [--trace-batches 1,16] [--xla-option NAME=VALUE] [--set MODULE.CONSTANT=VALUE]
+                                  [--batches 1,16,64] [--skip-ttft]
 
 Measures TTFT at prompts of 2K and 32K tokens, ITL, TTFT and tokens/s at batch 1, 16 and 64 (prompts of 128 tokens, 64
 new tokens each), every shape compiled before it is timed, and the bandwidth floors of a batch-1 and a batch-16 decode
@@ -15,8 +16,9 @@ before JAX starts on the GPU and takes most of its memory (run second, on an 80 
 beside our process), and reports it beside ours, with the peer's batch-16 ITL over ours and over the batch-16 floor (the
 most any bf16 engine could reach against it); with `--trace-batches 1,16` those batches' generate runs once more under
 the profiler (GPU busy and idle time); `--xla-option` adds an XLA compile option to the model's GPU functions for the
-run (as decode_profile.py's does), named in the results line. Prints a table and appends one dated line to the results
-file.
+run (as decode_profile.py's does), named in the results line; `--set` a dayzero module constant (as decode_profile.py's
+does, e.g. a kernel switch to try), named there too; `--batches` and `--skip-ttft` time fewer figures. Prints a table
+and appends one dated line to the results file.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dayzero.model.presets import decode_step_bytes, get_preset
 from dayzero.serving import Engine, EngineConfig, SamplingParams
 from dayzero.serving.runner import unrolled_by_default
 
-from decode_profile import use_xla_options  # benchmarks/decode_profile.py
+from decode_profile import set_module_constants, use_xla_options  # benchmarks/decode_profile.py
 from gpu_trace import busy_summary, gpu_kernels, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit, xla_environment  # benchmarks/results.py (the script folder)
 
@@ -69,7 +71,7 @@ def peer_ratios(ours: dict, peer: dict) -> dict:
     bounds the first for any engine reading these weights, so a peer that runs fast makes a ratio target out of reach
     in that run."""
     theirs = peer.get("hf_B16_P1024_itl_ms")
-    if not theirs:
+    if not theirs or "itl_B16_ms" not in ours:  # (no peer figure, or batch 16 not timed)
         return {}
     return {"itl_B16_peer_over_ours": round(theirs / ours["itl_B16_ms"], 1),
             "itl_B16_peer_over_floor": round(theirs / ours["bandwidth_floor_b16_ms"], 1)}
@@ -111,7 +113,14 @@ def main(argv=None) -> int:
                         "more under the profiler: GPU busy time, idle share and kernel time by XLA module")
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                         help="an XLA option added to dayzero's GPU compile options (repeatable), to try one")
+    parser.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
+                        help="set a dayzero module constant for this run (repeatable; true/false/ints parsed), e.g. "
+                             "model.moe.SHARED_GATE_UP_IN_FRONT=true")
+    parser.add_argument("--batches", default="1,16,64", help="comma-separated decode batch sizes to time")
+    parser.add_argument("--skip-ttft", action="store_true", help="time no single-prompt TTFT (2K and --long-prompt)")
     args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    constants = set_module_constants(args.set)
     # the peer first: once JAX's GPU backend starts, its allocator holds most of the card until the process ends
     peer = run_peer(args.peer, args.peer_timeout) if args.peer else {}
     if args.peer:
@@ -141,7 +150,7 @@ def main(argv=None) -> int:
     res = {}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     compiled_while_timed = {}
-    for length in (2048, args.long_prompt):
+    for length in () if args.skip_ttft else (2048, args.long_prompt):
         [(outs, wall, compiled)] = timed_generate(engine, [rng.integers(3, config.vocab_size, length).tolist()], one)
         if compiled:
             compiled_while_timed[f"P{length}"] = compiled
@@ -149,7 +158,7 @@ def main(argv=None) -> int:
         print(f"TTFT prompt {length}: {outs[0].ttft * 1e3:.1f} ms")
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     traces = {}
-    for batch in (1, 16, 64):
+    for batch in batches:
         prompts = [rng.integers(3, config.vocab_size, 128).tolist() for _ in range(batch)]
         runs = timed_generate(engine, prompts, params, args.repeats)
         # per-request mean ITL (decode dispatches come in bursts), the median over requests, then over runs
@@ -181,15 +190,15 @@ def main(argv=None) -> int:
         print(f"warning: compilations during timed runs {compiled_while_timed}: those figures include them")
     print(f"dayzero: {json.dumps(res)}", flush=True)
     print("\n| figure | dayzero | peer (transformers+fla) |\n|---|---|---|")
-    rows = [("TTFT 2K (ms)", res["ttft_P2048_ms"], peer.get("hf_B1_P2048_ttft_ms")),
-            ("ITL batch 1 (ms)", res["itl_B1_ms"], peer.get("hf_B1_P2048_itl_ms")),
-            ("ITL batch 16 (ms)", res["itl_B16_ms"], peer.get("hf_B16_P1024_itl_ms")),
-            ("ITL batch 64 (ms)", res["itl_B64_ms"], None),
-            (f"TTFT {args.long_prompt // 1024}K (ms)", res[f"ttft_P{args.long_prompt}_ms"], None),
+    rows = [("TTFT 2K (ms)", res.get("ttft_P2048_ms"), peer.get("hf_B1_P2048_ttft_ms")),
+            ("ITL batch 1 (ms)", res.get("itl_B1_ms"), peer.get("hf_B1_P2048_itl_ms")),
+            ("ITL batch 16 (ms)", res.get("itl_B16_ms"), peer.get("hf_B16_P1024_itl_ms")),
+            ("ITL batch 64 (ms)", res.get("itl_B64_ms"), None),
+            (f"TTFT {args.long_prompt // 1024}K (ms)", res.get(f"ttft_P{args.long_prompt}_ms"), None),
             ("bandwidth floor batch 1 (ms)", res["bandwidth_floor_b1_ms"], peer.get("roofline_bf16_b1_ms")),
             ("bandwidth floor batch 16 (ms)", res["bandwidth_floor_b16_ms"], None)]
     for name, ours, theirs in rows:
-        print(f"| {name} | {ours} | {theirs if theirs is not None else '-'} |")
+        print(f"| {name} | {ours if ours is not None else '-'} | {theirs if theirs is not None else '-'} |")
     ratios = peer_ratios(res, peer)
     if ratios:
         print(f"batch 16: the peer's ITL is {ratios['itl_B16_peer_over_ours']}x ours and "
@@ -199,7 +208,7 @@ def main(argv=None) -> int:
             f" (routed experts {args.experts}; kernels: {kernel_choice()}; {args.decode_steps} decode steps per "
             f"dispatch, overlapped: {not args.no_overlap_decode}, first decode ahead of the prefill's token: "
             f"{not (args.no_overlap_decode or args.no_overlap_prefill)}; steps unrolled: {args.unrolled_decode}; "
-            f"XLA options added {xla_options or 'none'}; "
+            f"XLA options added {xla_options or 'none'}; module constants set {constants or 'none'}; "
             f"XLA environment {xla_environment()}): "
             f"dayzero {json.dumps(res)}; "
             f"peer transformers+fla same run {json.dumps(peer) if peer else 'not run'}"

@@ -49,3 +49,24 @@ def test_peer_ratios_bound_the_ratio_by_the_batch16_floor():
     assert ratios == {"itl_B16_peer_over_ours": 15.5, "itl_B16_peer_over_floor": 21.5}
     assert serving_benchmark.peer_ratios(ours, {}) == {}  # no peer run, or it failed
     assert serving_benchmark.peer_ratios(ours, {"error": "timed out"}) == {}
+
+
+def test_set_module_constants_sets_and_names_them(monkeypatch):
+    """serving.py's and decode_profile.py's `--set`: each MODULE.CONSTANT=VALUE set (true/false/ints parsed) and
+    returned for the results line; a constant the module lacks, or text without a value, stops the run by name."""
+    import pytest
+
+    from dayzero.model import moe
+
+    monkeypatch.setattr(moe, "SHARED_GATE_UP_IN_FRONT", False)
+    monkeypatch.setattr(moe, "SHARED_IN_PACKED_MAX_TOKENS", moe.SHARED_IN_PACKED_MAX_TOKENS)
+    done = serving_benchmark.set_module_constants(["model.moe.SHARED_GATE_UP_IN_FRONT=true",
+                                                   "model.moe.SHARED_IN_PACKED_MAX_TOKENS=0"])
+    assert done == {"SHARED_GATE_UP_IN_FRONT": True, "SHARED_IN_PACKED_MAX_TOKENS": 0}
+    assert moe.SHARED_GATE_UP_IN_FRONT is True and moe.SHARED_IN_PACKED_MAX_TOKENS == 0
+    with pytest.raises(SystemExit, match="has no NOT_A_SWITCH"):
+        serving_benchmark.set_module_constants(["model.moe.NOT_A_SWITCH=1"])
+    with pytest.raises(SystemExit, match="not MODULE.CONSTANT=VALUE"):
+        serving_benchmark.set_module_constants(["model.moe.SHARED_GATE_UP_IN_FRONT"])
+    assert serving_benchmark.peer_ratios({"itl_B1_ms": 0.9, "bandwidth_floor_b16_ms": 0.7},
+                                         {"hf_B16_P1024_itl_ms": 44.0}) == {}  # batch 16 not timed
