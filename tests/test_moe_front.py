@@ -470,8 +470,9 @@ def test_model_decode_makes_the_shared_gate_up_in_the_front(seed, monkeypatch, d
     """`model.moe.SHARED_GATE_UP_IN_FRONT` (MXFP4 experts, a one-row decode step, every kernel in interpret mode): in
     every MoE layer the front kernel also makes the shared MLP's gate / up sums and the MXFP4 gate/up kernel finishes
     them (`SharedMLP.gate_up_sums`), with `SHARED_DOWN_IN_GATE_UP` running the shared down projection there too; the
-    next-token logits and caches match the step with the switches off to float32 summation order (unless a router's
-    near tie moved a choice: `router_choices`), the counters left at zero."""
+    next-token logits and caches match the step with the switches off to bf16 rounding (float32 sums in another
+    order, rounded where the model rounds; unless a router's near tie moved a choice: `router_choices`), the counters
+    left at zero."""
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
     cfg = _tiny_mxfp4()
