@@ -335,8 +335,9 @@ class SharedFold(NamedTuple):
     part add them up and write h, the other quarters' programs do nothing. With `down_cols` > 0 as well the gate/up
     kernel runs the shared MLP's down projection too, from those sums (`_shared_down`: each program of a
     pseudo-expert's tile takes `down_cols` of the `hidden` output columns over its share of the quarter's rows of
-    down, SwiGLU applied to the sums as it reads them, adding into the token's float32 sums), and the down kernel's
-    fold is `skip`: its pseudo-experts' tiles do nothing."""
+    down, SwiGLU applied to the sums as it reads them, adding into the token's float32 sums; both set by
+    `hidden_rows`, which knows the grid), and the down kernel's fold is `skip`: its pseudo-experts' tiles do
+    nothing."""
 
     n_routed: int
     quarters: int
@@ -348,6 +349,11 @@ class SharedFold(NamedTuple):
     down_cols: int = 0
     hidden: int = 0
     skip: bool = False
+
+    def part_and_quarter(self, expert):
+        """Pseudo-expert `expert`'s (part of the shared MLP, quarter of K) (traced ints)."""
+        pseudo = expert - self.n_routed
+        return pseudo // self.quarters, pseudo % self.quarters
 
 
 class SharedMLP(NamedTuple):
@@ -375,8 +381,7 @@ def _shared_products(fold: SharedFold, role: str, s_refs, x_ref, factor_ref, x_f
     as `_kernel` reads them) times weight columns c0 .. c0 + bn of the flat bf16 refs `s_refs` (gate, up or down)
     over this program's K split `q` of the pseudo-expert's K -> [[sums float32 [bn] per ref]] (one row). The weight
     rows are read in the activations' word order (`_word_elements`), so the packed words multiply as they are."""
-    part = expert - fold.n_routed
-    piece, quarter = part // fold.quarters, part % fold.quarters
+    piece, quarter = fold.part_and_quarter(expert)
     per = fold.blocks // split  # blocks of K in this program
     gs = tiling.pow2_divisor(per, SHARED_STEP_BLOCKS)
     if role == "gate_up":  # x is the hidden size: this quarter's K
@@ -556,7 +561,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         partials_ref, turns_ref = finish_refs
         for i, y in enumerate(sums):
             partials_ref[q, t * rows, jnp.int32(i), pl.ds(c0, bn)] = y
-        quarter = (expert - shared.n_routed) % shared.quarters
+        quarter = shared.part_and_quarter(expert)[1]
         lead = t - quarter * shared.tiles_per_part  # the tile of quarter 0 of this part, for this token
         turn = atomics.take_turn(turns_ref, (lead * pl.num_programs(1) + j,), interpret=interpret)
 
@@ -573,8 +578,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         """A shared pseudo-expert's tile when its gate / up sums are made already (`SharedFold.front_parts`): quarter
         0's programs (of the first K split) add up the parts of this column block and write its block of h where
         `gate_up_shared` would; the other quarters' and splits' programs have nothing to do."""
-        part = expert - shared.n_routed
-        piece, quarter = part // shared.quarters, part % shared.quarters
+        piece, quarter = shared.part_and_quarter(expert)
 
         @pl.when((quarter == 0) & (q == 0))
         def _():
@@ -590,8 +594,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         (j, q) takes output columns j * C .. (j + 1) * C (C = down_cols) over split q's share of the quarter's rows
         of down, h = silu(g) * u of those rows from the front's sums (rounded to `h_dtype` as the gate/up kernel
         writes h), and adds h @ down into the token's sums (one token: row 0)."""
-        part = expert - shared.n_routed
-        piece, quarter = part // shared.quarters, part % shared.quarters
+        piece, quarter = shared.part_and_quarter(expert)
         hidden, cols = shared.hidden, shared.down_cols
         rows_q = shared.part_inter // shared.quarters
         per = rows_q // split  # rows of down in this program
@@ -749,9 +752,10 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
     (and, with adaptive tiles, a tile's rows past its real ones) are left unwritten. `n_rows`: the rows R to run
     (default all of token_of_row's; a longer table's rows past R are not read). `shared`: (its `SharedFold`, the
     shared MLP's (gate, up) [H, S] bf16, or with `SharedFold.front_parts` its (gate / up sums made ahead,)): tiles of
-    experts from fold.n_routed run it (h packed only); with `SharedFold.down_cols` (sums made ahead, down [S, H]) they
-    run its down projection instead, adding into `token_sums` (float32 [T * H], one token: the down kernel's sums,
-    e.g. the residual rows), which then come back as zeros. `turns`: int32 zeros, at least `turn_count` of them, for
+    experts from fold.n_routed run it (h packed only); given `token_sums` (float32 [H], one token: the down kernel's
+    sums, e.g. the residual rows; with `SharedFold.front_parts`, the refs (sums made ahead, down [S, H])) they run its
+    down projection instead, adding into token_sums (`SharedFold.down_cols`, set here), which then come back as
+    zeros. `turns`: int32 zeros, at least `turn_count` of them, for
     the turn counters where the kernel takes them (split K or `shared`), made ahead by an earlier kernel
     (`kernels.moe_front.front(zeros=)`) so no zero fill runs here; left nonzero."""
     inter, groups = gate_up[0][0].shape[1], gate_up[0][0].shape[2]
@@ -763,16 +767,19 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
     if fold is not None and (not halves or fold.blocks % split):
         raise ValueError(f"the shared MLP folds into the gate/up kernel where it writes h packed and its {split} K "
                          f"splits divide the pseudo-experts' {fold.blocks} blocks of K")
-    down_here = fold is not None and fold.down_cols > 0
+    down_here = token_sums is not None  # the shared down projection runs here, into token_sums
     if down_here:
         blocks_n = _grid(groups, inter, n_rows, tiles)[0][1]
-        rows_q = fold.part_inter // fold.quarters
-        if (token_sums is None or zeroed or n_tokens != 1 or token_sums.shape != (fold.hidden,)
-                or fold.hidden % fold.down_cols or fold.hidden > blocks_n * fold.down_cols or rows_q % split):
-            raise ValueError(f"the shared MLP's down projection runs in the gate/up kernel for one token with its sums "
-                             f"given (float32 [{fold.hidden}], not {None if token_sums is None else token_sums.shape}"
-                             f"; no zeros asked) in {blocks_n} programs of {fold.down_cols} columns per pseudo-expert "
-                             f"and {split} K splits dividing its {rows_q} rows")
+        hidden = token_sums.shape[0]
+        cols = tiling.pow2_at_least(-(-hidden // blocks_n))  # output columns per program of a pseudo-expert's tile
+        rows_q = 0 if fold is None else fold.part_inter // fold.quarters
+        if (fold is None or not fold.front_parts or zeroed or n_tokens != 1 or token_sums.ndim != 1
+                or hidden % cols or rows_q % split):
+            raise ValueError(f"the shared MLP's down projection runs in the gate/up kernel for one token, from its "
+                             f"gate / up sums made ahead, into given sums (float32 [H], not {token_sums.shape}; no "
+                             f"zeros asked), in {blocks_n} programs of {cols} columns per pseudo-expert and {split} K "
+                             f"splits dividing its {rows_q} rows")
+        fold = fold._replace(down_cols=cols, hidden=hidden)
 
     def outputs(blocks_n, split, bn):
         if halves:
@@ -953,9 +960,6 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
                             front_parts=0 if made is None else made.shape[0])
         down_fold = fold(width=hidden, blocks=inter // BLOCK // SHARED_QUARTERS)
         if down_early:  # the down projection in the gate/up kernel's pseudo-expert tiles, none in the down kernel's
-            blocks_n = pl.cdiv(inter, _launch(hidden // BLOCK, tiles)[0])  # the gate/up kernel's programs per tile
-            gate_up_fold = gate_up_fold._replace(down_cols=tiling.pow2_at_least(-(-hidden // blocks_n)),
-                                                 hidden=hidden)
             folds = ((gate_up_fold, (made, s_down)), (down_fold._replace(skip=True), None))
         else:
             folds = ((gate_up_fold, (s_gate, s_up) if made is None else (made,)), (down_fold, s_down))
@@ -989,7 +993,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
         raise ValueError(f"the residual rows to add into ({residual_sums.dtype}{list(residual_sums.shape)}) need "
                          f"float32 {list(x.shape)} and 1-row tiles over whole blocks of the hidden size, not {tiles}")
     zeroed = 0 if residual_sums is not None else sums_size(n_tokens, down, tiles)  # (else the residual rows)
-    down_early = folds is not None and folds[0][0].down_cols > 0
+    down_early = folds is not None and folds[1][0].skip
     h, h_form, zeros = hidden_rows(sched.tile_expert, sched.token_of_row, *xs,
                                    ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales)), tiles, n_tokens, x.dtype,
                                    interpret, zeroed=zeroed, n_rows=n_rows, shared=folds and folds[0],

@@ -531,11 +531,11 @@ class MoE(nn.Module):
         return select, self.variables["params"]["gate"].get("e_score_correction_bias"), zeros
 
     def front_shared(self, n_tokens: int, workspace: Workspace | None = None) -> tuple[jax.Array, jax.Array] | None:
-        """For a call of `n_tokens` tokens whose choice the front kernel makes (`front_select`): the shared MLP's
-        (gate, up) kernels [H, S] for the front kernel to multiply the normed row by (`SHARED_GATE_UP_IN_FRONT`,
-        `kernels.moe_front.front(shared=)`), the sums then handed back as `__call__(shared_sums=)`; else None."""
-        if (not SHARED_GATE_UP_IN_FRONT or self.decode_tiles(n_tokens, workspace) is None
-                or self.front_select(n_tokens, workspace) is None):
+        """For a call of `n_tokens` tokens whose choice the front kernel makes (asked only where `front_select` gave
+        one): the shared MLP's (gate, up) kernels [H, S] for the front kernel to multiply the normed row by
+        (`SHARED_GATE_UP_IN_FRONT`, `kernels.moe_front.front(shared=)`), the sums then handed back as
+        `__call__(shared_sums=)`; else None."""
+        if not SHARED_GATE_UP_IN_FRONT or self.decode_tiles(n_tokens, workspace) is None:
             return None  # (the MXFP4 decode kernels finish the sums; bf16 experts' kernels take none)
         mlp = self.variables["params"]["shared_experts"]
         gate, up = (mlp[n]["kernel"] for n in ("gate_proj", "up_proj"))
