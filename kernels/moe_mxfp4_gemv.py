@@ -370,6 +370,11 @@ class SharedMLP(NamedTuple):
     down_in_gate_up: bool = False
 
 
+# `down_in_gate_up` picks the kernels' form, so it stays static where a SharedMLP crosses a jit boundary
+jax.tree_util.register_pytree_node(SharedMLP, lambda s: (tuple(s[:4]), s.down_in_gate_up),
+                                   lambda down_in_gate_up, arrays: SharedMLP(*arrays, down_in_gate_up))
+
+
 def _half_values(bits: jax.Array) -> jax.Array:
     """uint32 holding fp16 bit patterns in their low 16 bits -> float32."""
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16).astype(jnp.float32)

@@ -465,8 +465,10 @@ def test_shared_down_in_the_gate_up_kernel(seed, split_k):
     residual = jnp.asarray(rng.standard_normal((1, x.shape[1])) * 4, jnp.float32)
     sums = _gate_up_sums(x, shared, 1)
     args = (x, jnp.asarray(ids), jnp.asarray(w), ew, E, tiles)
-    early = gemv.grouped_swiglu(*args, interpret=True, residual_sums=residual,
-                                shared=gemv.SharedMLP(*shared, gate_up_sums=sums, down_in_gate_up=True))
+    made_early = gemv.SharedMLP(*shared, gate_up_sums=sums, down_in_gate_up=True)
+    assert len(jax.tree_util.tree_leaves(made_early)) == 4  # the switch is static: it may cross a jit boundary
+    early = jax.jit(lambda sh: gemv.grouped_swiglu(*args, interpret=True, residual_sums=residual, shared=sh))(
+        made_early)
     late = gemv.grouped_swiglu(*args, interpret=True, residual_sums=residual,
                                shared=gemv.SharedMLP(*shared, gate_up_sums=sums))
     assert early.dtype == jnp.float32 and early.shape == x.shape
