@@ -4,8 +4,8 @@ post-attention RMSNorm and the router's logits, for up to `MAX_ROWS` rows.
 After a decode layer's attention, XLA runs two reductions before the router's select kernel: one adds up o_proj's
 split-K partial sums, adds the residual and sums the squares (~3.5 us per MoE layer at batch 1 on the H200), one
 normalises and multiplies by the router weight (~2-2.5 us; benchmarks/NOTES_serving.md, seventeenth session); at
-16 rows three fusions (~2 + 1.5 + 2.2 us). Here one launch does it all. A program takes `EXPERT_BLOCK` experts of one
-row and loads everything at once (its router weight block first: it does not depend on x), with no loop:
+16 rows three fusions (~2 + 1.5 + 2.2 us). Here one launch does it all. A program takes `expert_block(rows)` experts
+of one row and loads everything at once (its router weight block first: it does not depend on x), with no loop:
 
 1. x = round(residual + round(sum of the partial sums)) (as `projection.finished` with a residual) and its squares;
 2. normed = round(weight * round(x / rms)) (as `model.norms.RMSNorm`);
@@ -16,7 +16,7 @@ A first form (seventeenth session) walked the features in 64-column steps, twice
 for the tensor cores: correct on the H200 (tests/gpu/test_moe_front_gpu.py 7/7) but 44 us per call, the 64 dependent
 steps each waiting on its loads (batch 1 1.540 ms of kernels per token against 1.138 without). Takes 1 to
 `MAX_ROWS` rows (one program per row and expert block: each row's programs re-read the router weight, from L2), H a
-power of two up to `MAX_HIDDEN`, E a multiple of `EXPERT_BLOCK`, 16-bit activations (`supported`). `reference` is
+power of two up to `MAX_HIDDEN`, E a multiple of that block, 16-bit activations (`supported`). `reference` is
 the same in XLA; `choose` picks (dispatch name "moe_front").
 
 With `pack`, the first program of each row also packs its normed row for the MXFP4 decode kernels as
@@ -58,7 +58,13 @@ from . import atomics, dispatch, moe_mxfp4_gemv, projection, router, tiles as ti
 # 1.070 against 1.086; decode_profile.py --pallas moe_front, the same call): the kernel 3.9 us per MoE layer after
 # a KDA layer, in place of XLA's two reductions (4.3 + 2.6 us).
 GPU_VERIFIED = True
+# Experts per router program (`expert_block`): EXPERT_BLOCK for calls of several rows, ONE_ROW_EXPERT_BLOCK for one
+# row. On the H100 (medium hybrid with MXFP4 experts, decode_profile.py --experts mxfp4 --batches 1 --set
+# kernels.moe_front.EXPERT_BLOCK=..., forty-first session, one machine): batch 1 took 0.895 / 0.896 / 0.895 ms per
+# token pipelined with 4 experts a program (16 programs; 0.910-0.912 ms of kernels) against 0.907 / 0.905 with 8
+# (0.919), 0.926 with 16 (0.936), 0.895 with 2 (0.909). Batch 16 and the H200 not measured with 4: 8 stays there.
 EXPERT_BLOCK = 8
+ONE_ROW_EXPERT_BLOCK = 4
 MAX_HIDDEN = 8192
 # Rows the model hands the kernel at most (`choose`): the decode calls whose router logits are XLA reductions, not
 # a dot (`model.moe.REDUCE_LOGITS_MAX_TOKENS`). On the H200 (twenty-first session, decode_profile.py --set
@@ -74,7 +80,9 @@ MAX_ROWS = 16
 # router's choice), no spills.
 NUM_WARPS = 16
 # The shared MLP's gate / up products in this kernel (`front(shared=)`): weight columns per program and parts of K
-# per column block (the medium hybrid: 768 columns / 16 x 2 parts = 96 programs of 64 KB beside the router's 8).
+# per column block (the medium hybrid: 768 columns / 16 x 2 parts = 96 programs of 64 KB beside the router's 16). On
+# the H200 with both model switches on (forty-first session): 0.848 ms of kernels per batch-1 token against 0.879 with
+# 4 parts (192 programs of 32 KB) and 0.873 with 32 columns (48 programs of 128 KB).
 SHARED_BLOCK_N = 16
 SHARED_K_PARTS = 2
 
@@ -110,10 +118,15 @@ def _divides(spec: SharedProducts, hidden: int, shared_inter: int) -> bool:
     return not (shared_inter % spec.block_n or hidden % spec.k_parts or (hidden // spec.k_parts) % 16)
 
 
+def expert_block(rows: int) -> int:
+    """Experts per router program for a call of `rows` rows: ONE_ROW_EXPERT_BLOCK at one row, else EXPERT_BLOCK."""
+    return ONE_ROW_EXPERT_BLOCK if rows == 1 else EXPERT_BLOCK
+
+
 def supported(rows: int, hidden: int, n_experts: int, dtype) -> bool:
     """Whether the kernel takes this call (see the module docstring)."""
     return (1 <= rows <= MAX_ROWS and 16 <= hidden <= MAX_HIDDEN and hidden & (hidden - 1) == 0
-            and n_experts % EXPERT_BLOCK == 0 and jnp.dtype(dtype).itemsize == 2)
+            and n_experts % expert_block(rows) == 0 and jnp.dtype(dtype).itemsize == 2)
 
 
 def choose(rows: int, hidden: int, n_experts: int, dtype, impl: str | None = None) -> str:
@@ -194,9 +207,10 @@ def _check_shared(shared, rows: int, hidden: int):
                          f"{up.dtype}{list(up.shape)} do not match {hidden} features (16-bit [H, S] each)")
 
 
-def _kernel(*refs, hidden, partials, eps, pack, sums, select, layer, zeros, shared, interpret):
-    """`partials`: o_proj's update comes as its partial sums (a `projection.partials_operands` layout, no squares),
-    the first ref. `shared`: the `SharedProducts` programs after the router's, or None."""
+def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zeros, shared, interpret):
+    """`block`: experts per router program. `partials`: o_proj's update comes as its partial sums (a
+    `projection.partials_operands` layout, no squares), the first ref. `shared`: the `SharedProducts` programs after
+    the router's, or None."""
     sums_ref, refs = (refs[0], refs[1:]) if partials else (None, refs)
     res_ref, norm_ref, w_ref, *refs = refs
     if shared is not None:
@@ -215,7 +229,7 @@ def _kernel(*refs, hidden, partials, eps, pack, sums, select, layer, zeros, shar
     if shared is not None:
         shared_out, *refs = refs
     dtype = x_out.dtype  # the model's (`model_dtype`: a float32 residual is rounded to it as it loads)
-    n_router = w_ref.shape[0] // EXPERT_BLOCK
+    n_router = w_ref.shape[0] // block
     program = pl.program_id(0)  # (read here: interpret mode takes no program_id inside a `pl.when`)
     row_id = pl.program_id(1)
     row = pl.ds(row_id, 1)
@@ -232,14 +246,14 @@ def _kernel(*refs, hidden, partials, eps, pack, sums, select, layer, zeros, shar
         return (norm_ref[cols].astype(jnp.float32)[None, :] * unit).astype(dtype)
 
     def router_program():
-        e0 = pl.multiple_of(program * EXPERT_BLOCK, EXPERT_BLOCK)
+        e0 = pl.multiple_of(program * block, block)
         cols = pl.ds(0, hidden)
-        weight = w_ref[pl.ds(e0, EXPERT_BLOCK), cols]  # [EXPERT_BLOCK, H]: first, its read overlaps the rest
+        weight = w_ref[pl.ds(e0, block), cols]  # [block, H]: first, its read overlaps the rest
         x = row_x(cols)
         inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)
         normed = normalised(x, inv_rms, cols)
-        logits = jnp.sum(normed.astype(jnp.float32) * weight.astype(jnp.float32), axis=1)  # [EXPERT_BLOCK]
-        logits_out[row, pl.ds(e0, EXPERT_BLOCK)] = logits[None, :]
+        logits = jnp.sum(normed.astype(jnp.float32) * weight.astype(jnp.float32), axis=1)  # [block]
+        logits_out[row, pl.ds(e0, block)] = logits[None, :]
 
         @pl.when(program == 0)
         def _():
@@ -339,7 +353,7 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     if not supported(rows, hidden, n_experts, dtype):
         raise ValueError(f"moe front kernel: {rows} rows x {hidden} features, {n_experts} experts, {dtype} "
                          f"not supported (1 to {MAX_ROWS} rows, H a power of two up to {MAX_HIDDEN}, E a multiple of "
-                         f"{EXPERT_BLOCK}, 16-bit)")
+                         f"{expert_block(rows)}, 16-bit)")
     if pack and hidden % moe_mxfp4_gemv.BLOCK:
         raise ValueError(f"moe front kernel: packing takes whole MX blocks of {moe_mxfp4_gemv.BLOCK} features, not "
                          f"{hidden}")
@@ -380,7 +394,7 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
             raise ValueError("moe front kernel: zeros for the decode kernels come with the router's choice (select)")
         zeros = tiling.pow2_at_least(zeros)
         outputs.append(jax.ShapeDtypeStruct((zeros,), jnp.int32))
-    n_programs = n_experts // EXPERT_BLOCK
+    n_programs = n_experts // expert_block(rows)
     if shared is not None:
         if select is None:
             raise ValueError("moe front kernel: the shared MLP's products come with the router's choice (select)")
@@ -398,7 +412,8 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     else:
         shared_programs = None
     out = tiling.pallas_call(
-        functools.partial(_kernel, hidden=hidden, partials=partials, eps=float(eps), pack=pack, sums=sums,
+        functools.partial(_kernel, hidden=hidden, block=expert_block(rows), partials=partials,
+                          eps=float(eps), pack=pack, sums=sums,
                           select=select, layer=layer, zeros=zeros, shared=shared_programs, interpret=interpret),
         grid=(n_programs, rows),
         out_shape=outputs,

@@ -113,7 +113,13 @@ def test_finished_update_and_errors(seed):
     with pytest.raises(ValueError, match="squares given"):
         moe_front.front(squared, residual, norm_weight, router_weight, eps=1e-5, interpret=True)
     with pytest.raises(ValueError, match="not supported"):
-        moe_front.front(None, residual, norm_weight, router_weight[:12], eps=1e-5, interpret=True)
+        moe_front.front(None, residual, norm_weight, router_weight[:10], eps=1e-5, interpret=True)
+    # one row: programs of `ONE_ROW_EXPERT_BLOCK` experts, so 12 experts fit one row and not two
+    assert moe_front.expert_block(1) == moe_front.ONE_ROW_EXPERT_BLOCK == 4 and moe_front.expert_block(2) == 8
+    twelve = moe_front.front(None, residual, norm_weight, router_weight[:12], eps=1e-5, interpret=True)
+    np.testing.assert_allclose(np.asarray(twelve[2]), np.asarray(moe_front.reference(
+        None, residual, norm_weight, router_weight[:12], eps=1e-5)[2]), rtol=1e-5, atol=1e-5)
+    assert moe_front.supported(1, 2048, 12, jnp.bfloat16) and not moe_front.supported(2, 2048, 12, jnp.bfloat16)
     three = projection.Partials(jnp.zeros((3, 1, 128)), None, 128, 1e-6, "bfloat16")
     with pytest.raises(ValueError, match="3 partial sums"):
         moe_front.front(three, residual, norm_weight, router_weight, eps=1e-5, interpret=True)
@@ -465,14 +471,13 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
     assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
 
 
-@pytest.mark.parametrize("down_early", [False, True])
-def test_model_decode_makes_the_shared_gate_up_in_the_front(seed, monkeypatch, down_early):
+def test_model_decode_makes_the_shared_gate_up_in_the_front(seed, monkeypatch):
     """`model.moe.SHARED_GATE_UP_IN_FRONT` (MXFP4 experts, a one-row decode step, every kernel in interpret mode): in
     every MoE layer the front kernel also makes the shared MLP's gate / up sums and the MXFP4 gate/up kernel finishes
-    them (`SharedMLP.gate_up_sums`), with `SHARED_DOWN_IN_GATE_UP` running the shared down projection there too; the
-    next-token logits and caches match the step with the switches off to bf16 rounding (float32 sums in another
-    order, rounded where the model rounds; unless a router's near tie moved a choice: `router_choices`), the counters
-    left at zero."""
+    them (`SharedMLP.gate_up_sums`), then with `SHARED_DOWN_IN_GATE_UP` runs the shared down projection there too;
+    each way the next-token logits and caches match the step with the switches off to bf16 rounding (float32 sums in
+    another order, rounded where the model rounds; unless a router's near tie moved a choice: `router_choices`), the
+    counters left at zero."""
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
     cfg = _tiny_mxfp4()
@@ -486,25 +491,27 @@ def test_model_decode_makes_the_shared_gate_up_in_the_front(seed, monkeypatch, d
         (getattr(k["shared"], "gate_up_sums", None) is not None, getattr(k["shared"], "down_in_gate_up", False)))
         or experts(*a, **k))
     choices = spy_router_choices(monkeypatch)
-    monkeypatch.setattr(moe, "SHARED_DOWN_IN_GATE_UP", down_early)
     monkeypatch.setattr(moe, "SHARED_GATE_UP_IN_FRONT", False)
     plain, plain_cache = step(*args, decode=True)
     plain_choices = taken(choices)
     moe_layers = sum(m == "moe" for m in cfg.mlp_types)
     assert fronts == [False] * moe_layers and given == [(False, False)] * moe_layers
-    fronts.clear()
-    given.clear()
     monkeypatch.setattr(moe, "SHARED_GATE_UP_IN_FRONT", True)
-    made, made_cache = step(*args, decode=True)
-    assert fronts == [True] * moe_layers and given == [(True, down_early)] * moe_layers
-    assert not np.any(np.asarray(made_cache["moe_turns"]))
-    if not rows_that_held(plain_choices, choices, cfg.num_experts_per_token).all():
-        return  # a choice moved at a near tie: the later layers see other inputs
-    a, f = np.asarray(plain, np.float32), np.asarray(made, np.float32)
-    assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (np.abs(f - a).max(), np.abs(a).max())
-    for name in plain_cache:
-        c, d = np.asarray(plain_cache[name], np.float32), np.asarray(made_cache[name], np.float32)
-        assert np.abs(d - c).max() <= 0.02 * max(np.abs(c).max(), 1e-6), name
+    for down_early in (False, True):
+        fronts.clear()
+        given.clear()
+        monkeypatch.setattr(moe, "SHARED_DOWN_IN_GATE_UP", down_early)
+        made, made_cache = step(*args, decode=True)
+        made_choices = taken(choices)
+        assert fronts == [True] * moe_layers and given == [(True, down_early)] * moe_layers
+        assert not np.any(np.asarray(made_cache["moe_turns"]))
+        if not rows_that_held(plain_choices, made_choices, cfg.num_experts_per_token).all():
+            continue  # a choice moved at a near tie: the later layers see other inputs
+        a, f = np.asarray(plain, np.float32), np.asarray(made, np.float32)
+        assert np.abs(f - a).max() < 0.02 * np.abs(a).max(), (down_early, np.abs(f - a).max(), np.abs(a).max())
+        for name in plain_cache:
+            c, d = np.asarray(plain_cache[name], np.float32), np.asarray(made_cache[name], np.float32)
+            assert np.abs(d - c).max() <= 0.02 * max(np.abs(c).max(), 1e-6), (down_early, name)
 
 
 def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):
