@@ -78,8 +78,8 @@ FRONT_PACKED_MIN_TOKENS = 2
 # multiply and the router's select kernel gone; gate/up 7.1 -> 11.1 us, down 4.7 -> 6.3 us per layer). 0: never.
 SHARED_IN_PACKED_MAX_TOKENS = 1
 # Whether the front kernel, where it makes one token's choice (`MoE.front_select`), also writes the zeros the MXFP4
-# decode kernels take as turn counters (`moe_mxfp4_gemv.turn_count`): in place of XLA's zero fill per MoE layer (a ~1.2 us
-# memset launch on the H200, 15 per token in the medium hybrid's batch-1 step).
+# decode kernels take as turn counters (`moe_mxfp4_gemv.turn_count`): in place of XLA's zero fill per MoE layer (a
+# ~1.2 us memset launch on the H200, 15 per token in the medium hybrid's batch-1 step).
 COUNTERS_FROM_FRONT = True
 # Whether a decode MoE block whose front kernel runs before the MXFP4 decode kernels has that kernel write the layer's
 # residual rows as float32 (`kernels.moe_front.front(sums=True)`) for the down kernel to add the experts into, in
@@ -95,12 +95,15 @@ RESIDUAL_IN_SUMS = True
 # fold in the shared MLP, also multiplies the normed row by the shared MLP's gate and up weights, in programs beside
 # the router's (`kernels.moe_front.front(shared=)`, `MoE.front_shared`), so the gate/up kernel finishes those sums
 # (`moe_mxfp4_gemv.SharedFold.front_parts`) instead of streaming the 6.3 MB of bf16 weights itself (the medium
-# hybrid). Off until measured on a GPU.
+# hybrid). Off: it loses on the H200 (medium hybrid with MXFP4 experts, decode_profile.py --experts mxfp4 --batches 1,
+# one machine, forty-first session): 0.857 against 0.829 ms per token pipelined, 0.868 against 0.838 ms of kernels;
+# the gate/up kernel 11.0 -> 8.8 us per MoE layer, but the front with its 96 extra programs ~4 us slower.
 SHARED_GATE_UP_IN_FRONT = False
 # Whether, with SHARED_GATE_UP_IN_FRONT, the MXFP4 gate/up kernel's shared tiles also run the shared MLP's down
 # projection from those sums, adding into the residual rows (`RESIDUAL_IN_SUMS`; `moe_mxfp4_gemv.SharedMLP.
 # down_in_gate_up`), so the down kernel streams the routed experts alone (the medium hybrid's 3.1 MB of bf16 down
-# moves beside the gate/up kernel's routed programs). Off until measured on a GPU.
+# moves beside the gate/up kernel's routed programs). Off: with both switches the same H200 call took 0.832 / 0.848 ms
+# (the down kernel 6.3 -> 4.8 us per layer), still behind both off; it would pay only beside a cheaper front.
 SHARED_DOWN_IN_GATE_UP = False
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
 # the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
