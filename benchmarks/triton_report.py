@@ -15,6 +15,7 @@ multiprocessor and waits on local memory.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -421,19 +422,22 @@ def moe_front_cases() -> dict:
         return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5,
                                select=moe_front.Select(6, True, True, 2.446, 2), bias=bias, turns=turns, layer=1)
 
-    def sharing(sums, residual, norm_weight, router_weight, bias, turns, gate, up):  # + the shared MLP's gate / up
+    def sharing(sums, residual, norm_weight, router_weight, bias, turns, gate, up, programs=None):  # + shared gate/up
         update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
         return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5,
                                select=moe_front.Select(6, True, True, 2.446, 4), bias=bias, turns=turns, layer=1,
-                               shared=(gate, up))
+                               shared=(gate, up), shared_programs=programs)
 
     shapes = (S((8, 1, 2048), jnp.float32), S((1, 2048), jnp.bfloat16), S((2048,), jnp.float32),
               S((64, 2048), jnp.bfloat16))
     choice = (S((64,), jnp.float32), S((16, 4), jnp.int32))
     return {"front B1": (fn, shapes),
             "front B1 with the router's choice": (choosing, shapes + choice),
-            "front B1 with the choice and the shared gate/up": (
-                sharing, shapes + choice + (S((2048, 768), jnp.bfloat16), S((2048, 768), jnp.bfloat16)))}
+            **{f"front B1 with the choice and the shared gate/up{name}": (
+                functools.partial(sharing, programs=programs),
+                shapes + choice + (S((2048, 768), jnp.bfloat16), S((2048, 768), jnp.bfloat16)))
+               for name, programs in (("", None), (", 64 columns x 8 parts", moe_front.SharedProducts(64, 8)),
+                                      (", 128 columns x 16 parts", moe_front.SharedProducts(128, 16)))}}
 
 
 CASES = {"indexer": indexer_cases, "kda": kda_cases, "mla_absorb": mla_absorb_cases, "moe_dense": moe_dense_cases,
