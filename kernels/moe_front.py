@@ -63,6 +63,7 @@ GPU_VERIFIED = True
 # kernels.moe_front.EXPERT_BLOCK=..., forty-first session, one machine): batch 1 took 0.895 / 0.896 / 0.895 ms per
 # token pipelined with 4 experts a program (16 programs; 0.910-0.912 ms of kernels) against 0.907 / 0.905 with 8
 # (0.919), 0.926 with 16 (0.936), 0.895 with 2 (0.909). Batch 16 and the H200 not measured with 4: 8 stays there.
+# The one-row A/B is now --set kernels.moe_front.ONE_ROW_EXPERT_BLOCK=...
 EXPERT_BLOCK = 8
 ONE_ROW_EXPERT_BLOCK = 4
 MAX_HIDDEN = 8192
