@@ -13,6 +13,9 @@ Ops (shapes and inputs as in benchmarks/kda.py and benchmarks/moe.py):
         128, conv 4, bf16) at `--tokens` rows (default 1): kernel kda_decode_layer
   projection  the medium hybrid's KDA input projections at `--tokens` rows (default 1): the input norm and q|k|v,
         f_a|g_a|b (2048 -> 6144 + 272) in kernels/projection.py's kernel, as the model calls it: kernel decode_projection
+  moe_front  the medium hybrid's MoE front at one row with the router's choice (kernels/moe_front.py: o_proj's 8
+        partial sums, 2048 features, 64 experts, top-6): kernel moe_front; `--shared`: with the shared MLP's gate / up
+        products (768 columns) in programs beside the router's, `--tiles block_n=64,k_parts=8` their shape
   moe_dense  the same layer with bf16 experts through kernels/moe_dense.py (`--tiles field=value,...` overrides the
         fields of `choose_tiles`' DenseTiles, e.g. fused_mlp=true,block_i=64): moe_dense_gate_up / moe_dense_down,
         or moe_dense_fused_mlp
@@ -126,6 +129,38 @@ def run_projection(rows: int, calls: int) -> None:
     print(f"projection B{rows}: |qkv| {float(jnp.linalg.norm(out[0].astype(jnp.float32))):.4g}")
 
 
+def run_moe_front(shared: bool, calls: int, tiles_spec: str | None) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_profile import parse_value  # benchmarks/decode_profile.py
+
+    from dayzero.kernels import moe_front, projection
+
+    keys = iter(jax.random.split(jax.random.key(0), 6))
+    sums = jax.random.normal(next(keys), (8, 1, 2048), jnp.float32)
+    residual = jax.random.normal(next(keys), (1, 2048), jnp.bfloat16)
+    norm = jnp.ones((2048,), jnp.float32)
+    router_weight = (jax.random.normal(next(keys), (64, 2048)) * 0.02).astype(jnp.bfloat16)
+    mlp = tuple((jax.random.normal(next(keys), (2048, 768)) * 0.02).astype(jnp.bfloat16) for _ in range(2))
+    fields = {name: parse_value(text) for name, _, text in
+              (pair.partition("=") for pair in filter(None, (tiles_spec or "").split(",")))}
+    programs = moe_front.shared_products(2048, 768)._replace(**fields) if shared else None
+    select = moe_front.Select(6, True, True, 2.446, 4 if shared else 2)
+
+    def fn(sums, residual, norm, router_weight, turns, *mlp):
+        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
+        return moe_front.front(update, residual, norm, router_weight, eps=1e-5, select=select, turns=turns, layer=0,
+                               zeros=64, shared=mlp or None, shared_programs=programs)
+
+    run, turns = jax.jit(fn), jnp.zeros((1, 4), jnp.int32)
+    for _ in range(calls):
+        out = jax.block_until_ready(run(sums, residual, norm, router_weight, turns, *(mlp if shared else ())))
+        turns = out[5]  # x, normed, logits, ids, weights, turns, zeros[, shared sums]
+    print(f"moe_front B1 shared={programs}: ids {out[3][0].tolist()}")
+
+
 def run_moe_dense(shape: str, tokens: int, calls: int, tiles_spec: str | None) -> None:
     import dataclasses
 
@@ -155,14 +190,16 @@ def run_moe_dense(shape: str, tokens: int, calls: int, tiles_spec: str | None) -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("op", choices=("kda", "kda_decode", "moe", "moe_dense", "projection"))
+    parser.add_argument("op", choices=("kda", "kda_decode", "moe", "moe_dense", "moe_front", "projection"))
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--shape", default="deepseek", help="moe: medium or deepseek")
     parser.add_argument("--calls", type=int, default=2)
     parser.add_argument("--tuning", help="kda: KdaTuning overrides, e.g. intra_block_k=64,intra_warps=8")
     parser.add_argument("--shared", type=int, default=0,
-                        help="moe: fold a shared MLP of this many x the experts' width into the decode kernels")
-    parser.add_argument("--tiles", help="moe_dense: DenseTiles overrides, e.g. fused_mlp=true,block_i=64")
+                        help="moe: fold a shared MLP of this many x the experts' width into the decode kernels; "
+                             "moe_front: > 0 adds the shared MLP's gate / up programs")
+    parser.add_argument("--tiles", help="moe_dense: DenseTiles overrides, e.g. fused_mlp=true,block_i=64; moe_front: "
+                                        "SharedProducts fields, e.g. block_n=64,k_parts=8")
     args = parser.parse_args(argv)
     if args.op == "kda":
         run_kda(args.tokens or 8192, args.calls, args.tuning)
@@ -172,6 +209,8 @@ def main(argv=None) -> int:
         run_projection(args.tokens or 1, args.calls)
     elif args.op == "moe":
         run_moe(args.shape, args.tokens or 16, args.calls, args.shared)
+    elif args.op == "moe_front":
+        run_moe_front(args.shared > 0, args.calls, args.tiles)
     else:
         run_moe_dense(args.shape, args.tokens or 1, args.calls, args.tiles)
     return 0
