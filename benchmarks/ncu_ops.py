@@ -30,6 +30,15 @@ import os
 import sys
 
 
+def _fields(spec: str | None) -> dict:
+    """'name=value,...' (`--tiles`) -> {name: value}, values parsed as decode_profile.py's `--set` parses them."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_profile import parse_value  # benchmarks/decode_profile.py
+
+    return {name: parse_value(text) for name, _, text in
+            (pair.partition("=") for pair in filter(None, (spec or "").split(",")))}
+
+
 def run_kda(tokens: int, calls: int, tuning_spec: str | None) -> None:
     import jax
     import jax.numpy as jnp
@@ -133,9 +142,6 @@ def run_moe_front(shared: bool, calls: int, tiles_spec: str | None) -> None:
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from decode_profile import parse_value  # benchmarks/decode_profile.py
-
     from dayzero.kernels import moe_front, projection
 
     keys = iter(jax.random.split(jax.random.key(0), 6))
@@ -144,9 +150,7 @@ def run_moe_front(shared: bool, calls: int, tiles_spec: str | None) -> None:
     norm = jnp.ones((2048,), jnp.float32)
     router_weight = (jax.random.normal(next(keys), (64, 2048)) * 0.02).astype(jnp.bfloat16)
     mlp = tuple((jax.random.normal(next(keys), (2048, 768)) * 0.02).astype(jnp.bfloat16) for _ in range(2))
-    fields = {name: parse_value(text) for name, _, text in
-              (pair.partition("=") for pair in filter(None, (tiles_spec or "").split(",")))}
-    programs = moe_front.shared_products(2048, 768)._replace(**fields) if shared else None
+    programs = moe_front.shared_products(2048, 768)._replace(**_fields(tiles_spec)) if shared else None
     select = moe_front.Select(6, True, True, 2.446, 4 if shared else 2)
 
     def fn(sums, residual, norm, router_weight, turns, *mlp):
@@ -168,7 +172,6 @@ def run_moe_dense(shape: str, tokens: int, calls: int, tiles_spec: str | None) -
     import jax.numpy as jnp
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from decode_profile import parse_value  # benchmarks/decode_profile.py
     from moe import SHAPES, routing  # benchmarks/moe.py
 
     from dayzero.kernels import moe_dense
@@ -179,9 +182,7 @@ def run_moe_dense(shape: str, tokens: int, calls: int, tiles_spec: str | None) -
     w_down = jax.random.normal(keys[2], (n_experts, inter, hidden), jnp.bfloat16) * 0.02
     ids, w = routing(jax.random.key(tokens), tokens, n_experts, top_k)
     x = jax.random.normal(jax.random.key(1), (tokens, hidden), jnp.bfloat16)
-    fields = {name: parse_value(text) for name, _, text in
-              (pair.partition("=") for pair in filter(None, (tiles_spec or "").split(",")))}
-    tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), **fields)
+    tiles = dataclasses.replace(moe_dense.choose_tiles(ids.size, n_experts), **_fields(tiles_spec))
     fn = jax.jit(lambda x, *d: moe_dense.grouped_swiglu(x, ids, w, *d, tiles=tiles))
     for _ in range(calls):
         y = jax.block_until_ready(fn(x, w_gate, w_up, w_down))

@@ -37,9 +37,9 @@ residual may then be float32 too (the previous layer's such sums), rounded to th
 With `shared` (one row, beside the choice), extra programs after the router's multiply the normed row by the shared
 MLP's gate and up weights (`SharedProducts`: `SHARED_BLOCK_N` columns over a part of K each, the weight block
 loaded first as the router's is) and store the float32 sums, which the MXFP4 gate/up kernel then finishes
-(`moe_mxfp4_gemv.SharedFold.front_parts`) instead of streaming those weights itself. The router's programs use ~8
-SMs for ~5 us, waiting on their loads and on each other; these programs stream the shared MLP's gate and up weights
-on the SMs the router leaves idle.
+(`moe_mxfp4_gemv.SharedFold.front_parts`) instead of streaming those weights itself. The router's programs use a
+few SMs (16 at the medium hybrid's one row) for ~5 us, waiting on their loads and on each other; these programs stream
+the shared MLP's gate and up weights on the SMs the router leaves idle.
 """
 
 from __future__ import annotations
@@ -214,10 +214,10 @@ def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zero
     the router's, or None."""
     sums_ref, refs = (refs[0], refs[1:]) if partials else (None, refs)
     res_ref, norm_ref, w_ref, *refs = refs
-    if shared is not None:
-        gate_ref, up_ref, *refs = refs
     if select is not None:  # the correction bias, and the turn counters' input (aliased with their output: unused)
         bias_ref, _, *refs = refs
+    if shared is not None:
+        gate_ref, up_ref, *refs = refs
     x_out, normed_out, logits_out, *refs = refs
     if pack:
         halves_out, factor_out, *refs = refs
@@ -289,8 +289,8 @@ def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zero
         @pl.when(turn == n_router - 1)
         def _choose_experts():
             n_experts = logits_out.shape[1]
-            block = ids_out.shape[0]  # every row of the router's [BLOCK_M, k_pad] output holds the token's choice
-            logits_all = logits_out[jnp.zeros((block,), jnp.int32), pl.ds(0, n_experts)]
+            n_rows = ids_out.shape[0]  # every row of the router's [BLOCK_M, k_pad] output holds the token's choice
+            logits_all = logits_out[jnp.zeros((n_rows,), jnp.int32), pl.ds(0, n_experts)]
             ids, weights = router.choose_experts(logits_all, bias_ref[pl.ds(0, n_experts)], ids_out.shape[1],
                                                  top_k=select.top_k, sigmoid=select.sigmoid,
                                                  renormalize=select.renormalize, scale=select.scale)
@@ -405,9 +405,7 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
             raise ValueError(f"moe front kernel: a shared MLP of {shared[0].shape[1]} columns at {hidden} features "
                              f"does not divide into programs of {shared_programs.block_n} columns x "
                              f"{shared_programs.k_parts} parts of K (each part a multiple of 16)")
-        at = len(operands) + 3  # after the router weight, before the choice's bias and counters
-        inputs[at:at] = list(shared)
-        aliases = {i + 2 if i >= at else i: o for i, o in aliases.items()}
+        inputs += list(shared)  # after the choice's (the aliased counters keep their index)
         outputs.append(jax.ShapeDtypeStruct((shared_programs.k_parts, 2, shared[0].shape[1]), jnp.float32))
         n_programs += shared[0].shape[1] // shared_programs.block_n * shared_programs.k_parts
     else:

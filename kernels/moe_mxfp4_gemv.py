@@ -933,7 +933,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
         raise ValueError(f"the decode kernels take MXFP4 experts, not {ew.fmt}")
     n_experts = n_experts or ew.gate.shape[0]
     n_tokens = x.shape[0]
-    folds = None
+    folds, down_early = None, False
     if shared is not None:
         hidden, inter = x.shape[1], ew.gate.shape[1]
         s_gate, s_up, s_down, made, down_early = SharedMLP(*shared)
@@ -998,7 +998,6 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
         raise ValueError(f"the residual rows to add into ({residual_sums.dtype}{list(residual_sums.shape)}) need "
                          f"float32 {list(x.shape)} and 1-row tiles over whole blocks of the hidden size, not {tiles}")
     zeroed = 0 if residual_sums is not None else sums_size(n_tokens, down, tiles)  # (else the residual rows)
-    down_early = folds is not None and folds[1][0].skip
     h, h_form, zeros = hidden_rows(sched.tile_expert, sched.token_of_row, *xs,
                                    ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales)), tiles, n_tokens, x.dtype,
                                    interpret, zeroed=zeroed, n_rows=n_rows, shared=folds and folds[0],

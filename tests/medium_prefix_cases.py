@@ -36,3 +36,29 @@ def prefilled_medium_prefix(prompt_len: int, num_blocks: int, num_layers: int = 
     positions = jnp.broadcast_to(jnp.arange(prompt_len), (batch, prompt_len))
     _, cache = run(ids, positions, jnp.ones((batch, prompt_len), bool), cache, tables, rows)
     return run, (ids[:, :1], jnp.full((batch, 1), prompt_len), jnp.ones((batch, 1), bool), cache, tables, rows)
+
+
+def decode_off_and_on(monkeypatch, run, args, module, constant: str, values: tuple, took) -> list:
+    """The decode step `run(*args, decode=True)` with `module.constant` at values[0], then at values[1], while each
+    call of the MXFP4 decode kernels (`moe_mxfp4_gemv.grouped_swiglu`) records `took(its keyword arguments)`:
+    asserts that no call took the path the constant turns on with the first value, and every call with the second
+    -> [(logits, cache) with the first, with the second]."""
+    from dayzero.kernels import moe_mxfp4_gemv
+
+    given, experts = [], moe_mxfp4_gemv.grouped_swiglu
+    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu",
+                        lambda *a, **k: given.append(bool(took(k))) or experts(*a, **k))
+    runs = []
+    for value, taken in zip(values, (False, True)):
+        given.clear()
+        monkeypatch.setattr(module, constant, value)
+        runs.append(run(*args, decode=True))
+        assert given and all(g is taken for g in given), (constant, value, given)
+    return runs
+
+
+def logits_change(changed, plain) -> float:
+    """||changed - plain|| / ||plain|| of two steps' logits, asserting the changed ones finite."""
+    a, b = np.asarray(changed, np.float64), np.asarray(plain, np.float64)
+    assert np.all(np.isfinite(a))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))

@@ -77,6 +77,15 @@ def oracle(x, ids, weights, ew: mxfp4.ExpertWeights) -> np.ndarray:
     return dense_oracle(x, ids, weights, *_dense(ew))
 
 
+def shared_gate_up_sums(x, shared, parts: int) -> jax.Array:
+    """x [1, H] times a shared MLP's gate and up [H, S] in float64, as float32 sums [parts, 2, S] over `parts` equal
+    parts of K (as `kernels.moe_front.front(shared=)` hands them over)."""
+    xs = np.asarray(x, np.float64).reshape(parts, -1)
+    width = shared[0].shape[1]
+    return jnp.asarray(np.stack([np.stack([xs[f] @ np.asarray(m, np.float64).reshape(parts, -1, width)[f]
+                                           for m in shared[:2]]) for f in range(parts)]), jnp.float32)
+
+
 def rel_err(actual, expected) -> float:
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return float(np.max(np.abs(actual - expected)) / np.max(np.abs(expected)))

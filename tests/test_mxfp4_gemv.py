@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mxfp4_cases import oracle, packed_experts, rel_err, routing
+from mxfp4_cases import oracle, packed_experts, rel_err, routing, shared_gate_up_sums
 from triton_lowering import lower_for_cuda
 from dayzero.kernels import moe, moe_mxfp4, moe_mxfp4_gemv as gemv, moe_tiles, mxfp4
 
@@ -425,15 +425,6 @@ def _one_token_with_shared(seed: int, split_k: int):
     return rng, ew, shared, oracle_mlp, x, ids, w, tiles
 
 
-def _gate_up_sums(x, shared, parts: int) -> jax.Array:
-    """x [1, H] times the shared MLP's gate and up in float64, as float32 sums [parts, 2, S] over `parts` equal parts
-    of K (as `kernels.moe_front.front(shared=)` hands them over)."""
-    xs = np.asarray(x, np.float64).reshape(parts, -1)
-    width = shared[0].shape[1]
-    return jnp.asarray(np.stack([np.stack([xs[f] @ np.asarray(m, np.float64).reshape(parts, -1, width)[f]
-                                           for m in shared[:2]]) for f in range(parts)]), jnp.float32)
-
-
 @pytest.mark.parametrize("split_k,parts_of_k", [(4, 2), (1, 1), (2, 4)])
 def test_shared_gate_up_sums_made_ahead(seed, split_k, parts_of_k):
     """One token with the shared MLP's gate / up sums made ahead (`SharedMLP.gate_up_sums`, as the MoE front kernel
@@ -441,7 +432,7 @@ def test_shared_gate_up_sums_made_ahead(seed, split_k, parts_of_k):
     up, giving the same result as the fold that streams them, near the float32 oracle; sums for more than one token
     or of another shape are refused by name."""
     rng, ew, shared, oracle_mlp, x, ids, w, tiles = _one_token_with_shared(seed, split_k)
-    made = gemv.SharedMLP(*shared, gate_up_sums=_gate_up_sums(x, shared, parts_of_k))
+    made = gemv.SharedMLP(*shared, gate_up_sums=shared_gate_up_sums(x, shared, parts_of_k))
     args = (x, jnp.asarray(ids), jnp.asarray(w), ew, E, tiles)
     got = gemv.grouped_swiglu(*args, interpret=True, shared=made)
     streamed = gemv.grouped_swiglu(*args, interpret=True, shared=shared)
@@ -463,7 +454,7 @@ def test_shared_down_in_the_gate_up_kernel(seed, split_k):
     oracle. Without the residual rows, or without the sums, it is refused by name."""
     rng, ew, shared, oracle_mlp, x, ids, w, tiles = _one_token_with_shared(seed, split_k)
     residual = jnp.asarray(rng.standard_normal((1, x.shape[1])) * 4, jnp.float32)
-    sums = _gate_up_sums(x, shared, 1)
+    sums = shared_gate_up_sums(x, shared, 1)
     args = (x, jnp.asarray(ids), jnp.asarray(w), ew, E, tiles)
     made_early = gemv.SharedMLP(*shared, gate_up_sums=sums, down_in_gate_up=True)
     assert len(jax.tree_util.tree_leaves(made_early)) == 4  # the switch is static: it may cross a jit boundary

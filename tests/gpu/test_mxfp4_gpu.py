@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mxfp4_cases import ROUTINGS, assert_forward_top_tokens, converted, oracle, packed_experts, rel_err, routing
+from mxfp4_cases import (ROUTINGS, assert_forward_top_tokens, converted, oracle, packed_experts, rel_err, routing,
+                         shared_gate_up_sums)
 from dayzero.kernels import moe, moe_mxfp4, moe_mxfp4_gemv, moe_workspace, mxfp4
 
 pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices()),
@@ -326,15 +327,12 @@ def _one_token_with_residual(seed: int, shape):
 @pytest.mark.parametrize("shape", [(64, 6, 2048, 768), (256, 8, 7168, 2048)])
 def test_gemv_shared_sums_made_ahead(seed, shape):
     """One token, the model's tiles, residual rows to add into: the shared MLP streamed by the decode kernels, its
-    gate / up sums made ahead (`SharedMLP.gate_up_sums`, here by XLA in two parts of K), and with its down
+    gate / up sums made ahead (`SharedMLP.gate_up_sums`, here on the host in two parts of K), and with its down
     projection in the gate/up kernel as well (`down_in_gate_up`) give the same sums to float32 rounding (the atomics'
     order varies), near the float32 reference."""
-    n_experts, top_k, hidden, inter = shape
+    n_experts, top_k = shape[:2]
     ew, ids, w, x, residual, shared = _one_token_with_residual(seed, shape)
-    with jax.default_matmul_precision("highest"):
-        parts = x.astype(jnp.float32).reshape(2, hidden // 2)
-        sums = jnp.stack([jnp.stack([parts[f] @ m.astype(jnp.float32).reshape(2, hidden // 2, inter)[f]
-                                     for m in shared[:2]]) for f in range(2)])
+    sums = shared_gate_up_sums(x, shared, 2)
     tiles = moe_mxfp4_gemv.tiles_for(top_k, n_experts)
     run = jax.jit(lambda x, ids, w, ew, sh, r: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=tiles, shared=sh,
                                                                             residual_sums=r))
@@ -359,22 +357,13 @@ def test_decode_step_folds_the_shared_mlp_on_gpu(monkeypatch):
     shared MLP through its own kernels: the next-token logits to bf16 rounding, the kernels given it in every MoE
     layer."""
     from dayzero.model import moe as model_moe
-    from medium_prefix_cases import prefilled_medium_prefix
+    from medium_prefix_cases import decode_off_and_on, logits_change, prefilled_medium_prefix
 
     run, args = prefilled_medium_prefix(9, num_blocks=3, batch=1, mxfp4=True)
-    given, experts = [], moe_mxfp4_gemv.grouped_swiglu
-    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
-        k.get("shared") is not None) or experts(*a, **k))
     monkeypatch.setattr(model_moe, "RESIDUAL_IN_SUMS", False)  # both sides add the residual alike (it needs the fold)
-    monkeypatch.setattr(model_moe, "SHARED_IN_PACKED_MAX_TOKENS", 0)
-    apart, _ = run(*args, decode=True)
-    assert given and not any(given)
-    given.clear()
-    monkeypatch.setattr(model_moe, "SHARED_IN_PACKED_MAX_TOKENS", 1)
-    folded, _ = run(*args, decode=True)
-    assert given and all(given), given
-    a, b = np.asarray(folded, np.float64), np.asarray(apart, np.float64)
-    assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 1e-2
+    (apart, _), (folded, _) = decode_off_and_on(monkeypatch, run, args, model_moe, "SHARED_IN_PACKED_MAX_TOKENS",
+                                                (0, 1), lambda k: k.get("shared") is not None)
+    assert logits_change(folded, apart) < 1e-2
 
 
 @pytest.mark.parametrize("shape", [(64, 6, 2048, 768), (256, 8, 7168, 2048)])
@@ -402,18 +391,9 @@ def test_decode_step_adds_the_residual_in_the_down_kernel_on_gpu(monkeypatch):
     kernels round them as they load) against the residual added by XLA: the next-token logits to bf16 rounding, the
     decode kernels given the rows in every MoE layer."""
     from dayzero.model import moe as model_moe
-    from medium_prefix_cases import prefilled_medium_prefix
+    from medium_prefix_cases import decode_off_and_on, logits_change, prefilled_medium_prefix
 
     run, args = prefilled_medium_prefix(9, num_blocks=3, batch=1, mxfp4=True)
-    given, experts = [], moe_mxfp4_gemv.grouped_swiglu
-    monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
-        k.get("residual_sums") is not None) or experts(*a, **k))
-    monkeypatch.setattr(model_moe, "RESIDUAL_IN_SUMS", False)
-    plain, _ = run(*args, decode=True)
-    assert given and not any(given)
-    given.clear()
-    monkeypatch.setattr(model_moe, "RESIDUAL_IN_SUMS", True)
-    summed, _ = run(*args, decode=True)
-    assert given and all(given), given
-    a, b = np.asarray(summed, np.float64), np.asarray(plain, np.float64)
-    assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    (plain, _), (summed, _) = decode_off_and_on(monkeypatch, run, args, model_moe, "RESIDUAL_IN_SUMS", (False, True),
+                                                lambda k: k.get("residual_sums") is not None)
+    assert logits_change(summed, plain) < 2e-2
