@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from tiny_decode_cases import jitted_prefill
+
 
 def prefilled_mla_layer(seed: int, **config):
     """-> (step, decode_args): `step(*decode_args, decode=True)` is the model's cached decode step of one token per
@@ -23,7 +25,8 @@ def prefilled_mla_layer(seed: int, **config):
     ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 5)), jnp.int32)
     tables, slots = jnp.asarray([[1], [2]], jnp.int32), jnp.asarray([1, 2], jnp.int32)
     step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
-    _, cache = step(ids, jnp.broadcast_to(jnp.arange(5), (2, 5)), jnp.ones((2, 5), bool), cache, tables, slots)
+    cache = jitted_prefill(model, ids, jnp.broadcast_to(jnp.arange(5), (2, 5)), jnp.ones((2, 5), bool), cache, tables,
+                           slots)
     return step, (ids[:, :1], jnp.full((2, 1), 5), jnp.ones((2, 1), bool), cache, tables, slots)
 
 

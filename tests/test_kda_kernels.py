@@ -15,7 +15,7 @@ from dayzero.kernels import kda as kda_ops
 from dayzero.kernels.kda import pallas as kda_pallas
 from dayzero.kernels.kda import reference as kda_ref
 from test_kernels_reference import _hf_kda, assert_close, hf_chunk_kda, hf_recurrent_kda, kda_inputs, run_kda
-from tiny_decode_cases import prefilled_decode
+from tiny_decode_cases import jitted_prefill, prefilled_decode
 from triton_lowering import count_triton_kernels
 
 F32 = 2e-5  # interpret mode computes in float32 throughout
@@ -528,7 +528,7 @@ def test_model_decode_layer_path_equals_step(seed, monkeypatch):
     tables, rows = jnp.asarray([[1], [2]], jnp.int32), jnp.asarray([1, 2], jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
     step = lambda *a, **k: model.module.apply({"params": model.params}, *a, method="step", **k)
-    _, cache = step(ids, positions, jnp.ones((2, 5), bool), cache, tables, rows)
+    cache = jitted_prefill(model, ids, positions, jnp.ones((2, 5), bool), cache, tables, rows)
     token, at = ids[:, :1], jnp.full((2, 1), 5)
     fused, _ = step(token, at, jnp.ones((2, 1), bool), cache, tables, rows, decode=True)
     monkeypatch.setattr(decode_layer, "choose", lambda impl=None: "reference")
