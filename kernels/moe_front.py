@@ -395,7 +395,8 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
             raise ValueError("moe front kernel: zeros for the decode kernels come with the router's choice (select)")
         zeros = tiling.pow2_at_least(zeros)
         outputs.append(jax.ShapeDtypeStruct((zeros,), jnp.int32))
-    n_programs = n_experts // expert_block(rows)
+    block = expert_block(rows)
+    n_programs = n_experts // block
     if shared is not None:
         if select is None:
             raise ValueError("moe front kernel: the shared MLP's products come with the router's choice (select)")
@@ -411,8 +412,7 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     else:
         shared_programs = None
     out = tiling.pallas_call(
-        functools.partial(_kernel, hidden=hidden, block=expert_block(rows), partials=partials,
-                          eps=float(eps), pack=pack, sums=sums,
+        functools.partial(_kernel, hidden=hidden, block=block, partials=partials, eps=float(eps), pack=pack, sums=sums,
                           select=select, layer=layer, zeros=zeros, shared=shared_programs, interpret=interpret),
         grid=(n_programs, rows),
         out_shape=outputs,
