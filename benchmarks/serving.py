@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                         help="an XLA option added to dayzero's GPU compile options (repeatable), to try one")
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
                         help="set a dayzero module constant for this run (repeatable; true/false/ints parsed), e.g. "
-                             "model.moe.SHARED_GATE_UP_IN_FRONT=true")
+                             "model.moe.SHARED_GATE_UP_IN_FRONT=false")
     parser.add_argument("--batches", default="1,16,64", help="comma-separated decode batch sizes to time")
     parser.add_argument("--skip-ttft", action="store_true", help="time no single-prompt TTFT (2K and --long-prompt)")
     args = parser.parse_args(argv)

@@ -81,11 +81,20 @@ MAX_ROWS = 16
 # router's choice), no spills.
 NUM_WARPS = 16
 # The shared MLP's gate / up products in this kernel (`front(shared=)`): weight columns per program and parts of K
-# per column block (the medium hybrid: 768 columns / 16 x 2 parts = 96 programs of 64 KB beside the router's 16). On
-# the H200 with both model switches on (forty-first session): 0.848 ms of kernels per batch-1 token against 0.879 with
-# 4 parts (192 programs of 32 KB) and 0.873 with 32 columns (48 programs of 128 KB).
-SHARED_BLOCK_N = 16
-SHARED_K_PARTS = 2
+# per column block (the medium hybrid: 768 columns / 64 x 8 parts = 96 programs of 64 KB beside the router's 16, each
+# reading its [256, 64] blocks of gate and up as 128-byte runs of rows). On the H100 with both model switches on
+# (medium hybrid with MXFP4 experts, decode_profile.py --experts mxfp4 --batches 1, one machine, forty-third session):
+# 0.867 / 0.868 ms per token pipelined in two calls, against 0.907 at 16 x 2 (the former default: 32-byte runs),
+# 0.881 at 128 x 16, 0.903 at 64 x 16, and 0.895 / 0.894 with both switches off. Under ncu (`ncu_ops.py moe_front`)
+# the front at 16 x 2 took 12.7 against 7.6 us without the shared programs. The gate/up kernel adds up more parts
+# (0.150 against 0.144 ms per token at 16 x 2) but the front sheds more. On the H200 16 x 2 measured 0.848 ms of
+# kernels against 0.879 with 4 parts and 0.873 with 32 columns (forty-first session); 64 x 8 is not yet measured there.
+SHARED_BLOCK_N = 64
+SHARED_K_PARTS = 8
+# The most weight elements one shared program holds per weight (`shared_products`): the medium hybrid's [256, 64]
+# blocks, the shape measured. A wider model's blocks would be larger per program (more registers than the 16-warp
+# front has); `shared_products` gives None there, and the MXFP4 gate/up kernel streams the shared weights as before.
+SHARED_MAX_BLOCK = 256 * 64
 
 
 class Select(NamedTuple):
@@ -110,9 +119,11 @@ class SharedProducts(NamedTuple):
 
 def shared_products(hidden: int, shared_inter: int) -> SharedProducts | None:
     """The extra programs for a shared MLP of `shared_inter` columns at hidden size `hidden` (`SHARED_BLOCK_N`,
-    `SHARED_K_PARTS`), or None where they do not divide it."""
+    `SHARED_K_PARTS`), or None where they do not divide it or a program's block of each weight would exceed
+    `SHARED_MAX_BLOCK` elements."""
     spec = SharedProducts(SHARED_BLOCK_N, SHARED_K_PARTS)
-    return spec if _divides(spec, hidden, shared_inter) else None
+    fits = hidden // spec.k_parts * spec.block_n <= SHARED_MAX_BLOCK
+    return spec if fits and _divides(spec, hidden, shared_inter) else None
 
 
 def _divides(spec: SharedProducts, hidden: int, shared_inter: int) -> bool:

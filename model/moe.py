@@ -95,16 +95,19 @@ RESIDUAL_IN_SUMS = True
 # fold in the shared MLP, also multiplies the normed row by the shared MLP's gate and up weights, in programs beside
 # the router's (`kernels.moe_front.front(shared=)`, `MoE.front_shared`), so the gate/up kernel finishes those sums
 # (`moe_mxfp4_gemv.SharedFold.front_parts`) instead of streaming the 6.3 MB of bf16 weights itself (the medium
-# hybrid). Off: it loses on the H200 (medium hybrid with MXFP4 experts, decode_profile.py --experts mxfp4 --batches 1,
-# one machine, forty-first session): 0.857 against 0.829 ms per token pipelined, 0.868 against 0.838 ms of kernels;
-# the gate/up kernel 11.0 -> 8.8 us per MoE layer, but the front with its 96 extra programs ~4 us slower.
-SHARED_GATE_UP_IN_FRONT = False
+# hybrid). Used where `kernels.moe_front.shared_products` takes the shapes. With SHARED_DOWN_IN_GATE_UP, on the H100
+# (medium hybrid with MXFP4 experts, decode_profile.py --experts mxfp4 --batches 1, one machine, forty-third session,
+# the front's programs at 64 columns x 8 parts of K): 0.867 / 0.868 ms per token pipelined in two calls against
+# 0.895 / 0.894 with both switches off; the gate/up kernel 12.0 -> 10.0 us and the down kernel 6.6 -> 5.0 us per MoE
+# layer. The former 16 x 2 programs lost (0.907 there; on the H200, forty-first session, 0.857 alone and 0.832 with
+# SHARED_DOWN_IN_GATE_UP against 0.829 off). Batch 16 takes neither (2.106 against 2.110 ms). Not yet measured on the
+# H200 at 64 x 8.
+SHARED_GATE_UP_IN_FRONT = True
 # Whether, with SHARED_GATE_UP_IN_FRONT, the MXFP4 gate/up kernel's shared tiles also run the shared MLP's down
 # projection from those sums, adding into the residual rows (`RESIDUAL_IN_SUMS`; `moe_mxfp4_gemv.SharedMLP.
 # down_in_gate_up`), so the down kernel streams the routed experts alone (the medium hybrid's 3.1 MB of bf16 down
-# moves beside the gate/up kernel's routed programs). Off: with both switches the same H200 call took 0.832 / 0.848 ms
-# (the down kernel 6.3 -> 4.8 us per layer), still behind both off; it would pay only beside a cheaper front.
-SHARED_DOWN_IN_GATE_UP = False
+# moves beside the gate/up kernel's routed programs). Measured with the first switch, above.
+SHARED_DOWN_IN_GATE_UP = True
 # Router calls of up to this many tokens compute their logits as one multiply-and-sum fusion (`router_logits`). On
 # the H200 (medium hybrid, with kernels.router.select_experts, 2026-12-01): 1.351 / 2.968 ms of kernels per decode
 # token at batch 1 / 16 against 1.397 / 2.990 with the dot (benchmarks/decode_profile.py --router-dot).

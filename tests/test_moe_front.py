@@ -383,6 +383,7 @@ def test_front_makes_the_shared_products(seed, block_n, k_parts):
     assert moe_front.shared_products(2048, 768) == moe_front.SharedProducts(moe_front.SHARED_BLOCK_N,
                                                                            moe_front.SHARED_K_PARTS)
     assert moe_front.shared_products(2048, 760) is None
+    assert moe_front.shared_products(4096, 768) is None  # [512, 64] blocks: over SHARED_MAX_BLOCK
     spec = jax.ShapeDtypeStruct
 
     def model_shapes(sums, residual, norm_weight, router_weight, bias, turns, gate, up):
