@@ -369,7 +369,8 @@ def moe_gemv_cases() -> dict:
     experts, top-8, 7168 x 2048) and the medium hybrid's (64, top-6, 2048 x 768): 1 token (`tiles_for`'s tiles, the
     activations packed in the kernels); 16 and 64 tokens with 2- and 4-row tiles, and 4-row tiles that multiply only
     their real rows ("4a": `GemvTiles.adaptive`); the medium layer's token with the shared MLP folded in (streamed,
-    its gate / up sums made by the front kernel, and its down projection in the gate/up kernel as well)."""
+    its gate / up sums made by the front kernel in 8 parts of K, and its down projection in the gate/up kernel as
+    well, also from sums still to scale)."""
     from dayzero.kernels import moe_mxfp4_gemv, mxfp4
 
     tiles = moe_mxfp4_gemv.GemvTiles
@@ -390,12 +391,16 @@ def moe_gemv_cases() -> dict:
         cases[f"{label} T{n_tokens} rows{rows}"] = (fn, _moe_layer_shapes(*shape, n_tokens, "mxfp4"))
     S = jax.ShapeDtypeStruct
     shared_shapes = (S((2048, 768), jnp.bfloat16), S((2048, 768), jnp.bfloat16), S((768, 2048), jnp.bfloat16),
-                     S((2, 2, 768), jnp.float32), S((1, 2048), jnp.float32))
+                     S((8, 2, 768), jnp.float32), S((1,), jnp.float32), S((1, 2048), jnp.float32))
     medium_tiles = moe_mxfp4_gemv.tiles_for(6, 64)
-    for label, made, early in (("streamed", False, False), ("gate/up sums from the front", True, False),
-                               ("and the down in the gate/up kernel", True, True)):
-        def folded(x, ids, w, g, u, d, gs, us, ds, sg, su, sd, sums, residual, made=made, early=early):
+    for label, made, early, scaled in (
+            ("streamed", False, False, False), ("gate/up sums from the front", True, False, False),
+            ("and the down in the gate/up kernel", True, True, False),
+            ("and the down in the gate/up kernel, the sums scaled (the front's row part)", True, True, True)):
+        def folded(x, ids, w, g, u, d, gs, us, ds, sg, su, sd, sums, scale, residual, made=made, early=early,
+                   scaled=scaled):
             ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds)
+            sums = moe_mxfp4_gemv.ScaledSums(sums, scale) if scaled else sums
             shared = moe_mxfp4_gemv.SharedMLP(sg, su, sd, gate_up_sums=sums if made else None, down_in_gate_up=early)
             return moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=medium_tiles, shared=shared,
                                                  residual_sums=residual)
@@ -408,7 +413,7 @@ def moe_gemv_cases() -> dict:
 def moe_front_cases() -> dict:
     """The MoE front (residual add, norm, router logits) at the medium hybrid's MoE layer (2048 features, 64
     experts) for one row, after o_proj's 8 K slices: alone, with the router's choice, and with the shared MLP's
-    gate / up products (768 columns) as well."""
+    gate / up products (768 columns) as well (default 64 columns x 8 parts of K, and others)."""
     from dayzero.kernels import moe_front, projection
 
     S = jax.ShapeDtypeStruct
@@ -436,8 +441,9 @@ def moe_front_cases() -> dict:
             **{f"front B1 with the choice and the shared gate/up{name}": (
                 functools.partial(sharing, programs=programs),
                 shapes + choice + (S((2048, 768), jnp.bfloat16), S((2048, 768), jnp.bfloat16)))
-               for name, programs in (("", None), (", 64 columns x 8 parts", moe_front.SharedProducts(64, 8)),
-                                      (", 128 columns x 16 parts", moe_front.SharedProducts(128, 16)))}}
+               for name, programs in (("", None), (", 16 columns x 2 parts", moe_front.SharedProducts(16, 2)),
+                                      (", 128 columns x 16 parts", moe_front.SharedProducts(128, 16)),
+                                      (", 64 x 8, the row part", moe_front.SharedProducts(64, 8, True)))}}
 
 
 CASES = {"indexer": indexer_cases, "kda": kda_cases, "mla_absorb": mla_absorb_cases, "moe_dense": moe_dense_cases,

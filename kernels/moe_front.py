@@ -95,6 +95,13 @@ SHARED_K_PARTS = 8
 # blocks, the shape measured. A wider model's blocks would be larger per program (more registers than the 16-warp
 # front has); `shared_products` gives None there, and the MXFP4 gate/up kernel streams the shared weights as before.
 SHARED_MAX_BLOCK = 256 * 64
+# Whether the shared programs multiply only their K part of the row, unnormalised (x times the norm weight, float32),
+# so each reads 1 / k_parts of o_proj's partial sums instead of all of them, and skips the rms reduction and the
+# second read of its part; the first router program writes the row's 1 / rms, which the MXFP4 gate/up kernel applies
+# to the added-up sums (`SharedProducts.row_part`, `moe_mxfp4_gemv.ScaledSums`). The shared MLP's gate / up sums then
+# skip the normed row's bf16 rounding (within it of the normed form's). Off: not yet measured on a GPU (built in the
+# forty-third session for the ~1.8 us per MoE layer the front still spends on its shared programs at 64 x 8).
+SHARED_ROW_PART = False
 
 
 class Select(NamedTuple):
@@ -111,17 +118,20 @@ class Select(NamedTuple):
 
 class SharedProducts(NamedTuple):
     """`front(shared=)`'s extra programs: each multiplies the normed row's K part `hidden / k_parts` by `block_n`
-    columns of the shared MLP's gate and up weights; programs n_router + c * k_parts + p (column block c, part p)."""
+    columns of the shared MLP's gate and up weights; programs n_router + c * k_parts + p (column block c, part p).
+    `row_part`: they multiply the unnormalised part (x times the norm weight) instead, and the front also returns
+    the row's 1 / rms to scale the sums by (`SHARED_ROW_PART`)."""
 
     block_n: int
     k_parts: int
+    row_part: bool = False
 
 
 def shared_products(hidden: int, shared_inter: int) -> SharedProducts | None:
     """The extra programs for a shared MLP of `shared_inter` columns at hidden size `hidden` (`SHARED_BLOCK_N`,
     `SHARED_K_PARTS`), or None where they do not divide it or a program's block of each weight would exceed
     `SHARED_MAX_BLOCK` elements."""
-    spec = SharedProducts(SHARED_BLOCK_N, SHARED_K_PARTS)
+    spec = SharedProducts(SHARED_BLOCK_N, SHARED_K_PARTS, SHARED_ROW_PART)
     fits = hidden // spec.k_parts * spec.block_n <= SHARED_MAX_BLOCK
     return spec if fits and _divides(spec, hidden, shared_inter) else None
 
@@ -240,6 +250,8 @@ def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zero
         zeros_out, *refs = refs
     if shared is not None:
         shared_out, *refs = refs
+    if shared is not None and shared.row_part:
+        scale_out, *refs = refs
     dtype = x_out.dtype  # the model's (`model_dtype`: a float32 residual is rounded to it as it loads)
     n_router = w_ref.shape[0] // block
     program = pl.program_id(0)  # (read here: interpret mode takes no program_id inside a `pl.when`)
@@ -273,6 +285,8 @@ def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zero
             normed_out[row, cols] = normed
             if sums:  # x (exact in float32) as the start of the down kernel's sums
                 sums_out[row, cols] = x
+            if shared is not None and shared.row_part:  # the row's 1 / rms, for the shared programs' sums
+                scale_out[row_id] = inv_rms
             if pack:  # the row's words for the MXFP4 decode kernels (`packed_rows`)
                 positions, halves, factor = moe_mxfp4_gemv.row_halves(normed.astype(jnp.float32).reshape(hidden))
                 halves_out[row_id, positions] = halves
@@ -314,17 +328,20 @@ def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zero
         return
 
     def shared_program():
-        """normed's K part times block_n columns of the shared gate and up weights -> float32 sums (`shared_out`
-        [k_parts, 2, S])."""
+        """normed's K part (or with `row_part` x's times the norm weight) times block_n columns of the shared gate and
+        up weights -> float32 sums (`shared_out` [k_parts, 2, S])."""
         p = program - n_router
         k_len = hidden // shared.k_parts
         part = p % shared.k_parts
         ks = pl.ds(pl.multiple_of(part * k_len, k_len), k_len)
         cs = pl.ds(pl.multiple_of(p // shared.k_parts * shared.block_n, shared.block_n), shared.block_n)
         weights = [gate_ref[ks, cs], up_ref[ks, cs]]  # [k_len, block_n] each: first, as the router's
-        x = row_x(pl.ds(0, hidden))
-        inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)  # the row's, as the router's programs find it
-        column = normalised(row_x(ks), inv_rms, ks).astype(jnp.float32).reshape(k_len, 1)
+        if shared.row_part:  # the part unnormalised: the router's first program writes the row's 1 / rms
+            column = (norm_ref[ks].astype(jnp.float32)[None, :] * row_x(ks)).reshape(k_len, 1)
+        else:
+            x = row_x(pl.ds(0, hidden))
+            inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)  # the row's, as the router's programs find it
+            column = normalised(row_x(ks), inv_rms, ks).astype(jnp.float32).reshape(k_len, 1)
         for i, w in enumerate(weights):
             shared_out[part, jnp.int32(i), cs] = jnp.sum(column * w.astype(jnp.float32), axis=0)
 
@@ -357,7 +374,9 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
 
     With `shared` (the shared MLP's gate and up, 16-bit [H, S] each; needs `select`), the results end with the
     normed row times each as float32 sums [k_parts, 2, S], to add up over the parts of K, made by programs beside
-    the router's (`shared_programs`, default `SHARED_BLOCK_N` x `SHARED_K_PARTS`; `shared_products`)."""
+    the router's (`shared_programs`, default `SHARED_BLOCK_N` x `SHARED_K_PARTS`; `shared_products`). With
+    `SharedProducts.row_part` they are sums of the unnormalised row (x times the norm weight) and come back as
+    `moe_mxfp4_gemv.ScaledSums` with the row's 1 / rms float32 [1] (written by the first router program)."""
     _check(update, residual, norm_weight, router_weight)
     rows, hidden = residual.shape
     n_experts = router_weight.shape[0]
@@ -412,13 +431,15 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         if select is None:
             raise ValueError("moe front kernel: the shared MLP's products come with the router's choice (select)")
         _check_shared(shared, rows, hidden)
-        shared_programs = shared_programs or SharedProducts(SHARED_BLOCK_N, SHARED_K_PARTS)
+        shared_programs = shared_programs or SharedProducts(SHARED_BLOCK_N, SHARED_K_PARTS, SHARED_ROW_PART)
         if not _divides(shared_programs, hidden, shared[0].shape[1]):
             raise ValueError(f"moe front kernel: a shared MLP of {shared[0].shape[1]} columns at {hidden} features "
                              f"does not divide into programs of {shared_programs.block_n} columns x "
                              f"{shared_programs.k_parts} parts of K (each part a multiple of 16)")
         inputs += list(shared)  # after the choice's (the aliased counters keep their index)
         outputs.append(jax.ShapeDtypeStruct((shared_programs.k_parts, 2, shared[0].shape[1]), jnp.float32))
+        if shared_programs.row_part:  # the row's 1 / rms, for the sums of the unnormalised row
+            outputs.append(jax.ShapeDtypeStruct((1,), jnp.float32))
         n_programs += shared[0].shape[1] // shared_programs.block_n * shared_programs.k_parts
     else:
         shared_programs = None
@@ -434,6 +455,8 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
     )(*inputs)
     if pack:
         out = [*out[:3], (moe_mxfp4_gemv.halves_as_words(out[3]), out[4]), *out[5:]]
+    if shared_programs is not None and shared_programs.row_part:
+        out = [*out[:-2], moe_mxfp4_gemv.ScaledSums(out[-2], out[-1])]
     return tuple(out)
 
 

@@ -332,7 +332,8 @@ class SharedFold(NamedTuple):
     pseudo-expert and token (1-row tiles), `tiles_per_part` (the call's tokens) apart in the schedule.
     `front_parts` > 0 (gate/up, one token): the gate and up sums come made already, float32 [front_parts, 2, S] in
     parts of K to add up (`kernels.moe_front.front(shared=)`), in place of the weights: quarter 0's programs of each
-    part add them up and write h, the other quarters' programs do nothing. With `down_cols` > 0 as well the gate/up
+    part add them up and write h, the other quarters' programs do nothing; with `front_scaled` the added-up sums are
+    multiplied by a float32 factor [1] given after them (`ScaledSums`). With `down_cols` > 0 as well the gate/up
     kernel runs the shared MLP's down projection too, from those sums (`_shared_down`: each program of a
     pseudo-expert's tile takes `down_cols` of the `hidden` output columns over its share of the quarter's rows of
     down, SwiGLU applied to the sums as it reads them, adding into the token's float32 sums; both set by
@@ -346,6 +347,7 @@ class SharedFold(NamedTuple):
     blocks: int
     tiles_per_part: int
     front_parts: int = 0
+    front_scaled: bool = False
     down_cols: int = 0
     hidden: int = 0
     skip: bool = False
@@ -356,9 +358,18 @@ class SharedFold(NamedTuple):
         return pseudo // self.quarters, pseudo % self.quarters
 
 
+class ScaledSums(NamedTuple):
+    """A shared MLP's gate / up sums made ahead that still need one factor: sums float32 [F, 2, S] in F parts of K
+    (of the unnormalised row, `kernels.moe_front.SharedProducts.row_part`) and scale float32 [1] (the row's 1 / rms);
+    the gate/up kernel multiplies their total by it."""
+
+    sums: jax.Array
+    scale: jax.Array
+
+
 class SharedMLP(NamedTuple):
     """A shared-expert MLP for `grouped_swiglu(shared=)`: gate [H, S], up [H, S], down [S, H] bf16, and optionally
-    its gate / up sums for the call's one token made already (float32 [F, 2, S] in F parts of K:
+    its gate / up sums for the call's one token made already (float32 [F, 2, S] in F parts of K, or `ScaledSums`:
     `kernels.moe_front.front(shared=)`), which the gate/up kernel then finishes instead of streaming gate and up;
     with `down_in_gate_up` as well (and residual rows to add into), the gate/up kernel also runs its down projection
     from those sums (`SharedFold.down_cols`), so the down kernel streams the routed experts alone."""
@@ -366,7 +377,7 @@ class SharedMLP(NamedTuple):
     gate: jax.Array
     up: jax.Array
     down: jax.Array
-    gate_up_sums: jax.Array | None = None
+    gate_up_sums: jax.Array | ScaledSums | None = None
     down_in_gate_up: bool = False
 
 
@@ -468,7 +479,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     if shared is None or shared.skip:
         n_shared = 0
     elif role == "gate_up":  # the weights (gate, up), or the front's sums (and down, which runs here)
-        n_shared = 1 + bool(shared.down_cols) if shared.front_parts else 2
+        n_shared = 1 + shared.front_scaled + bool(shared.down_cols) if shared.front_parts else 2
     else:
         n_shared = 1
     if role == "gate_up":
@@ -591,6 +602,8 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             width = shared.width  # S, the sums' row length
             g, u = (sum(s_refs[0][pl.ds((f * 2 + i) * width + col, bn)] for f in range(shared.front_parts))
                     for i in (0, 1))
+            if shared.front_scaled:
+                g, u = g * s_refs[1][0], u * s_refs[1][0]
             slice_cols = shared.part_inter // shared.quarters
             write_hidden((t + (c0 // slice_cols) * shared.tiles_per_part) * rows, c0 % slice_cols, g, u, None)
 
@@ -606,11 +619,13 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         chunk = tiling.pow2_divisor(per, SHARED_DOWN_ROWS)
         r0 = piece * shared.part_inter + quarter * rows_q + q * per
         columns = j * cols + jax.lax.broadcasted_iota(jnp.int32, (cols,), 0)
-        sums_in, down_ref = s_refs
+        sums_in, *scale_ref, down_ref = s_refs  # (the factor's ref with `front_scaled`)
 
         def step(s, acc):
             r = r0 + s * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
             g, u = (sum(sums_in[(f * 2 + i) * shared.width + r] for f in range(shared.front_parts)) for i in (0, 1))
+            if scale_ref:
+                g, u = g * scale_ref[0][0], u * scale_ref[0][0]
             h = (g / (1.0 + jnp.exp(-g)) * u).astype(h_dtype).astype(jnp.float32)
             w = down_ref[r[:, None] * hidden + columns[None, :]].astype(jnp.float32)  # [chunk, C]
             return acc + jnp.sum(h[:, None] * w, axis=0)
@@ -756,13 +771,14 @@ def hidden_rows(tile_expert, token_of_row, x, x_form: str, gate_up, tiles: GemvT
     ((blocks, scales) of gate, of up), blocks uint8 [E, I, G, 16], scales uint8 [E, I, G]. Rows of skipped tiles
     (and, with adaptive tiles, a tile's rows past its real ones) are left unwritten. `n_rows`: the rows R to run
     (default all of token_of_row's; a longer table's rows past R are not read). `shared`: (its `SharedFold`, the
-    shared MLP's (gate, up) [H, S] bf16, or with `SharedFold.front_parts` its (gate / up sums made ahead,)): tiles of
-    experts from fold.n_routed run it (h packed only); given `token_sums` (float32 [H], one token: the down kernel's
-    sums, e.g. the residual rows; with `SharedFold.front_parts`, the refs (sums made ahead, down [S, H])) they run its
-    down projection instead, adding into token_sums (`SharedFold.down_cols`, set here), which then come back as
-    zeros. `turns`: int32 zeros, at least `turn_count` of them, for
-    the turn counters where the kernel takes them (split K or `shared`), made ahead by an earlier kernel
-    (`kernels.moe_front.front(zeros=)`) so no zero fill runs here; left nonzero."""
+    shared MLP's (gate, up) [H, S] bf16, or with `SharedFold.front_parts` its (gate / up sums made ahead,), their
+    factor [1] after them with `SharedFold.front_scaled`): tiles of experts from fold.n_routed run it (h packed
+    only); given `token_sums` (float32 [H], one token: the down kernel's sums, e.g. the residual rows; with
+    `SharedFold.front_parts`, the refs (sums made ahead[, factor], down [S, H])) they run its down projection
+    instead, adding into token_sums (`SharedFold.down_cols`, set here), which then come back as zeros. `turns`:
+    int32 zeros, at least `turn_count` of them, for the turn counters where the kernel takes them (split K or
+    `shared`), made ahead by an earlier kernel (`kernels.moe_front.front(zeros=)`) so no zero fill runs here; left
+    nonzero."""
     inter, groups = gate_up[0][0].shape[1], gate_up[0][0].shape[2]
     n_rows = token_of_row.shape[0] if n_rows is None else n_rows
     fold, shared_weights = (None, ()) if shared is None else (shared[0], tuple(w.reshape(-1) for w in shared[1]))
@@ -922,9 +938,10 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     `shared` (a `SharedMLP`, or its (gate [H, S], up [H, S], down [S, H]) bf16): a shared-expert MLP every token runs
     unweighted, added in by the same two kernels (`SharedFold`: its `shared_parts` pseudo-experts E .. E + P - 1 of
     weight 1; 1-row tiles); with `sched` given, topk_ids and topk_weights hold their columns already
-    (`kernels.router`'s shared parts), else they are appended here. Its `gate_up_sums` (one token): the gate/up
-    kernel finishes those instead of streaming gate and up; with `down_in_gate_up` too (and `residual_sums`) it runs
-    the shared down projection from them as well, and the down kernel the routed experts alone.
+    (`kernels.router`'s shared parts), else they are appended here. Its `gate_up_sums` (one token; `ScaledSums` to
+    multiply by their factor): the gate/up kernel finishes those instead of streaming gate and up; with
+    `down_in_gate_up` too (and `residual_sums`) it runs the shared down projection from them as well, and the down
+    kernel the routed experts alone.
 
     `residual_sums` (float32 [T, D], the layer's residual rows: `kernels.moe_front.front(sums=True)`): the down kernel
     adds into it instead of zeros and the result is float32 [T, D], residual + experts, not rounded (the layer's
@@ -937,6 +954,11 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     if shared is not None:
         hidden, inter = x.shape[1], ew.gate.shape[1]
         s_gate, s_up, s_down, made, down_early = SharedMLP(*shared)
+        made, scale = (made.sums, made.scale) if isinstance(made, ScaledSums) else (made, None)
+        if scale is not None and (scale.dtype != jnp.float32 or scale.shape != (1,)):
+            raise ValueError(f"the shared MLP's gate / up sums' factor is float32 [1], not {scale.dtype}"
+                             f"{list(scale.shape)}")
+        scaled = () if scale is None else (scale,)
         if s_gate.shape != s_up.shape or s_gate.shape[0] != hidden or s_down.shape != s_gate.shape[::-1]:
             raise ValueError(f"shared MLP {s_gate.shape} / {s_up.shape} / {s_down.shape} does not match hidden size "
                              f"{hidden} (gate / up [H, S], down [S, H])")
@@ -962,12 +984,12 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
         fold = functools.partial(SharedFold, n_routed=n_experts, quarters=SHARED_QUARTERS, part_inter=inter,
                                  tiles_per_part=n_tokens)
         gate_up_fold = fold(width=s_gate.shape[1], blocks=hidden // BLOCK // SHARED_QUARTERS,
-                            front_parts=0 if made is None else made.shape[0])
+                            front_parts=0 if made is None else made.shape[0], front_scaled=scale is not None)
         down_fold = fold(width=hidden, blocks=inter // BLOCK // SHARED_QUARTERS)
         if down_early:  # the down projection in the gate/up kernel's pseudo-expert tiles, none in the down kernel's
-            folds = ((gate_up_fold, (made, s_down)), (down_fold._replace(skip=True), None))
+            folds = ((gate_up_fold, (made, *scaled, s_down)), (down_fold._replace(skip=True), None))
         else:
-            folds = ((gate_up_fold, (s_gate, s_up) if made is None else (made,)), (down_fold, s_down))
+            folds = ((gate_up_fold, (s_gate, s_up) if made is None else (made, *scaled)), (down_fold, s_down))
         n_experts += parts
     tiles = tiles or tiles_for(topk_ids.size, n_experts)
     n_rows = _call_rows(topk_ids.size, n_experts, tiles)

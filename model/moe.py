@@ -562,7 +562,8 @@ class MoE(nn.Module):
         counters (`front_select`); `residual_sums`: float32 [B * T, D], the layer's residual rows for those kernels
         to add into (`residual_in_sums`), y then float32 [B, T, D], the residual and the experts (shared included);
         `shared_sums`: the shared MLP's gate / up sums of x made by the front kernel (`front_shared`), float32
-        [F, 2, S], for the MXFP4 gate/up kernel to finish (`moe_mxfp4_gemv.SharedMLP.gate_up_sums`).
+        [F, 2, S] or `moe_mxfp4_gemv.ScaledSums`, for the MXFP4 gate/up kernel to finish
+        (`moe_mxfp4_gemv.SharedMLP.gate_up_sums`).
         Where those kernels run, the router's select kernel also makes their schedule (`ROUTER_SCHEDULE`; static but
         for the experts at one token)."""
         cfg = self.config

@@ -397,6 +397,51 @@ def test_front_makes_the_shared_products(seed, block_n, k_parts):
                                 spec((2048, 768), jnp.bfloat16)) == 1
 
 
+def test_front_makes_the_shared_products_of_the_row_part(seed):
+    """`SharedProducts.row_part` (interpret mode, with the router's choice): each shared program multiplies its K part
+    of the unnormalised row (x times the norm weight) and the front returns the sums with the row's 1 / rms
+    (`moe_mxfp4_gemv.ScaledSums`); everything else is bit for bit the front without them, the sums are within float32
+    rounding of a float64 product of the kernel's x, the factor is the row's 1 / rms, and their product is the
+    normed row's to bf16 rounding. It lowers to one Triton kernel at the medium hybrid's shapes."""
+    from dayzero.kernels import moe_mxfp4_gemv
+    rng = np.random.default_rng(seed)
+    hidden, n_experts, inter = 128, 64, 192
+    update, residual, norm_weight, router_weight = _inputs(rng, 1, 4, hidden, n_experts)
+    gate, up = (jnp.asarray(rng.standard_normal((hidden, inter)) * 0.1, jnp.bfloat16) for _ in range(2))
+    choice = dict(select=moe_front.Select(6, True, True, 2.5, 4), turns=jnp.zeros((3, 4), jnp.int32), layer=2,
+                  zeros=16)
+    args = (update, residual, norm_weight, router_weight)
+    plain = moe_front.front(*args, eps=1e-5, interpret=True, **choice)
+    *same, made = moe_front.front(*args, eps=1e-5, interpret=True, shared=(gate, up),
+                                  shared_programs=moe_front.SharedProducts(32, 4, True), **choice)
+    assert isinstance(made, moe_mxfp4_gemv.ScaledSums)
+    assert made.sums.shape == (4, 2, inter) and made.scale.shape == (1,) and made.scale.dtype == jnp.float32
+    assert len(same) == len(plain)
+    for a, b in zip(same, plain):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    x = np.asarray(same[0], np.float64)[0]
+    inv_rms = 1.0 / np.sqrt(np.mean(x * x) + 1e-5)
+    np.testing.assert_allclose(float(made.scale[0]), inv_rms, rtol=1e-6)
+    unnormed = x * np.asarray(norm_weight, np.float64)
+    oracle = np.stack([unnormed @ np.asarray(w, np.float64) for w in (gate, up)])
+    np.testing.assert_allclose(np.asarray(made.sums, np.float64).sum(0), oracle, rtol=1e-5, atol=1e-4)
+    normed = np.stack([np.asarray(same[1], np.float64)[0] @ np.asarray(w, np.float64) for w in (gate, up)])
+    scaled = np.asarray(made.sums, np.float64).sum(0) * float(made.scale[0])
+    assert np.max(np.abs(scaled - normed)) < 2.0 ** -7 * np.max(np.abs(normed)), np.max(np.abs(scaled - normed))
+    spec = jax.ShapeDtypeStruct
+
+    def model_shapes(sums, residual, norm_weight, router_weight, bias, turns, gate, up):
+        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
+        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5, bias=bias, turns=turns,
+                               select=choice["select"], layer=1, sums=True, zeros=64, shared=(gate, up),
+                               shared_programs=moe_front.SharedProducts(64, 8, True))
+
+    assert count_triton_kernels(model_shapes, spec((8, 1, 2048), jnp.float32), spec((1, 2048), jnp.float32),
+                                spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16), spec((64,), jnp.float32),
+                                spec((16, 4), jnp.int32), spec((2048, 768), jnp.bfloat16),
+                                spec((2048, 768), jnp.bfloat16)) == 1
+
+
 def test_model_decode_mxfp4_takes_packed_x_and_the_routers_schedule(seed, monkeypatch):
     """MXFP4 experts at a 4-row decode step (2-row tiles of the MXFP4 decode kernels), every kernel in interpret
     mode: the front kernel packs x for those kernels (`MoE.front_packs`) and the router's select kernel makes their
@@ -485,10 +530,11 @@ def test_model_decode_mxfp4_folds_the_shared_mlp(seed, monkeypatch):
 def test_model_decode_makes_the_shared_gate_up_in_the_front(seed, monkeypatch):
     """`model.moe.SHARED_GATE_UP_IN_FRONT` (MXFP4 experts, a one-row decode step, every kernel in interpret mode): in
     every MoE layer the front kernel also makes the shared MLP's gate / up sums and the MXFP4 gate/up kernel finishes
-    them (`SharedMLP.gate_up_sums`), then with `SHARED_DOWN_IN_GATE_UP` runs the shared down projection there too;
-    each way the next-token logits and caches match the step with the switches off to bf16 rounding (float32 sums in
-    another order, rounded where the model rounds; unless a router's near tie moved a choice: `router_choices`), the
-    counters left at zero."""
+    them (`SharedMLP.gate_up_sums`), then with `SHARED_DOWN_IN_GATE_UP` runs the shared down projection there too,
+    and then from the row part's sums with the row's 1 / rms (`kernels.moe_front.SHARED_ROW_PART`); each way the
+    next-token logits and caches match the step with the switches off to bf16 rounding (float32 sums in another
+    order, rounded where the model rounds; unless a router's near tie moved a choice: `router_choices`), the counters
+    left at zero."""
     from dayzero.kernels import moe_mxfp4_gemv
     from dayzero.model import moe
     cfg = _tiny_mxfp4()
@@ -499,26 +545,27 @@ def test_model_decode_makes_the_shared_gate_up_in_the_front(seed, monkeypatch):
     monkeypatch.setattr(moe_front, "front",
                         lambda *a, **k: fronts.append(k.get("shared") is not None) or front(*a, **k))
     monkeypatch.setattr(moe_mxfp4_gemv, "grouped_swiglu", lambda *a, **k: given.append(
-        (getattr(k["shared"], "gate_up_sums", None) is not None, getattr(k["shared"], "down_in_gate_up", False)))
-        or experts(*a, **k))
+        (getattr(k["shared"], "gate_up_sums", None) is not None, getattr(k["shared"], "down_in_gate_up", False),
+         isinstance(getattr(k["shared"], "gate_up_sums", None), moe_mxfp4_gemv.ScaledSums))) or experts(*a, **k))
     choices = spy_router_choices(monkeypatch)
     monkeypatch.setattr(moe, "SHARED_GATE_UP_IN_FRONT", False)
     plain, plain_cache = step(*args, decode=True)
     plain_choices = taken(choices)
     moe_layers = sum(m == "moe" for m in cfg.mlp_types)
-    assert fronts == [False] * moe_layers and given == [(False, False)] * moe_layers
+    assert fronts == [False] * moe_layers and given == [(False, False, False)] * moe_layers
     monkeypatch.setattr(moe, "SHARED_GATE_UP_IN_FRONT", True)
-    for down_early in (False, True):
+    for down_early, row_part in ((False, False), (True, False), (True, True)):
         fronts.clear()
         given.clear()
         monkeypatch.setattr(moe, "SHARED_DOWN_IN_GATE_UP", down_early)
+        monkeypatch.setattr(moe_front, "SHARED_ROW_PART", row_part)
         made, made_cache = step(*args, decode=True)
         made_choices = taken(choices)
-        assert fronts == [True] * moe_layers and given == [(True, down_early)] * moe_layers
+        assert fronts == [True] * moe_layers and given == [(True, down_early, row_part)] * moe_layers
         assert not np.any(np.asarray(made_cache["moe_turns"]))
         if not rows_that_held(plain_choices, made_choices, cfg.num_experts_per_token).all():
             continue  # a choice moved at a near tie: the later layers see other inputs
-        _assert_step_close(plain, plain_cache, made, made_cache, tag=down_early)
+        _assert_step_close(plain, plain_cache, made, made_cache, tag=(down_early, row_part))
 
 
 def test_model_decode_adds_the_residual_in_the_down_kernel(seed, monkeypatch):

@@ -429,8 +429,9 @@ def _one_token_with_shared(seed: int, split_k: int):
 def test_shared_gate_up_sums_made_ahead(seed, split_k, parts_of_k):
     """One token with the shared MLP's gate / up sums made ahead (`SharedMLP.gate_up_sums`, as the MoE front kernel
     makes them in parts of K): the gate/up kernel finishes them (quarter 0's programs) instead of streaming gate and
-    up, giving the same result as the fold that streams them, near the float32 oracle; sums for more than one token
-    or of another shape are refused by name."""
+    up, giving the same result as the fold that streams them, near the float32 oracle, and the same again from sums
+    with a factor still to apply (`ScaledSums`); sums for more than one token or of another shape, and a factor not
+    float32 [1], are refused by name."""
     rng, ew, shared, oracle_mlp, x, ids, w, tiles = _one_token_with_shared(seed, split_k)
     made = gemv.SharedMLP(*shared, gate_up_sums=shared_gate_up_sums(x, shared, parts_of_k))
     args = (x, jnp.asarray(ids), jnp.asarray(w), ew, E, tiles)
@@ -444,6 +445,14 @@ def test_shared_gate_up_sums_made_ahead(seed, split_k, parts_of_k):
                             jnp.asarray(np.concatenate([w, w])), ew, E, tiles, interpret=True, shared=made)
     with pytest.raises(ValueError, match=r"float32 \[F, 2, 512\]"):
         gemv.grouped_swiglu(*args, interpret=True, shared=made._replace(gate_up_sums=made.gate_up_sums[:, :1]))
+    # the sums with a factor still to apply (`ScaledSums`, the front's row-part form): their total times it
+    factor = jnp.asarray([0.37], jnp.float32)
+    scaled = made._replace(gate_up_sums=gemv.ScaledSums(made.gate_up_sums / factor[0], factor))
+    # (other float32 roundings of the sums may move h's or the result's bf16 rounding by a step)
+    assert rel_err(gemv.grouped_swiglu(*args, interpret=True, shared=scaled), got) < 8e-3
+    with pytest.raises(ValueError, match=r"factor is float32 \[1\]"):
+        gemv.grouped_swiglu(*args, interpret=True,
+                            shared=made._replace(gate_up_sums=gemv.ScaledSums(made.gate_up_sums, factor[None])))
 
 
 @pytest.mark.parametrize("split_k", [1, 2])
@@ -451,7 +460,8 @@ def test_shared_down_in_the_gate_up_kernel(seed, split_k):
     """One token with the shared MLP's gate / up sums made ahead and `down_in_gate_up`: the gate/up kernel's shared
     tiles run the down projection from those sums into the residual rows (`SharedFold.down_cols`) and the down
     kernel's skip them; residual + routed + shared as with the down kernel running the shared down, near the float32
-    oracle. Without the residual rows, or without the sums, it is refused by name."""
+    oracle, and the same from sums with a factor still to apply (`ScaledSums`). Without the residual rows, or without
+    the sums, it is refused by name."""
     rng, ew, shared, oracle_mlp, x, ids, w, tiles = _one_token_with_shared(seed, split_k)
     residual = jnp.asarray(rng.standard_normal((1, x.shape[1])) * 4, jnp.float32)
     sums = shared_gate_up_sums(x, shared, 1)
@@ -466,6 +476,11 @@ def test_shared_down_in_the_gate_up_kernel(seed, split_k):
     want = (np.asarray(residual, np.float64) + oracle(np.asarray(x, np.float32), ids, w, ew)
             + oracle_mlp(np.asarray(x, np.float32)))
     assert rel_err(early, late) < 1e-5 and rel_err(early, want) < 3e-3, (rel_err(early, late), rel_err(early, want))
+    factor = jnp.asarray([2.5], jnp.float32)  # the sums with a factor still to apply (`ScaledSums`)
+    scaled = gemv.SharedMLP(*shared, gate_up_sums=gemv.ScaledSums(sums / factor[0], factor), down_in_gate_up=True)
+    assert len(jax.tree_util.tree_leaves(scaled)) == 5
+    got = jax.jit(lambda sh: gemv.grouped_swiglu(*args, interpret=True, residual_sums=residual, shared=sh))(scaled)
+    assert rel_err(got, early) < 1e-3  # (other float32 roundings of the sums may move h's bf16 rounding by a step)
     with pytest.raises(ValueError, match="residual rows"):
         gemv.grouped_swiglu(*args, interpret=True, shared=gemv.SharedMLP(*shared, gate_up_sums=sums,
                                                                          down_in_gate_up=True))

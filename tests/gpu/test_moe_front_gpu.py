@@ -118,11 +118,12 @@ def test_front_makes_the_routers_choice_on_gpu(sigmoid):
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_front_makes_the_shared_products_on_gpu():
+@pytest.mark.parametrize("row_part", [False, True])
+def test_front_makes_the_shared_products_on_gpu(row_part):
     """`front(shared=)` compiled on the GPU at the medium hybrid's MoE layer (2048 features, 64 experts, top-6, the
     shared MLP's 768 columns): the router's results as without the shared programs, call after call (the counters
     back at zero), and the shared gate / up sums within float32 rounding of a float64 product of the kernel's normed
-    row."""
+    row; with `SharedProducts.row_part`, of its x times the norm weight, with the row's 1 / rms beside them."""
     k = jax.random.split(jax.random.key(5), 6)
     residual = jax.random.normal(k[0], (1, 2048), jnp.bfloat16)
     update = projection.Partials(jax.random.normal(k[1], (8, 1, 2048), jnp.float32), None, 2048, 1e-6, "bfloat16")
@@ -131,9 +132,11 @@ def test_front_makes_the_shared_products_on_gpu():
     gate, up = ((jax.random.normal(key, (2048, 768)) * 0.02).astype(jnp.bfloat16) for key in k[4:6])
     select = moe_front.Select(6, True, True, 2.446, 4)
 
+    programs = moe_front.SharedProducts(moe_front.SHARED_BLOCK_N, moe_front.SHARED_K_PARTS, row_part)
+
     def run(u, r, n, w, t, *shared):
         return moe_front.front(u, r, n, w, eps=1e-5, select=select, turns=t, layer=3, zeros=64, sums=True,
-                               shared=shared or None)
+                               shared=shared or None, shared_programs=programs if shared else None)
 
     plain, sharing = jax.jit(run), jax.jit(run)
     turns = jnp.zeros((16, 4), jnp.int32)
@@ -147,22 +150,28 @@ def test_front_makes_the_shared_products_on_gpu():
             assert np.all(np.abs(a - b) <= np.abs(b) * 2.0 ** -6 + 1e-30)
         np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-4, atol=1e-5)  # logits
         assert np.array_equal(np.asarray(got[4]), np.asarray(want[4]))  # the choice (ids)
-        oracle = np.stack([np.asarray(got[1], np.float64)[0] @ np.asarray(w, np.float64) for w in (gate, up)])
+        row = np.asarray(got[1], np.float64)[0]  # normed
+        if row_part:
+            x = np.asarray(got[0], np.float64)[0]
+            np.testing.assert_allclose(float(sums.scale[0]), 1.0 / np.sqrt(np.mean(x * x) + 1e-5), rtol=1e-5)
+            row, sums = x * np.asarray(norm_weight, np.float64), sums.sums
+        oracle = np.stack([row @ np.asarray(w, np.float64) for w in (gate, up)])
         assert sums.shape == (moe_front.SHARED_K_PARTS, 2, 768)
         np.testing.assert_allclose(np.asarray(sums, np.float64).sum(0), oracle, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("down_early", [False, True])
-def test_model_decode_makes_the_shared_gate_up_in_the_front_on_gpu(monkeypatch, down_early):
+@pytest.mark.parametrize("down_early,row_part", [(False, False), (True, False), (True, True)])
+def test_model_decode_makes_the_shared_gate_up_in_the_front_on_gpu(monkeypatch, down_early, row_part):
     """The medium hybrid's first layers with MXFP4 experts, a one-row decode step: with the front kernel making the
     shared MLP's gate / up sums (`model.moe.SHARED_GATE_UP_IN_FRONT`; with `SHARED_DOWN_IN_GATE_UP` the gate/up
-    kernel running the shared down projection too) against without: the next-token logits to bf16 rounding, the
-    gate/up kernel given the sums in every MoE layer."""
+    kernel running the shared down projection too; with `kernels.moe_front.SHARED_ROW_PART` from the row part's sums)
+    against without: the next-token logits to bf16 rounding, the gate/up kernel given the sums in every MoE layer."""
     from dayzero.model import moe as model_moe
     from medium_prefix_cases import decode_off_and_on, logits_change, prefilled_medium_prefix
 
     run, args = prefilled_medium_prefix(9, num_blocks=3, batch=1, mxfp4=True)
     monkeypatch.setattr(model_moe, "SHARED_DOWN_IN_GATE_UP", down_early)
+    monkeypatch.setattr(moe_front, "SHARED_ROW_PART", row_part)
     (plain, _), (made, cache) = decode_off_and_on(monkeypatch, run, args, model_moe, "SHARED_GATE_UP_IN_FRONT",
                                                   (False, True),
                                                   lambda k: getattr(k.get("shared"), "gate_up_sums", None) is not None)
