@@ -343,6 +343,35 @@ def test_front_makes_the_routers_choice(seed, sigmoid, parts):
                                 spec((64,), jnp.float32), spec((16, 4), jnp.int32)) == 1
 
 
+def _shared_case(seed):
+    """One row of 128 features, 64 experts and a shared MLP of 192 columns, with the router's choice (interpret
+    mode) -> (args, the choice's keywords, (gate, up), the front's results without the shared programs)."""
+    rng = np.random.default_rng(seed)
+    hidden, n_experts, inter = 128, 64, 192
+    args = _inputs(rng, 1, 4, hidden, n_experts)
+    shared = tuple(jnp.asarray(rng.standard_normal((hidden, inter)) * 0.1, jnp.bfloat16) for _ in range(2))
+    choice = dict(select=moe_front.Select(6, True, True, 2.5, 4), turns=jnp.zeros((3, 4), jnp.int32), layer=2,
+                  zeros=16)
+    return args, choice, shared, moe_front.front(*args, eps=1e-5, interpret=True, **choice)
+
+
+def _shared_kernels_at_medium_shapes(programs) -> int:
+    """Triton kernels `front(shared=)` lowers to at the medium hybrid's shapes (2048 features, 64 experts, a shared
+    MLP of 768 columns, o_proj's 8 K slices) with these `shared_programs`."""
+    spec = jax.ShapeDtypeStruct
+
+    def model_shapes(sums, residual, norm_weight, router_weight, bias, turns, gate, up):
+        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
+        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5, bias=bias, turns=turns,
+                               select=moe_front.Select(6, True, True, 2.5, 4), layer=1, sums=True, zeros=64,
+                               shared=(gate, up), shared_programs=programs)
+
+    return count_triton_kernels(model_shapes, spec((8, 1, 2048), jnp.float32), spec((1, 2048), jnp.float32),
+                                spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16), spec((64,), jnp.float32),
+                                spec((16, 4), jnp.int32), spec((2048, 768), jnp.bfloat16),
+                                spec((2048, 768), jnp.bfloat16))
+
+
 @pytest.mark.parametrize("block_n,k_parts", [(16, 2), (32, 4), (64, 1)])
 def test_front_makes_the_shared_products(seed, block_n, k_parts):
     """`front(shared=)` (interpret mode, with the router's choice): programs beside the router's multiply the normed
@@ -351,14 +380,8 @@ def test_front_makes_the_shared_products(seed, block_n, k_parts):
     form's are. The products without the choice, for several rows, of weights that do not fit the hidden size or of
     columns the programs do not divide are refused by name; it lowers to one Triton kernel at the medium hybrid's
     shapes."""
-    rng = np.random.default_rng(seed)
-    hidden, n_experts, inter = 128, 64, 192
-    update, residual, norm_weight, router_weight = _inputs(rng, 1, 4, hidden, n_experts)
-    gate, up = (jnp.asarray(rng.standard_normal((hidden, inter)) * 0.1, jnp.bfloat16) for _ in range(2))
-    choice = dict(select=moe_front.Select(6, True, True, 2.5, 4), turns=jnp.zeros((3, 4), jnp.int32), layer=2,
-                  zeros=16)
-    args = (update, residual, norm_weight, router_weight)
-    plain = moe_front.front(*args, eps=1e-5, interpret=True, **choice)
+    args, choice, (gate, up), plain = _shared_case(seed)
+    residual, norm_weight, router_weight, inter = args[1], args[2], args[3], gate.shape[1]
     *same, sums = moe_front.front(*args, eps=1e-5, interpret=True, shared=(gate, up),
                                   shared_programs=moe_front.SharedProducts(block_n, k_parts), **choice)
     assert len(same) == len(plain) and sums.shape == (k_parts, 2, inter) and sums.dtype == jnp.float32
@@ -384,17 +407,7 @@ def test_front_makes_the_shared_products(seed, block_n, k_parts):
                                                                            moe_front.SHARED_K_PARTS)
     assert moe_front.shared_products(2048, 760) is None
     assert moe_front.shared_products(4096, 768) is None  # [512, 64] blocks: over SHARED_MAX_BLOCK
-    spec = jax.ShapeDtypeStruct
-
-    def model_shapes(sums, residual, norm_weight, router_weight, bias, turns, gate, up):
-        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
-        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5, bias=bias, turns=turns,
-                               select=choice["select"], layer=1, sums=True, zeros=64, shared=(gate, up))
-
-    assert count_triton_kernels(model_shapes, spec((8, 1, 2048), jnp.float32), spec((1, 2048), jnp.float32),
-                                spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16), spec((64,), jnp.float32),
-                                spec((16, 4), jnp.int32), spec((2048, 768), jnp.bfloat16),
-                                spec((2048, 768), jnp.bfloat16)) == 1
+    assert _shared_kernels_at_medium_shapes(None) == 1
 
 
 def test_front_makes_the_shared_products_of_the_row_part(seed):
@@ -404,14 +417,8 @@ def test_front_makes_the_shared_products_of_the_row_part(seed):
     rounding of a float64 product of the kernel's x, the factor is the row's 1 / rms, and their product is the
     normed row's to bf16 rounding. It lowers to one Triton kernel at the medium hybrid's shapes."""
     from dayzero.kernels import moe_mxfp4_gemv
-    rng = np.random.default_rng(seed)
-    hidden, n_experts, inter = 128, 64, 192
-    update, residual, norm_weight, router_weight = _inputs(rng, 1, 4, hidden, n_experts)
-    gate, up = (jnp.asarray(rng.standard_normal((hidden, inter)) * 0.1, jnp.bfloat16) for _ in range(2))
-    choice = dict(select=moe_front.Select(6, True, True, 2.5, 4), turns=jnp.zeros((3, 4), jnp.int32), layer=2,
-                  zeros=16)
-    args = (update, residual, norm_weight, router_weight)
-    plain = moe_front.front(*args, eps=1e-5, interpret=True, **choice)
+    args, choice, (gate, up), plain = _shared_case(seed)
+    norm_weight, inter = args[2], gate.shape[1]
     *same, made = moe_front.front(*args, eps=1e-5, interpret=True, shared=(gate, up),
                                   shared_programs=moe_front.SharedProducts(32, 4, True), **choice)
     assert isinstance(made, moe_mxfp4_gemv.ScaledSums)
@@ -428,18 +435,7 @@ def test_front_makes_the_shared_products_of_the_row_part(seed):
     normed = np.stack([np.asarray(same[1], np.float64)[0] @ np.asarray(w, np.float64) for w in (gate, up)])
     scaled = np.asarray(made.sums, np.float64).sum(0) * float(made.scale[0])
     assert np.max(np.abs(scaled - normed)) < 2.0 ** -7 * np.max(np.abs(normed)), np.max(np.abs(scaled - normed))
-    spec = jax.ShapeDtypeStruct
-
-    def model_shapes(sums, residual, norm_weight, router_weight, bias, turns, gate, up):
-        update = projection.Partials(sums, None, 2048, 1e-6, "bfloat16")
-        return moe_front.front(update, residual, norm_weight, router_weight, eps=1e-5, bias=bias, turns=turns,
-                               select=choice["select"], layer=1, sums=True, zeros=64, shared=(gate, up),
-                               shared_programs=moe_front.SharedProducts(64, 8, True))
-
-    assert count_triton_kernels(model_shapes, spec((8, 1, 2048), jnp.float32), spec((1, 2048), jnp.float32),
-                                spec((2048,), jnp.float32), spec((64, 2048), jnp.bfloat16), spec((64,), jnp.float32),
-                                spec((16, 4), jnp.int32), spec((2048, 768), jnp.bfloat16),
-                                spec((2048, 768), jnp.bfloat16)) == 1
+    assert _shared_kernels_at_medium_shapes(moe_front.SharedProducts(64, 8, True)) == 1
 
 
 def test_model_decode_mxfp4_takes_packed_x_and_the_routers_schedule(seed, monkeypatch):
