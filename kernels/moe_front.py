@@ -131,9 +131,14 @@ def shared_products(hidden: int, shared_inter: int) -> SharedProducts | None:
     """The extra programs for a shared MLP of `shared_inter` columns at hidden size `hidden` (`SHARED_BLOCK_N`,
     `SHARED_K_PARTS`), or None where they do not divide it or a program's block of each weight would exceed
     `SHARED_MAX_BLOCK` elements."""
-    spec = SharedProducts(SHARED_BLOCK_N, SHARED_K_PARTS, SHARED_ROW_PART)
+    spec = _module_programs()
     fits = hidden // spec.k_parts * spec.block_n <= SHARED_MAX_BLOCK
     return spec if fits and _divides(spec, hidden, shared_inter) else None
+
+
+def _module_programs() -> SharedProducts:
+    """The shared programs of the module's constants (`SHARED_BLOCK_N`, `SHARED_K_PARTS`, `SHARED_ROW_PART`)."""
+    return SharedProducts(SHARED_BLOCK_N, SHARED_K_PARTS, SHARED_ROW_PART)
 
 
 def _divides(spec: SharedProducts, hidden: int, shared_inter: int) -> bool:
@@ -248,9 +253,10 @@ def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zero
         ids_out, weights_out, turns_ref, *refs = refs
     if zeros:
         zeros_out, *refs = refs
+    row_part = shared is not None and shared.row_part
     if shared is not None:
         shared_out, *refs = refs
-    if shared is not None and shared.row_part:
+    if row_part:
         scale_out, *refs = refs
     dtype = x_out.dtype  # the model's (`model_dtype`: a float32 residual is rounded to it as it loads)
     n_router = w_ref.shape[0] // block
@@ -285,7 +291,7 @@ def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zero
             normed_out[row, cols] = normed
             if sums:  # x (exact in float32) as the start of the down kernel's sums
                 sums_out[row, cols] = x
-            if shared is not None and shared.row_part:  # the row's 1 / rms, for the shared programs' sums
+            if row_part:  # the row's 1 / rms, for the shared programs' sums
                 scale_out[row_id] = inv_rms
             if pack:  # the row's words for the MXFP4 decode kernels (`packed_rows`)
                 positions, halves, factor = moe_mxfp4_gemv.row_halves(normed.astype(jnp.float32).reshape(hidden))
@@ -336,7 +342,7 @@ def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zero
         ks = pl.ds(pl.multiple_of(part * k_len, k_len), k_len)
         cs = pl.ds(pl.multiple_of(p // shared.k_parts * shared.block_n, shared.block_n), shared.block_n)
         weights = [gate_ref[ks, cs], up_ref[ks, cs]]  # [k_len, block_n] each: first, as the router's
-        if shared.row_part:  # the part unnormalised: the router's first program writes the row's 1 / rms
+        if row_part:  # the part unnormalised: the router's first program writes the row's 1 / rms
             column = (norm_ref[ks].astype(jnp.float32)[None, :] * row_x(ks)).reshape(k_len, 1)
         else:
             x = row_x(pl.ds(0, hidden))
@@ -431,7 +437,7 @@ def front(update: projection.Projected | None, residual: jax.Array, norm_weight:
         if select is None:
             raise ValueError("moe front kernel: the shared MLP's products come with the router's choice (select)")
         _check_shared(shared, rows, hidden)
-        shared_programs = shared_programs or SharedProducts(SHARED_BLOCK_N, SHARED_K_PARTS, SHARED_ROW_PART)
+        shared_programs = shared_programs or _module_programs()
         if not _divides(shared_programs, hidden, shared[0].shape[1]):
             raise ValueError(f"moe front kernel: a shared MLP of {shared[0].shape[1]} columns at {hidden} features "
                              f"does not divide into programs of {shared_programs.block_n} columns x "

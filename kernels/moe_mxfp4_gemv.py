@@ -590,6 +590,15 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             dest = (lead + (c0 // slice_cols) * shared.tiles_per_part) * rows
             write_hidden(dest, c0 % slice_cols, g, u, None)
 
+    def front_sums(index):
+        """The gate and up sums made ahead (`SharedFold.front_parts`) at `index(the flat offset of a part's gate or
+        up row)`, added up over the parts of K and, with `SharedFold.front_scaled`, times their factor."""
+        g, u = (sum(s_refs[0][index((f * 2 + i) * shared.width)] for f in range(shared.front_parts))
+                for i in (0, 1))
+        if shared.front_scaled:
+            g, u = g * s_refs[1][0], u * s_refs[1][0]
+        return g, u
+
     def gate_up_shared_from_front():
         """A shared pseudo-expert's tile when its gate / up sums are made already (`SharedFold.front_parts`): quarter
         0's programs (of the first K split) add up the parts of this column block and write its block of h where
@@ -599,11 +608,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         @pl.when((quarter == 0) & (q == 0))
         def _():
             col = piece * shared.part_inter + c0
-            width = shared.width  # S, the sums' row length
-            g, u = (sum(s_refs[0][pl.ds((f * 2 + i) * width + col, bn)] for f in range(shared.front_parts))
-                    for i in (0, 1))
-            if shared.front_scaled:
-                g, u = g * s_refs[1][0], u * s_refs[1][0]
+            g, u = front_sums(lambda offset: pl.ds(offset + col, bn))
             slice_cols = shared.part_inter // shared.quarters
             write_hidden((t + (c0 // slice_cols) * shared.tiles_per_part) * rows, c0 % slice_cols, g, u, None)
 
@@ -619,13 +624,11 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         chunk = tiling.pow2_divisor(per, SHARED_DOWN_ROWS)
         r0 = piece * shared.part_inter + quarter * rows_q + q * per
         columns = j * cols + jax.lax.broadcasted_iota(jnp.int32, (cols,), 0)
-        sums_in, *scale_ref, down_ref = s_refs  # (the factor's ref with `front_scaled`)
+        down_ref = s_refs[-1]  # after the sums (and their factor)
 
         def step(s, acc):
             r = r0 + s * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-            g, u = (sum(sums_in[(f * 2 + i) * shared.width + r] for f in range(shared.front_parts)) for i in (0, 1))
-            if scale_ref:
-                g, u = g * scale_ref[0][0], u * scale_ref[0][0]
+            g, u = front_sums(lambda offset: offset + r)
             h = (g / (1.0 + jnp.exp(-g)) * u).astype(h_dtype).astype(jnp.float32)
             w = down_ref[r[:, None] * hidden + columns[None, :]].astype(jnp.float32)  # [chunk, C]
             return acc + jnp.sum(h[:, None] * w, axis=0)

@@ -96,7 +96,7 @@ class DecoderLayer(nn.Module):
                                                 turns=cache["moe_turns"], layer=self.layer)
         shared = None if select is None else self.mlp.front_shared(residual.shape[0], workspace)
         if shared is not None:  # the shared MLP's gate / up products, in programs beside the router's
-            choice.update(shared=shared, shared_programs=moe_front.shared_products(*shared[0].shape))
+            choice.update(shared)
         x, normed, logits, *rest = front(update, residual, norm_weight, router_weight, eps=cfg.rms_norm_eps,
                                          pack=pack, sums=sums, **choice)
         x_words, rest = (rest[0], rest[1:]) if pack else (None, rest)

@@ -536,16 +536,18 @@ class MoE(nn.Module):
             tiles, True)
         return select, self.variables["params"]["gate"].get("e_score_correction_bias"), zeros
 
-    def front_shared(self, n_tokens: int, workspace: Workspace | None = None) -> tuple[jax.Array, jax.Array] | None:
+    def front_shared(self, n_tokens: int, workspace: Workspace | None = None) -> dict | None:
         """For a call of `n_tokens` tokens whose choice the front kernel makes (asked only where `front_select` gave
-        one): the shared MLP's (gate, up) kernels [H, S] for the front kernel to multiply the normed row by
-        (`SHARED_GATE_UP_IN_FRONT`, `kernels.moe_front.front(shared=)`), the sums then handed back as
+        one): the front kernel's keywords for the shared MLP's products (`SHARED_GATE_UP_IN_FRONT`,
+        `kernels.moe_front.front(shared=, shared_programs=)`): its (gate, up) kernels [H, S] to multiply the normed
+        row by and the programs that do it (`moe_front.shared_products`), the sums then handed back as
         `__call__(shared_sums=)`; else None."""
         if not SHARED_GATE_UP_IN_FRONT or self.decode_tiles(n_tokens, workspace) is None:
             return None  # (the MXFP4 decode kernels finish the sums; bf16 experts' kernels take none)
         mlp = self.variables["params"]["shared_experts"]
         gate, up = (mlp[n]["kernel"] for n in ("gate_proj", "up_proj"))
-        return (gate, up) if moe_front.shared_products(*gate.shape) is not None else None
+        programs = moe_front.shared_products(*gate.shape)
+        return None if programs is None else dict(shared=(gate, up), shared_programs=programs)
 
     def _sow_choice(self, ids: jax.Array):
         """Records the routed experts [N, k] int32 (the router's choice, shared parts left off) as
