@@ -99,9 +99,11 @@ SHARED_MAX_BLOCK = 256 * 64
 # so each reads 1 / k_parts of o_proj's partial sums instead of all of them, and skips the rms reduction and the
 # second read of its part; the first router program writes the row's 1 / rms, which the MXFP4 gate/up kernel applies
 # to the added-up sums (`SharedProducts.row_part`, `moe_mxfp4_gemv.ScaledSums`). The shared MLP's gate / up sums then
-# skip the normed row's bf16 rounding (within it of the normed form's). Off: not yet measured on a GPU (built in the
-# forty-third session for the ~1.8 us per MoE layer the front still spends on its shared programs at 64 x 8).
-SHARED_ROW_PART = False
+# skip the normed row's bf16 rounding (within it of the normed form's). On one H100 (forty-fourth session, medium
+# hybrid with MXFP4 experts): decode_profile.py --batches 1 0.860 ms per token pipelined (GPU 0.866) against 0.865
+# (0.874) with it off in the same call; under ncu the front took 8.26 against 9.25 us; serving.py's batch-1 ITL 0.848
+# against 0.897 in the call before (its runs vary by ~0.04 ms). Not yet measured on an H200.
+SHARED_ROW_PART = True
 
 
 class Select(NamedTuple):

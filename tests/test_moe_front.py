@@ -403,8 +403,8 @@ def test_front_makes_the_shared_products(seed, block_n, k_parts):
     with pytest.raises(ValueError, match="one row, not 2"):
         moe_front.reference(None, jnp.concatenate([residual] * 2), norm_weight, router_weight, eps=1e-5,
                             shared=(gate, up))
-    assert moe_front.shared_products(2048, 768) == moe_front.SharedProducts(moe_front.SHARED_BLOCK_N,
-                                                                           moe_front.SHARED_K_PARTS)
+    assert moe_front.shared_products(2048, 768) == moe_front.SharedProducts(
+        moe_front.SHARED_BLOCK_N, moe_front.SHARED_K_PARTS, moe_front.SHARED_ROW_PART)
     assert moe_front.shared_products(2048, 760) is None
     assert moe_front.shared_products(4096, 768) is None  # [512, 64] blocks: over SHARED_MAX_BLOCK
     assert _shared_kernels_at_medium_shapes(None) == 1
