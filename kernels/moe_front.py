@@ -102,7 +102,7 @@ SHARED_MAX_BLOCK = 256 * 64
 # skip the normed row's bf16 rounding (within it of the normed form's). On one H100 (forty-fourth session, medium
 # hybrid with MXFP4 experts): decode_profile.py --batches 1 0.860 ms per token pipelined (GPU 0.866) against 0.865
 # (0.874) with it off in the same call; under ncu the front took 8.26 against 9.25 us; serving.py's batch-1 ITL 0.848
-# against 0.897 in the call before (its runs vary by ~0.04 ms). Not yet measured on an H200.
+# and 0.867 in two calls with it, 0.897 in one without (its runs vary by ~0.05 ms). Not yet measured on an H200.
 SHARED_ROW_PART = True
 
 
