@@ -413,7 +413,8 @@ def moe_gemv_cases() -> dict:
 def moe_front_cases() -> dict:
     """The MoE front (residual add, norm, router logits) at the medium hybrid's MoE layer (2048 features, 64
     experts) for one row, after o_proj's 8 K slices: alone, with the router's choice, and with the shared MLP's
-    gate / up products (768 columns) as well (default 64 columns x 8 parts of K, and others)."""
+    gate / up products (768 columns) as well (the default programs, 64 columns x 8 parts of K of the row part, and
+    others)."""
     from dayzero.kernels import moe_front, projection
 
     S = jax.ShapeDtypeStruct
@@ -443,7 +444,7 @@ def moe_front_cases() -> dict:
                 shapes + choice + (S((2048, 768), jnp.bfloat16), S((2048, 768), jnp.bfloat16)))
                for name, programs in (("", None), (", 16 columns x 2 parts", moe_front.SharedProducts(16, 2)),
                                       (", 128 columns x 16 parts", moe_front.SharedProducts(128, 16)),
-                                      (", 64 x 8, the row part", moe_front.SharedProducts(64, 8, True)))}}
+                                      (", 64 x 8 without the row part", moe_front.SharedProducts(64, 8, False)))}}
 
 
 CASES = {"indexer": indexer_cases, "kda": kda_cases, "mla_absorb": mla_absorb_cases, "moe_dense": moe_dense_cases,
