@@ -392,14 +392,14 @@ def _half_values(bits: jax.Array) -> jax.Array:
 
 
 def _shared_products(fold: SharedFold, role: str, s_refs, x_ref, factor_ref, x_form: str, row, ok, expert, c0, q,
-                     bn: int, split: int, k_valid: int):
+                     bn: int, split: int, k_valid: int, step_blocks: int):
     """A shared pseudo-expert's products in one program (`SharedFold`): row `row` of the activations (in `x_form`,
     as `_kernel` reads them) times weight columns c0 .. c0 + bn of the flat bf16 refs `s_refs` (gate, up or down)
     over this program's K split `q` of the pseudo-expert's K -> [[sums float32 [bn] per ref]] (one row). The weight
     rows are read in the activations' word order (`_word_elements`), so the packed words multiply as they are."""
     piece, quarter = fold.part_and_quarter(expert)
     per = fold.blocks // split  # blocks of K in this program
-    gs = tiling.pow2_divisor(per, SHARED_STEP_BLOCKS)
+    gs = tiling.pow2_divisor(per, step_blocks)
     if role == "gate_up":  # x is the hidden size: this quarter's K
         x_g0 = quarter * fold.blocks + q * per
         w_g0, col = x_g0, piece * fold.part_inter + c0
@@ -453,7 +453,7 @@ def _activation_words(x_ref, factor_ref, x_form: str, row, ok, g0, gk: int, k_va
 
 def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps, split, n_valid, k_valid, n_src,
             top_k, n_tokens, x_form, h_form, h_dtype, asm, interpret, zero_chunk=0, sums_dim=0,
-            shared: SharedFold | None = None):
+            shared: SharedFold | None = None, shared_steps: tuple[int, int] = (0, 0)):
     """One program: `rows` token rows of one expert (tile t) x `bn` weight rows (block j) x one K split (q).
 
     The activations (`x_form`): "raw" rows x_ref [X, K] that each program packs; "rows", XLA's `row_scaled_words`
@@ -472,7 +472,9 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     D' = `sums_dim`, the weight rows in whole blocks) by atomics (pair p: token p // top_k).
     `shared` (`SharedFold`): tiles of experts E .. E + P - 1 run the shared MLP's pseudo-experts from its bf16
     weights (flat refs after the routed ones; `_shared_products`); their gate/up sums always go through the partials
-    and turn counters, since the Q pseudo-experts of one part finish its SwiGLU together."""
+    and turn counters, since the Q pseudo-experts of one part finish its SwiGLU together; `shared_steps`: their MX
+    blocks of K per step of the products and rows of down per step of the down projection (`SHARED_STEP_BLOCKS`,
+    `SHARED_DOWN_ROWS`, read by `_call`, so a kernel's trace depends on its arguments alone)."""
     factor_ref = None
     if x_form != "raw":
         factor_ref, *refs = refs
@@ -567,7 +569,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     def shared_products(row):
         """A shared pseudo-expert's products over activation row `row` (`_shared_products`)."""
         return _shared_products(shared, role, s_refs, x_ref, factor_ref, x_form, row, real[0], expert, c0, q, bn,
-                                split, k_valid)
+                                split, k_valid, shared_steps[0])
 
     def gate_up_shared():
         """A shared pseudo-expert's tile (one row): its K quarter's gate / up sums into the partials; the last of
@@ -621,7 +623,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         hidden, cols = shared.hidden, shared.down_cols
         rows_q = shared.part_inter // shared.quarters
         per = rows_q // split  # rows of down in this program
-        chunk = tiling.pow2_divisor(per, SHARED_DOWN_ROWS)
+        chunk = tiling.pow2_divisor(per, shared_steps[1])
         r0 = piece * shared.part_inter + quarter * rows_q + q * per
         columns = j * cols + jax.lax.broadcasted_iota(jnp.int32, (cols,), 0)
         down_ref = s_refs[-1]  # after the sums (and their factor)
@@ -715,21 +717,35 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
     out_shapes, aliased, sized = outputs(grid[1], split, bn)  # the aliased buffers are the last outputs
     n_outputs = len(out_shapes) if isinstance(out_shapes, tuple) else 1
     widths = tuple(w for w in ROWS if w <= tiles.rows) if tiles.adaptive else (tiles.rows,)
-    kernel = functools.partial(_kernel, role=role, rows=tiles.rows, widths=widths, bn=bn, gk=gk,
-                               k_steps=groups // gk // split, split=split, n_valid=n_out,
-                               k_valid=groups * BLOCK if packed else x.shape[1], x_form=x_form,
-                               asm=dispatch.nvidia_ptx(interpret), interpret=interpret, **static, **sized)
+    kernel_args = dict(role=role, rows=tiles.rows, widths=widths, bn=bn, gk=gk, k_steps=groups // gk // split,
+                       split=split, n_valid=n_out, k_valid=groups * BLOCK if packed else x.shape[1], x_form=x_form,
+                       asm=dispatch.nvidia_ptx(interpret), interpret=interpret,
+                       shared_steps=(SHARED_STEP_BLOCKS, SHARED_DOWN_ROWS), **static, **sized)
     inputs = (tile_expert, src_of_row, *(x if packed else (x,)), *extra, *[a for w in weights for a in w],
               *shared_weights)
-    return tiling.pallas_call(
-        kernel,
-        out_shape=out_shapes,
+    return _launch_kernel(
+        (*inputs, *aliased), kernel_args=tuple(sorted(kernel_args.items())), out_shapes=out_shapes,
         grid=grid + (split,),
-        input_output_aliases={len(inputs) + i: n_outputs - len(aliased) + i for i in range(len(aliased))},
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=tiles.num_stages),
+        aliases=tuple((len(inputs) + i, n_outputs - len(aliased) + i) for i in range(len(aliased))),
+        warps=warps, stages=tiles.num_stages, interpret=interpret,
+        name=f"moe_gemv_{role}_r{tiles.rows}{'a' * tiles.adaptive}")
+
+
+@functools.partial(jax.jit, static_argnames=("kernel_args", "out_shapes", "grid", "aliases", "warps", "stages",
+                                             "interpret", "name"))
+def _launch_kernel(operands, *, kernel_args, out_shapes, grid, aliases, warps, stages, interpret, name):
+    """`_kernel` with the keyword arguments `kernel_args` ((name, value) pairs) over `operands` (the last ones
+    aliased to outputs as `aliases` pairs them): a jitted launch, so eager calls with the same arguments (a test's
+    decode step, layer after layer) trace and compile it once."""
+    return tiling.pallas_call(
+        functools.partial(_kernel, **dict(kernel_args)),
+        out_shape=out_shapes,
+        grid=grid,
+        input_output_aliases=dict(aliases),
+        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
         interpret=interpret,
-        name=f"moe_gemv_{role}_r{tiles.rows}{'a' * tiles.adaptive}",
-    )(*inputs, *aliased)
+        name=name,
+    )(*operands)
 
 
 def _packs_hidden(groups: int, split: int, tiles: GemvTiles) -> bool:

@@ -323,10 +323,13 @@ def sparse_mla(q_latent: jax.Array, q_rope: jax.Array, cache: jax.Array, layer: 
     return out[:, :heads].reshape(batch, length, heads, rank)
 
 
+@functools.partial(jax.jit, static_argnames=("layer", "scale", "config", "interpret", "heads", "block_h", "block_k",
+                                             "n_chunks", "splits", "num_keys", "out_dtype"))
 def _fused_decode(q_latent, q_rope, cache, layer, block_tables, query_positions, indices, scale, config, interpret,
                   *, heads, block_h, block_k, n_chunks, splits, num_keys, out_dtype):
     """The "fused" decode variant on head-padded q_latent [R, Hp, rank], q_rope [R, Hp, E] -> its splits'
-    `SplitLatents` (merged: [R, heads, rank] in out_dtype)."""
+    `SplitLatents` (merged: [R, heads, rank] in out_dtype). Jitted, so eager calls of the same shapes (a test's
+    decode step, layer after layer) trace and compile the kernel once."""
     n_rows, heads_p, rank = q_latent.shape
     rope_dim = q_rope.shape[-1]
     _, n_blocks, block_size, _ = cache.shape

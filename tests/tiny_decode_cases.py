@@ -3,6 +3,8 @@ tests that compare two paths of the decoder's step)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +30,11 @@ def prefilled_decode(cfg, seed: int, batch: int):
 
 def jitted_prefill(model, *step_args):
     """`model`'s step over prompts (`Decoder.step`'s arguments, no decode) under jit -> the cache it fills. One
-    compilation, where the eager step compiles each of its ops: about half of a tiny model's prefill time on the CPU."""
-    prefill = jax.jit(lambda params, *a: model.module.apply({"params": params}, *a, method="step")[1])
-    return prefill(model.params, *step_args)
+    compilation, where the eager step compiles each of its ops: about half of a tiny model's prefill time on the CPU;
+    tests of one config and batch share it (the module is a static argument, the params are not)."""
+    return _prefill(model.module, model.params, *step_args)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill(module, params, *step_args):
+    return module.apply({"params": params}, *step_args, method="step")[1]
