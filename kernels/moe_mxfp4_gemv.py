@@ -453,7 +453,7 @@ def _activation_words(x_ref, factor_ref, x_form: str, row, ok, g0, gk: int, k_va
 
 def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps, split, n_valid, k_valid, n_src,
             top_k, n_tokens, x_form, h_form, h_dtype, asm, interpret, zero_chunk=0, sums_dim=0,
-            shared: SharedFold | None = None, shared_steps: tuple[int, int] = (0, 0)):
+            shared: SharedFold | None = None, shared_steps: tuple[int, int]):
     """One program: `rows` token rows of one expert (tile t) x `bn` weight rows (block j) x one K split (q).
 
     The activations (`x_form`): "raw" rows x_ref [X, K] that each program packs; "rows", XLA's `row_scaled_words`
