@@ -723,29 +723,10 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
                        shared_steps=(SHARED_STEP_BLOCKS, SHARED_DOWN_ROWS), **static, **sized)
     inputs = (tile_expert, src_of_row, *(x if packed else (x,)), *extra, *[a for w in weights for a in w],
               *shared_weights)
-    return _launch_kernel(
-        (*inputs, *aliased), kernel_args=tuple(sorted(kernel_args.items())), out_shapes=out_shapes,
-        grid=grid + (split,),
-        aliases=tuple((len(inputs) + i, n_outputs - len(aliased) + i) for i in range(len(aliased))),
-        warps=warps, stages=tiles.num_stages, interpret=interpret,
-        name=f"moe_gemv_{role}_r{tiles.rows}{'a' * tiles.adaptive}")
-
-
-@functools.partial(jax.jit, static_argnames=("kernel_args", "out_shapes", "grid", "aliases", "warps", "stages",
-                                             "interpret", "name"))
-def _launch_kernel(operands, *, kernel_args, out_shapes, grid, aliases, warps, stages, interpret, name):
-    """`_kernel` with the keyword arguments `kernel_args` ((name, value) pairs) over `operands` (the last ones
-    aliased to outputs as `aliases` pairs them): a jitted launch, so eager calls with the same arguments (a test's
-    decode step, layer after layer) trace and compile it once."""
-    return tiling.pallas_call(
-        functools.partial(_kernel, **dict(kernel_args)),
-        out_shape=out_shapes,
-        grid=grid,
-        input_output_aliases=dict(aliases),
-        compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret,
-        name=name,
-    )(*operands)
+    return tiling.launch(
+        _kernel, kernel_args, (*inputs, *aliased), out_shape=out_shapes, grid=grid + (split,), num_warps=warps,
+        num_stages=tiles.num_stages, interpret=interpret, name=f"moe_gemv_{role}_r{tiles.rows}{'a' * tiles.adaptive}",
+        aliases={len(inputs) + i: n_outputs - len(aliased) + i for i in range(len(aliased))})
 
 
 def _packs_hidden(groups: int, split: int, tiles: GemvTiles) -> bool:

@@ -148,29 +148,18 @@ def write(cache: jax.Array, layer: int, block_tables: jax.Array, positions: jax.
         raise ValueError("paged write: a leading norm is for one token per request (the decode kernel)")
     if length == 1 or isinstance(values, projection.Partials):  # (partial sums of several tokens: refused there)
         args, spec = decode_write(cache, layer, block_tables, positions, valid, values, norm)
-        kernel, kernel_args, grid = _decode_kernel, (("spec", spec),), (batch,)
+        kernel, kernel_args, grid = _decode_kernel, dict(spec=spec), (batch,)
     else:
         n_layers, n_blocks, block_size, width = cache.shape
         block_t = min(block_t, tiles.pow2_at_least(length))
         padded = tiles.round_up(length, block_t)
         pad = ((0, 0), (0, padded - length))
-        kernel, kernel_args = _prefill_kernel, (("block_t", block_t), ("layer_row0", layer * n_blocks * block_size),
-                                                ("block_size", block_size), ("pieces", tiles.segments(width)))
+        kernel, kernel_args = _prefill_kernel, dict(block_t=block_t, layer_row0=layer * n_blocks * block_size,
+                                                    block_size=block_size, pieces=tiles.segments(width))
         grid = (batch, padded // block_t)
         args = (jnp.pad(positions.astype(jnp.int32), pad), jnp.pad(valid.astype(jnp.int32), pad),
                 block_tables.astype(jnp.int32), jnp.pad(values, pad + ((0, 0),)))
-    out = _launch(tuple(args), rows, kernel=kernel, kernel_args=kernel_args, grid=grid, num_warps=num_warps,
-                  interpret=interpret, name="paged_write_decode" if length == 1 else "paged_write_prefill")
+    out = tiles.launch(kernel, kernel_args, (*args, rows), out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
+                       grid=grid, num_warps=num_warps, num_stages=1, interpret=interpret, aliases={len(args): 0},
+                       name="paged_write_decode" if length == 1 else "paged_write_prefill")
     return out.reshape(cache.shape)
-
-
-@functools.partial(jax.jit, static_argnames=("kernel", "kernel_args", "grid", "num_warps", "interpret", "name"))
-def _launch(operands, rows, *, kernel, kernel_args, grid, num_warps, interpret, name):
-    """`kernel` with the keyword arguments `kernel_args` ((name, value) pairs) over `operands`, writing into `rows`
-    (the cache's rows, aliased to the output): a jitted launch, so eager calls of the same layout (a test's decode
-    step, layer after layer) trace and compile it once."""
-    return tiles.pallas_call(
-        functools.partial(kernel, **dict(kernel_args)), out_shape=jax.ShapeDtypeStruct(rows.shape, rows.dtype),
-        grid=grid, input_output_aliases={len(operands): 0}, interpret=interpret,
-        compiler_params=tiles.compiler_params(num_warps, 1), name=name,
-    )(*operands, rows)

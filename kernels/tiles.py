@@ -10,6 +10,8 @@ Every kernel of the package is built through `pallas_call` here (the one place t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -95,6 +97,27 @@ def pallas_call(kernel, *, interpret: bool = False, **kwargs):
 
     dependent.__name__ = getattr(getattr(kernel, "func", kernel), "__name__", "kernel")  # its debug info's name
     return pl.pallas_call(dependent, interpret=interpret, **kwargs)
+
+
+def launch(kernel, kernel_args: dict, operands, *, out_shape, grid: tuple[int, ...], num_warps: int, num_stages: int,
+           interpret: bool, name: str, aliases: dict[int, int] | None = None):
+    """`pallas_call(functools.partial(kernel, **kernel_args), ...)(*operands)` for kernels on whole-array refs (no
+    BlockSpecs), through a jitted function whose static arguments are the kernel, its keyword arguments (hashable
+    values) and the launch. An eager `pl.pallas_call` builds a fresh jitted wrapper each time, so it traces and
+    compiles on every call; through here eager calls of the same arguments and operand shapes (a test's decode
+    step, layer after layer) compile once. Inside an outer jit it is the same launch. `aliases`: operand index ->
+    output index, as `input_output_aliases`."""
+    return _launch(tuple(operands), kernel=kernel, kernel_args=tuple(sorted(kernel_args.items())), out_shape=out_shape,
+                   grid=tuple(grid), aliases=tuple(sorted((aliases or {}).items())), num_warps=num_warps,
+                   num_stages=num_stages, interpret=interpret, name=name)
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "kernel_args", "out_shape", "grid", "aliases", "num_warps",
+                                             "num_stages", "interpret", "name"))
+def _launch(operands, *, kernel, kernel_args, out_shape, grid, aliases, num_warps, num_stages, interpret, name):
+    return pallas_call(functools.partial(kernel, **dict(kernel_args)), out_shape=out_shape, grid=grid,
+                       input_output_aliases=dict(aliases), compiler_params=compiler_params(num_warps, num_stages),
+                       interpret=interpret, name=name)(*operands)
 
 
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:

@@ -22,18 +22,18 @@ _packed = jax.jit(moe.moe_experts_packed, static_argnames=("tiles", "impl"))
 REFERENCE_BYTES = 16 << 30  # at most this much dequantized expert weight per reference call
 
 
-def _reference(x, ids, w, ew, **kw):
+def _reference(x, ids, w, ew):
     """The reference path's (y, workspace). It dequantizes the call's active experts in x's dtype; where that
     passes REFERENCE_BYTES (the DeepSeek shape, 256 experts of 7168 x 2048, at 64 tokens x top-8: all 256 in
     float32, ~126 GiB with its copies, more than an H100 holds) it runs in calls of fewer tokens, whose outputs are
     the same rows: each token's output depends on its own routing alone."""
     n_experts, inter, groups = ew.gate.shape[:3]
     per_expert = 3 * inter * groups * mxfp4.BLOCK * jnp.dtype(x.dtype).itemsize
+    step = max(1, REFERENCE_BYTES // per_expert // ids.shape[1])  # tokens per call
     with jax.default_matmul_precision("highest"):
-        if "workspace" in kw or min(n_experts, ids.size) * per_expert <= REFERENCE_BYTES:
-            return _packed(x, ids, w, ew, impl="reference", **kw)
-        step = max(1, REFERENCE_BYTES // per_expert // ids.shape[1])
-        parts = [_packed(x[i:i + step], ids[i:i + step], w[i:i + step], ew, impl="reference", **kw)[0]
+        if min(n_experts, ids.size) * per_expert <= REFERENCE_BYTES:
+            return _packed(x, ids, w, ew, impl="reference")
+        parts = [_packed(x[i:i + step], ids[i:i + step], w[i:i + step], ew, impl="reference")[0]
                  for i in range(0, x.shape[0], step)]
         return jnp.concatenate(parts), None
 
