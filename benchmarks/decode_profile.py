@@ -96,6 +96,21 @@ def attribute(events: list[dict], ops: dict[str, str], n_tokens: int) -> tuple[l
     return rows, sum(time_us.values()) / n_tokens / 1e3, sum(count.values()) / n_tokens
 
 
+def timeline(events: list[dict], ops: dict[str, str], dispatches: int) -> list[dict]:
+    """The last traced dispatch's kernels in launch order: name, op label, start (us from the dispatch's first
+    kernel), duration and the gap since the previous kernel ended (us). The trace holds `dispatches` dispatches of
+    the same program, so each is the same number of kernels."""
+    kernels = gpu_kernels(events)
+    last = kernels[len(kernels) - len(kernels) // dispatches:] if dispatches else []
+    rows, end = [], None
+    for e in last:
+        start = e["ts"] - last[0]["ts"]
+        rows.append({"kernel": e["name"][:80], "op": ops.get(e["name"], ""), "start_us": round(start, 2),
+                     "dur_us": round(e["dur"], 2), "gap_us": round(start - end, 2) if end is not None else 0.0})
+        end = start + e["dur"] if end is None else max(end, start + e["dur"])
+    return rows
+
+
 def engine_for(model: Model, kind: str, batch: int, unrolled_decode: bool | None = None) -> Engine:
     if kind == "serving":
         return Engine(model, None, EngineConfig(
@@ -173,8 +188,10 @@ def profile(engine: Engine, rows: StepRows, hlo_folder: str, repeats: int = 50) 
     same_inputs = same_inputs_host_ms(engine, rows, repeats)
     traced = 5
     events = traced_events(lambda: [engine.runner.run(rows, True) for _ in range(traced)])
-    ops, total_ms, kernels = attribute(events, kernel_ops(latest_hlo(hlo_folder)), traced * STEPS)
-    return {"pipelined_ms_per_token": pipelined / STEPS * 1e3, "waited_ms_per_token": waited / STEPS * 1e3,
+    labels = kernel_ops(latest_hlo(hlo_folder))
+    ops, total_ms, kernels = attribute(events, labels, traced * STEPS)
+    return {"timeline": timeline(events, labels, traced),
+            "pipelined_ms_per_token": pipelined / STEPS * 1e3, "waited_ms_per_token": waited / STEPS * 1e3,
             "host_ms_per_dispatch": float(np.median(calls)) * 1e3, "host_ms_per_dispatch_same_inputs": same_inputs,
             "gpu_ms_per_token": total_ms, "kernels_per_token": kernels, "ops": ops}
 
@@ -240,11 +257,11 @@ def run(args, hlo_folder: str) -> dict:
         print("| op | ms / token | kernels / token |\n|---|---|---|")
         for label, ms, n in result["ops"][:args.top]:
             print(f"| {label} | {ms:.4f} | {n:g} |")
-        summary[batch] = {k: round(v, 3) for k, v in result.items() if k != "ops"}
+        summary[batch] = {k: round(v, 3) for k, v in result.items() if k not in ("ops", "timeline")}
         summary[batch]["top_ops_ms"] = {label: round(ms, 4) for label, ms, _ in result["ops"][:8]}
         if args.dump:
             everything = {"ops": [{"op": label, "ms_per_token": ms, "kernels_per_token": n}
-                                  for label, ms, n in result["ops"]]}
+                                  for label, ms, n in result["ops"]], "timeline": result["timeline"]}
             with open(f"{args.dump}.B{batch}.json", "w") as f:
                 json.dump({**summary[batch], **everything}, f, indent=1)
         del engine
@@ -287,8 +304,8 @@ def main(argv=None) -> int:
                         help="run this kernel's Pallas version on CUDA even if not yet GPU-verified (repeatable; "
                              "a dispatch policy for the run), to try it: e.g. router")
     parser.add_argument("--dump", metavar="PREFIX",
-                        help="also write every op of each batch size to PREFIX.B<batch>.json (the results line keeps "
-                             "the top 8)")
+                        help="also write every op of each batch size, and the last traced dispatch's kernels in launch "
+                             "order with their gaps, to PREFIX.B<batch>.json (the results line keeps the top 8)")
     parser.add_argument("--dense-fused-prologues", action="store_true",
                         help="dense experts with DenseTiles.fused_prologues (row gather and SwiGLU in the kernels)")
     parser.add_argument("--shared-apart", action="store_true",

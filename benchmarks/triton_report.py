@@ -135,8 +135,9 @@ def kda_cases() -> dict:
                                                         value_split=8)
     layer_b1 = (S((1, 3 * dim + 2 * D + 16), jnp.bfloat16),) + tuple(
         S((1,) + a.shape[1:], a.dtype) if i in (10, 11) else a for i, a in enumerate(layer) if i > 1)
-    counted_step = lambda turns, q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
-                                                                 value_split=8, turns=turns)
+    def counted(**options):
+        return lambda turns, q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
+                                                             value_split=8, turns=turns, **options)
     # o_proj (the medium hybrid's 2048 x 2048) in the same kernel (`model.kda.O_PROJ_IN_STEP`)
     o_proj_step = lambda turns, w, q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
                                                                    value_split=8, turns=turns, o_weight=w)
@@ -146,8 +147,14 @@ def kda_cases() -> dict:
     return {"decode layer B16 H16": (decode_layer_step, layer),
             "decode layer B16 H16 low_rank_ups": (ups_step, (S((16, dim), jnp.bfloat16),) * 2 + layer),
             "decode layer B1 H16 value split 8": (split_step, layer_b1),
-            "decode layer B1 H16 value split 8, last block shifts": (counted_step,
-                                                                      (S((12, 2, 16), jnp.int32),) + layer_b1),
+            "decode layer B1 H16 value split 8, last block shifts": (
+                counted(), (S((12, 2, 16), jnp.int32),) + layer_b1),
+            "decode layer B1 H16 value split 8, last block shifts, loads where used": (
+                counted(hoist_loads=False), (S((12, 2, 16), jnp.int32),) + layer_b1),
+            "decode layer B1 H16 value split 8, last block shifts, loads where used, low-rank dots": (
+                counted(hoist_loads=False, low_rank_dot=True), (S((12, 2, 16), jnp.int32),) + layer_b1),
+            "decode layer B1 H16 value split 8, last block shifts, low-rank dots": (
+                counted(low_rank_dot=True), (S((12, 2, 16), jnp.int32),) + layer_b1),
             "decode layer B1 H16 value split 8, o_proj in the step": (
                 o_proj_step, (S((12, 2, 16), jnp.int32), S((dim, 2048), jnp.bfloat16)) + layer_b1),
             "chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),

@@ -45,6 +45,9 @@ BLOCK_ROWS = 16
 # The model runs `up_project` for decode steps of at most this many rows and XLA's merge and einsum above: one
 # program per row re-reads W_UV, so at 16 rows the kernel took 18.7 us per layer against XLA's ~10 (same run).
 UP_PROJECT_MAX_ROWS = 2
+# `up_project` programs of at most this many R steps issue all their steps' loads before any arithmetic (the medium
+# hybrid's 16 heads at one row: 2 steps); longer walks keep a loop (DeepSeek's 128 heads: 16 steps of [32, 128]).
+UP_HOIST_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -108,12 +111,18 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials, writ
     ql_ref, qr_ref, *cache_out = refs
     h, j = pl.program_id(0), pl.program_id(1)
     index = _row_index(rows)
+    # one row: loaded by its scalar index and broadcast to the dot's 16 rows after, so that the loads (a Partials'
+    # slices among them) share no row-index layout conversion, whose barriers would hold each load until the one
+    # before it has arrived
+    load_index = 0 if rows == 1 else index
     if partials is None:
-        q_at = lambda cols: q_refs[0][index, cols]
+        q_at = lambda cols: q_refs[0][load_index, cols]
     else:
-        q_at = projection.partials_loader(q_refs, index, partials)
+        q_at = projection.partials_loader(q_refs, load_index, partials)
     q_start = pl.multiple_of(h * (nope + rope), math.gcd(nope + rope, nope))
     q_nope = q_at(pl.ds(q_start, nope))
+    if rows == 1:
+        q_nope = jnp.broadcast_to(q_nope[None, :], (BLOCK_ROWS, nope))
     r0 = pl.multiple_of(j * block_r, block_r)
     w = w_ref[pl.ds(r0, block_r), pl.ds(pl.multiple_of(h * (nope + v_dim), math.gcd(nope + v_dim, nope)), nope)]
     if write is not None:  # the block's row p by its program p (`writes_latents`), while W_UK's loads are in flight
@@ -129,7 +138,7 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials, writ
 
     @pl.when(j == 0)
     def _():
-        qr_ref[index, pl.ds(pl.multiple_of(h * rope, rope), rope)] = q_at(pl.ds(q_start + nope, rope))
+        qr_ref[load_index, pl.ds(pl.multiple_of(h * rope, rope), rope)] = q_at(pl.ds(q_start + nope, rope))
 
 
 def writes_latents(heads: int, rank: int, rows: int, tiles: AbsorbTiles = AbsorbTiles()) -> bool:
@@ -215,21 +224,32 @@ def _up_kernel(out_ref, lse_ref, w_ref, o_ref, *, splits, heads_p, nope, v_dim, 
     h, j, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     dtype = o_ref.dtype
     split_rows = (m * splits + jax.lax.broadcasted_iota(jnp.int32, (splits,), 0)) * heads_p + h  # in out / lse
+    w_col = pl.multiple_of(h * (nope + v_dim) + nope + j * block_v, math.gcd(nope + v_dim, nope, block_v))
+
+    def loads(c):  # one block_r slice of R: the splits' rows and W_UV's rows
+        r0 = c * block_r if isinstance(c, int) else pl.multiple_of(c * block_r, block_r)
+        return out_ref[split_rows, pl.ds(r0, block_r)], w_ref[pl.ds(r0, block_r), pl.ds(w_col, block_v)]
+
+    steps = rank // block_r
     lse = lse_ref[split_rows]
+    # with few steps, every step's loads are issued here, before the splits' weights reduce: one round trip to
+    # memory, not one after each reduction's barriers
+    hoisted = [loads(c) for c in range(steps)] if steps <= UP_HOIST_STEPS else None
     top = jnp.max(lse)
     weight = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # 0 for splits that saw no key
     total = jnp.sum(weight)
     weight = weight * jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-    w_col = pl.multiple_of(h * (nope + v_dim) + nope + j * block_v, math.gcd(nope + v_dim, nope, block_v))
 
-    def step(c, acc):  # one block_r slice of R: the splits' rows merged, rounded, times W_UV's rows
-        r0 = pl.multiple_of(c * block_r, block_r)
-        parts = out_ref[split_rows, pl.ds(r0, block_r)].astype(jnp.float32)
-        merged = jnp.sum(weight[:, None] * parts, axis=0).astype(dtype).astype(jnp.float32)
-        w = w_ref[pl.ds(r0, block_r), pl.ds(w_col, block_v)].astype(dtype).astype(jnp.float32)
-        return acc + jnp.sum(merged[:, None] * w, axis=0)
+    def product(acc, parts, w):  # the splits' rows merged, rounded, times W_UV's rows
+        merged = jnp.sum(weight[:, None] * parts.astype(jnp.float32), axis=0).astype(dtype).astype(jnp.float32)
+        return acc + jnp.sum(merged[:, None] * w.astype(dtype).astype(jnp.float32), axis=0)
 
-    acc = jax.lax.fori_loop(0, rank // block_r, step, jnp.zeros((block_v,), jnp.float32))
+    acc = jnp.zeros((block_v,), jnp.float32)
+    if hoisted is not None:
+        for parts, w in hoisted:
+            acc = product(acc, parts, w)
+    else:
+        acc = jax.lax.fori_loop(0, steps, lambda c, acc: product(acc, *loads(c)), acc)
     o_ref[m, pl.ds(pl.multiple_of(h * v_dim + j * block_v, block_v), block_v)] = acc.astype(dtype)
 
 

@@ -273,17 +273,19 @@ def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zero
             x = x + projection.partials_loader([sums_ref], row, partials)(cols).astype(jnp.float32)
         return x.astype(dtype).astype(jnp.float32)
 
-    def normalised(x, inv_rms, cols):
+    def normalised(x, inv_rms, norm_weight):
         unit = (x * inv_rms).astype(dtype).astype(jnp.float32)
-        return (norm_ref[cols].astype(jnp.float32)[None, :] * unit).astype(dtype)
+        return (norm_weight.astype(jnp.float32)[None, :] * unit).astype(dtype)
 
     def router_program():
         e0 = pl.multiple_of(program * block, block)
         cols = pl.ds(0, hidden)
         weight = w_ref[pl.ds(e0, block), cols]  # [block, H]: first, its read overlaps the rest
+        # the norm's weight before the rms reduction: loaded after it, its read waits for the reduction's barriers
+        norm_weight = norm_ref[cols]
         x = row_x(cols)
         inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)
-        normed = normalised(x, inv_rms, cols)
+        normed = normalised(x, inv_rms, norm_weight)
         logits = jnp.sum(normed.astype(jnp.float32) * weight.astype(jnp.float32), axis=1)  # [block]
         logits_out[row, pl.ds(e0, block)] = logits[None, :]
 
@@ -347,9 +349,10 @@ def _kernel(*refs, hidden, block, partials, eps, pack, sums, select, layer, zero
         if row_part:  # the part unnormalised: the router's first program writes the row's 1 / rms
             column = (norm_ref[ks].astype(jnp.float32)[None, :] * row_x(ks)).reshape(k_len, 1)
         else:
+            norm_weight = norm_ref[ks]
             x = row_x(pl.ds(0, hidden))
             inv_rms = jax.lax.rsqrt(jnp.sum(x * x) / hidden + eps)  # the row's, as the router's programs find it
-            column = normalised(row_x(ks), inv_rms, ks).astype(jnp.float32).reshape(k_len, 1)
+            column = normalised(row_x(ks), inv_rms, norm_weight).astype(jnp.float32).reshape(k_len, 1)
         for i, w in enumerate(weights):
             shared_out[part, jnp.int32(i), cs] = jnp.sum(column * w.astype(jnp.float32), axis=0)
 

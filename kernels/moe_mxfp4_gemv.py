@@ -641,10 +641,13 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             atomics.add_relaxed(sums_ref, (columns,), acc)
 
     def down(width, products=products):
+        pairs = [jnp.minimum(src[r], n_src - 1) for r in range(width)]
+        # the pairs' routing weights before the products: loaded after them, their reads wait for the products'
+        # reductions and barriers, one more round trip to memory at the program's end
+        pair_weights = [pair_weight_ref[pair] for pair in pairs]
         for r, (y,) in enumerate(products(width)):
-            pair = jnp.minimum(src[r], n_src - 1)
-            token = jnp.where(real[r], pair // top_k, n_tokens)  # T: a padding row, which adds nothing
-            add_to_tokens(sums_ref, token[None], (y * pair_weight_ref[pair])[None], c0, n_tokens=n_tokens,
+            token = jnp.where(real[r], pairs[r] // top_k, n_tokens)  # T: a padding row, which adds nothing
+            add_to_tokens(sums_ref, token[None], (y * pair_weights[r])[None], c0, n_tokens=n_tokens,
                           n_dim=sums_dim, masked=not interpret)
 
     if zero_chunk:  # the down kernel's sums, zeroed by tile 0's programs (a chunk per block and split)

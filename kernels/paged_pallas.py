@@ -83,13 +83,13 @@ def store_decode_row(b, refs, spec: DecodeWrite, out_ref) -> None:
     if spec.norm is not None:  # `paged.LeadingNorm` over the pieces before `width`
         width, eps = spec.norm
         lead = [i for i, (start, _) in enumerate(spec.pieces) if start < width]
+        # the weights before the rms reduction: loaded after it, their read waits for its barriers
+        weights = [weight_ref[pl.ds(*spec.pieces[i])] for i in lead]
         ms = sum(jnp.sum(values[i].astype(jnp.float32) ** 2) for i in lead) / width
         inv = jax.lax.rsqrt(ms + eps)
-        for i in lead:
-            start, size = spec.pieces[i]
+        for i, weight in zip(lead, weights):
             normed = (values[i].astype(jnp.float32) * inv).astype(values[i].dtype)
-            weight = weight_ref[pl.ds(start, size)].astype(jnp.float32)
-            values[i] = (weight * normed.astype(jnp.float32)).astype(values[i].dtype)
+            values[i] = (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(values[i].dtype)
     for (start, size), value in zip(spec.pieces, values):
         out_ref[row, pl.ds(start, size)] = value.astype(out_ref.dtype)
 

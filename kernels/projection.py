@@ -174,20 +174,26 @@ def partials_loader(refs, rows, layout: tuple[int, float, bool, str]):
     (an int, a scalar or a `pl.ds`) or an int32 vector of rows; the rows' norm scale is loaded once, here."""
     k_dim, eps, has_squares, dtype = layout
     n_slices = refs[0].shape[0]
+    row_vector = bool(getattr(rows, "ndim", 0))
 
-    def added(ref, *index):
-        if getattr(rows, "ndim", 0):  # Triton's lowering cannot broadcast a row vector between two slices of a load
-            return functools.reduce(jnp.add, [ref[(s, rows) + index] for s in range(n_slices)])
-        return jnp.sum(ref[(pl.ds(0, n_slices), rows) + index], axis=0)
+    def loaded(ref, *index):  # the slices' values: one [S, ...] block, or S blocks for a row vector
+        if row_vector:  # Triton's lowering cannot broadcast a row vector between two slices of a load
+            return [ref[(s, rows) + index] for s in range(n_slices)]
+        return ref[(pl.ds(0, n_slices), rows) + index]
 
-    scale = None
-    if has_squares:
-        scale = jax.lax.rsqrt(added(refs[1]) / k_dim + eps)
-        scale = scale[..., None] if getattr(rows, "ndim", 0) else scale
+    def added(parts):
+        return functools.reduce(jnp.add, parts) if row_vector else jnp.sum(parts, axis=0)
+
+    # the squares are loaded here and added up where each load's values have been asked for: a reduction across
+    # the program before those loads would hold them behind its barriers, one round trip to memory after another
+    squares = loaded(refs[1]) if has_squares else None
 
     def load(cols):
-        total = added(refs[0], cols)
-        return (total if scale is None else total * scale).astype(dtype)
+        total = added(loaded(refs[0], cols))
+        if squares is None:
+            return total.astype(dtype)
+        scale = jax.lax.rsqrt(added(squares) / k_dim + eps)
+        return (total * (scale[..., None] if row_vector else scale)).astype(dtype)
 
     return load
 

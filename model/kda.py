@@ -202,7 +202,8 @@ class KimiDeltaAttention(nn.Module):
             conv_cache, state_pool, slots, jnp.sum(valid, axis=1), layer=layer, eps=cfg.rms_norm_eps,
             lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
             value_split=split, turns=turns if fits else None, low_rank_ups=ups,
-            o_weight=o_weight if o_in_step else None, interpret=self.decode_layer_kind(x) == "interpret")
+            o_weight=o_weight if o_in_step else None, hoist_loads=decode_layer.HOIST_LOADS,
+            low_rank_dot=decode_layer.LOW_RANK_DOT, interpret=self.decode_layer_kind(x) == "interpret")
         turns = tuple(counters) if fits else (() if turns is None else (turns,))
         if o_in_step:  # o is o_proj's output already, one partial sum per head
             update = o

@@ -97,3 +97,16 @@ def test_results_lines_name_the_xla_environment(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=")
     assert results.xla_environment() == ("XLA_FLAGS='--xla_gpu_enable_command_buffer=', "
                                          "XLA_PYTHON_CLIENT_ALLOCATOR='vmm'")
+
+
+def test_timeline_lists_the_last_dispatch_in_launch_order():
+    ops = decode_profile.kernel_ops(HLO)
+    gpu = {"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:0"}}
+    kernel = lambda name, ts, dur: {"ph": "X", "pid": 3, "name": name, "ts": ts, "dur": dur}
+    events = [gpu, kernel("moe_front", 0.0, 5.0), kernel("input_reduce_fusion_98", 6.0, 2.0),  # dispatch 1
+              kernel("input_reduce_fusion_98", 113.0, 2.0), kernel("moe_front", 100.0, 5.0)]  # dispatch 2, unsorted
+    rows = decode_profile.timeline(events, ops, dispatches=2)
+    assert [r["kernel"] for r in rows] == ["moe_front", "input_reduce_fusion_98"]
+    assert rows[0] == {"kernel": "moe_front", "op": "", "start_us": 0.0, "dur_us": 5.0, "gap_us": 0.0}
+    assert rows[1]["op"] == ops["input_reduce_fusion_98"] and rows[1]["start_us"] == 13.0
+    assert rows[1]["gap_us"] == 8.0  # from the first kernel's end (5 us) to this one's start (13 us)

@@ -282,6 +282,30 @@ def test_decode_layer_value_split(seed, head_dim, split):
         decode_layer.decode_step(*args, **options, value_split=split, turns=turns[:, :2])
 
 
+@pytest.mark.parametrize("head_dim,split", [(16, 1), (64, 4)])
+def test_decode_layer_load_order_and_low_rank_dots(seed, head_dim, split):
+    """`decode_step(hoist_loads=True)` (interpret mode, unsplit and split with turn counters): the same results bit
+    for bit (only where the loads are issued moves); `low_rank_dot=True`: the conv cache bit for bit, the states and
+    output within float32 / bf16 rounding of the FMA form (f_a @ f_b and g_a @ g_b summed in another order, then
+    rounded to bf16 as before)."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+
+    args = decode_layer_inputs(seed, 3, 2, head_dim)
+    options = dict(layer=1, eps=1e-5, lower_bound=-5.0, interpret=True, value_split=split)
+    if split > 1:
+        options["turns"] = jnp.zeros((2, 3, 2), jnp.int32)
+    base = decode_layer.decode_step(*args, **options, hoist_loads=False)
+    hoisted = decode_layer.decode_step(*args, **options, hoist_loads=True)
+    for want, got in zip(jax.tree.leaves(base), jax.tree.leaves(hoisted)):
+        assert np.array_equal(np.asarray(want, np.float32), np.asarray(got, np.float32))
+    for dots in (decode_layer.decode_step(*args, **options, low_rank_dot=True, hoist_loads=False),
+                 decode_layer.decode_step(*args, **options, low_rank_dot=True, hoist_loads=True)):
+        assert np.array_equal(np.asarray(dots[1], np.float32), np.asarray(base[1], np.float32))
+        assert _rel_err(dots[2], base[2]) < 1e-3
+        assert _rel_err(projection.finished(dots[0]), projection.finished(base[0])) < 1e-2
+
+
 def head_scaled_o_proj(head_scaled, w) -> np.ndarray:
     """float64 [M, D]: o_proj's weight w [K, D] times `projection.HeadScaled` rows scaled by their heads' 1 / rms, not
     rounded (what `decode_step(o_weight=)` computes)."""

@@ -79,6 +79,18 @@ O_PROJ_PREFETCH = True
 # (XLA's two small matmuls take ~5 us of what the kernel saves); at batch 1 / 2 (threshold 1) 1.085 / 1.363 against
 # 1.012 / 1.323: slower where the step is split over value blocks.
 LOW_RANK_UPS_MIN_ROWS = 16
+# `decode_step(hoist_loads=)`: every load that waits on no other (the conv taps and weights, the low-rank inputs and
+# f_b's / g_b's columns, the gate and norm weights) is issued at the program's start, before any arithmetic, instead
+# of where each is used. In the sm_90 build of the batch-1 step (benchmarks/triton_report.py --op kda --sass) the
+# loads otherwise sit between the block-wide reductions' barriers, each group waiting its own round trip to memory
+# (f_b's 32 KB per program arrive in ~5 batches of ~3 loads in flight). On the H100 (medium hybrid with MXFP4 experts,
+# decode_profile.py --set kernels.kda.decode_layer.HOIST_LOADS=true, forty-sixth session; tests/gpu/test_kda_gpu.py -k
+# load_order passes): the step 8.68 -> 6.98 us per layer, batch 1 0.857 -> 0.840 ms per token pipelined.
+HOIST_LOADS = True
+# `decode_step(low_rank_dot=)`: the f_a @ f_b and g_a @ g_b products of a program on the tensor cores (the row
+# repeated to 16 rows, bf16 operands, float32 sums) instead of float32 FMAs and a reduction over R. Off: slower (the
+# same runs: 8.92 us per layer with the loads hoisted; the sm_90 build at 4 warps takes 255 registers and spills).
+LOW_RANK_DOT = False
 
 
 def value_split(rows: int, head_dim: int) -> int:
@@ -118,7 +130,8 @@ def _projected_loader(refs, b, *, layout):
 
 
 def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, scale, eps, lower_bound, act,
-            qkv_layout, fgb_layout, value_split, last_block_shifts, ups_given, o_chunk, prefetch, interpret):
+            qkv_layout, fgb_layout, value_split, last_block_shifts, ups_given, o_chunk, prefetch, hoist_loads,
+            low_rank_dot, interpret):
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2)  # which of the head's `value_split` blocks of value columns (state columns) this is
     qkv_at, refs = _projected_loader(refs, b, layout=qkv_layout)
@@ -162,6 +175,12 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
         l2_prefetch.prefetch_range(ow_ref, (c0 + v0) * hidden, vb * hidden * ow_ref.dtype.itemsize)
     state = pool_ref[layer, slot, h, :, pl.ds(v0, vb)]  # first: its HBM read overlaps the conv and gate work below
 
+    def ahead(load):  # the values now (`hoist_loads`: every independent load issued before any arithmetic), or
+        if hoist_loads:  # a function that loads them where they are used
+            values_ = load()
+            return lambda: values_
+        return load
+
     def taps_of(stream, cols, size):  # the channels' last W - 1 inputs from the cache, then this token's
         x = qkv_at(pl.ds(stream * dim + cols.start, size))
         return [conv_ref[layer, slot, stream, cols, j].astype(jnp.float32) for j in range(width - 1)] + [x]
@@ -175,39 +194,60 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
             ref[(*index, j)] = value.astype(ref.dtype)
         return store
 
-    def conv(stream, w_ref, cols, size, store=True):  # -> (SiLU(conv) rounded, the taps)
-        taps = taps_of(stream, cols, size)
-        acc = sum(tap * w_ref[cols, j].astype(jnp.float32) for j, tap in enumerate(taps))
+    def conv_inputs(stream, w_ref, cols, size):  # (the taps, the conv's weights for the channels)
+        return ahead(lambda: (taps_of(stream, cols, size),
+                              [w_ref[cols, j].astype(jnp.float32) for j in range(width)]))
+
+    def conv(stream, inputs, cols, store=True):  # -> (SiLU(conv) rounded, the taps)
+        taps, weights = inputs()
+        acc = sum(tap * w for tap, w in zip(taps, weights))
         if store:  # in place
             shift(taps, store_into(conv_out_ref, layer, slot, stream, cols))
         return rnd(acc * jax.nn.sigmoid(acc)), taps
 
-    def low_rank_up(offset, w_ref, cols):  # [R] @ [R, C] columns, rounded as the projection's output
-        if ups:  # f_a's at offset 0, g_a's at R
-            return ups[offset // low_rank][b, cols].astype(jnp.float32)
-        a = fgb_at(pl.ds(offset, low_rank))
-        w = w_ref[pl.ds(0, low_rank), cols].astype(jnp.float32)
-        return rnd(jnp.sum(a[:, None] * w, axis=0))
+    def low_rank_inputs(offset, w_ref, cols):  # (the row's R low-rank values, the weight's [R, C] columns)
+        if ups:  # f_a's at offset 0, g_a's at R: the caller's finished products, no weight
+            return ahead(lambda: (ups[offset // low_rank][b, cols].astype(jnp.float32), None))
+        return ahead(lambda: (fgb_at(pl.ds(offset, low_rank)), w_ref[pl.ds(0, low_rank), cols]))
+
+    def low_rank_up(inputs):  # [R] @ [R, C], rounded as the projection's output
+        a, w = inputs()
+        if w is None:
+            return a
+        if low_rank_dot:  # on the tensor cores: the row repeated to a dot's 16 rows, the first kept (exactly)
+            product = tiling.mm(jnp.broadcast_to(a.astype(w.dtype)[None, :], (16, low_rank)), w)
+            first = jax.lax.broadcasted_iota(jnp.int32, product.shape, 0) == 0
+            return rnd(jnp.sum(jnp.where(first, product, 0.0), axis=0))
+        return rnd(jnp.sum(a[:, None] * w.astype(jnp.float32), axis=0))
+
+    # the loads (issued here with `hoist_loads`, so one round trip to memory covers them all)
+    q_in, k_in, v_in = (conv_inputs(0, qw_ref, chans, head_dim), conv_inputs(1, kw_ref, chans, head_dim),
+                        conv_inputs(2, vw_ref, values, vb))
+    f_in = low_rank_inputs(0, fb_ref, chans)
+    decay_in = ahead(lambda: (dtb_ref[chans], alog_ref[h], fgb_at(2 * low_rank + h)))
+    gate_in = low_rank_inputs(low_rank, gb_ref, values)
+    weight_in = ahead(lambda: norm_ref[pl.ds(v0, vb)].astype(jnp.float32))
 
     # q and k over all of the head's key channels, v over the block's. Split, every block of a head reads all of
     # its q and k conv inputs, so none may shift them in place while another block could still read them: the
     # head's last block to finish does (`last_block_shifts`), or each block writes the shifted inputs of its share
     # of the channels (the block's value columns) to a separate output
-    (q, q_taps), (k, k_taps) = (conv(i, w, chans, head_dim, store=value_split == 1)
-                                for i, w in ((0, qw_ref), (1, kw_ref)))
-    v, _ = conv(2, vw_ref, values, vb)
+    (q, q_taps), (k, k_taps) = (conv(i, inputs, chans, store=value_split == 1)
+                                for i, inputs in ((0, q_in), (1, k_in)))
+    v, _ = conv(2, v_in, values)
     if value_split > 1 and not last_block_shifts:  # (reloaded for the block's channels: no traced tap slices)
         for stream in (0, 1):
             shift(taps_of(stream, values, vb), store_into(qk_rows_ref, b, stream, values))
-    g = kda_reference.log_decay(low_rank_up(0, fb_ref, chans) + dtb_ref[chans], alog_ref[h], lower_bound)
-    beta = jax.nn.sigmoid(fgb_at(2 * low_rank + h))
+    dt_bias, a_log, b_in = decay_in()
+    g = kda_reference.log_decay(low_rank_up(f_in) + dt_bias, a_log, lower_bound)
+    beta = jax.nn.sigmoid(b_in)
     token = (_l2normalize(q), _l2normalize(k), v, jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0), live)
     state, o = _delta_step(state, token, scale, output_before_update=True)  # a padding row keeps its state
     pool_out_ref[layer, slot, h, :, pl.ds(v0, vb)] = state
     o = rnd(o)
 
-    gate = jax.nn.sigmoid(low_rank_up(low_rank, gb_ref, values))
-    weight = norm_ref[pl.ds(v0, vb)].astype(jnp.float32)
+    gate = jax.nn.sigmoid(low_rank_up(gate_in))
+    weight = weight_in()
     if value_split == 1:
         normed = o * jax.lax.rsqrt(jnp.sum(o * o) / head_dim + eps)
         o_ref[b, chans] = (weight * normed * gate).astype(o_ref.dtype)
@@ -246,12 +286,12 @@ def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple |
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "eps", "lower_bound", "num_warps", "value_split",
-                                             "interpret"))
+                                             "hoist_loads", "low_rank_dot", "interpret"))
 def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, conv_cache, state_pool, slots,
                 lengths, *, layer: int, eps: float, lower_bound: float | None, num_warps: int = NUM_WARPS,
                 value_split: int = 1, turns: jax.Array | None = None,
                 low_rank_ups: tuple[jax.Array, jax.Array] | None = None, o_weight: jax.Array | None = None,
-                interpret: bool = False):
+                hoist_loads: bool = True, low_rank_dot: bool = False, interpret: bool = False):
     """One decode token per row through the KDA layer's conv, gates, recurrence and gated norm.
 
     qkv [B, 3 * H * K] (the q, k, v projections, concatenated), fgb [B, 2R + H] (the f_a and g_a projections and
@@ -278,6 +318,9 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     of the rows' f_a and g_a outputs, made by the caller (as the model's XLA path does: one small matmul over all
     rows, `low_rank_ups`); the kernel then reads them instead of multiplying by f_b's and g_b's head columns itself,
     which every (row, head) program would otherwise load (as many weight bytes as its state's).
+
+    `hoist_loads` / `low_rank_dot`: see `HOIST_LOADS` / `LOW_RANK_DOT`, the model's choices (the same results, to
+    float32 summation order for the dot).
 
     `o_weight` (o_proj's weight [H * K, D] of the activations' dtype; needs `value_split` > 1 and `turns`): the
     kernel runs o_proj too, and o comes back as its output unfinished, a `projection.Partials` of one slice per head
@@ -345,7 +388,8 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
                           scale=head_dim ** -0.5, eps=eps, lower_bound=lower_bound, act=act, qkv_layout=qkv_layout,
                           fgb_layout=fgb_layout, value_split=value_split, last_block_shifts=last_block_shifts,
                           ups_given=low_rank_ups is not None, o_chunk=o_chunk,
-                          prefetch=O_PROJ_PREFETCH and l2_prefetch.available(interpret), interpret=interpret),
+                          prefetch=O_PROJ_PREFETCH and l2_prefetch.available(interpret), hoist_loads=hoist_loads,
+                          low_rank_dot=low_rank_dot, interpret=interpret),
         grid=(batch, heads, value_split),
         in_specs=[any_spec] * len(inputs),
         out_specs=[any_spec] * len(outputs),

@@ -232,6 +232,29 @@ def test_decode_layer_value_split_on_gpu(split, batch):
     assert _rel(kernel[:batch], want) < 1e-2
 
 
+@pytest.mark.parametrize("hoist_loads,low_rank_dot", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("split,batch", [(8, 1), (4, 2), (1, 3)])
+def test_decode_layer_load_order_and_low_rank_dots_on_gpu(hoist_loads, low_rank_dot, split, batch):
+    """`decode_step(hoist_loads=, low_rank_dot=)` compiled at the medium hybrid's layer (split with the turn
+    counters, as the model runs it): the conv cache bit for bit and, with the loads hoisted alone, the states and
+    output to float32 rounding of the default form; with the low-rank products on the tensor cores, to bf16
+    rounding (their sums in another order)."""
+    from dayzero.kernels import projection
+    from dayzero.kernels.kda import decode_layer
+    from test_kda_kernels import decode_layer_inputs
+
+    args = decode_layer_inputs(_seed(), batch, 16, 128, slots_total=40, padding_row=batch > 1)
+    options = dict(layer=1, eps=1e-5, lower_bound=None, value_split=split)
+    turns = jnp.zeros((2, batch, 16), jnp.int32)
+    step = lambda **more: jax.jit(lambda t, *a: decode_layer.decode_step(
+        *a, **options, **({"turns": t} if split > 1 else {}), **more))(turns, *args)
+    base, got = step(hoist_loads=False), step(hoist_loads=hoist_loads, low_rank_dot=low_rank_dot)
+    assert np.array_equal(np.asarray(got[1], np.float32), np.asarray(base[1], np.float32))
+    tol = 1e-2 if low_rank_dot else 1e-5
+    assert _rel(got[2], base[2]) < tol / 10
+    assert _rel(projection.finished(got[0]), projection.finished(base[0])) < tol
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("split,batch", [(8, 1), (4, 2)])
 def test_decode_layer_runs_o_proj_on_gpu(monkeypatch, prefetch, split, batch):
