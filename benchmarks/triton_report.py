@@ -138,6 +138,19 @@ def kda_cases() -> dict:
     def counted(**options):
         return lambda turns, q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
                                                              value_split=8, turns=turns, **options)
+    # as the model runs it at batch 1: q|k|v and f_a|g_a|b as the input projection's 8-slice partial sums with the
+    # norm's squares (`model.kda.PROJECTION_PARTIALS`)
+    from dayzero.kernels import projection
+
+    def with_partials(**options):
+        def step(turns, qkv_sums, fgb_sums, squares, *a):
+            parts = [projection.Partials(x, squares, 2048, 1e-6, "bfloat16") for x in (qkv_sums, fgb_sums)]
+            return decode_layer.decode_step(*parts, *a, layer=0, eps=1e-5, lower_bound=None, value_split=8,
+                                            turns=turns, **options)
+        return step
+
+    partial_sums = (S((12, 2, 16), jnp.int32), S((8, 1, 3 * dim), jnp.float32), S((8, 1, 2 * D + 16), jnp.float32),
+                    S((8, 1), jnp.float32)) + layer_b1[1:]
     # o_proj (the medium hybrid's 2048 x 2048) in the same kernel (`model.kda.O_PROJ_IN_STEP`)
     o_proj_step = lambda turns, w, q, *a: decode_layer.decode_step(q, None, *a, layer=0, eps=1e-5, lower_bound=None,
                                                                    value_split=8, turns=turns, o_weight=w)
@@ -155,6 +168,10 @@ def kda_cases() -> dict:
                 counted(hoist_loads=False, low_rank_dot=True), (S((12, 2, 16), jnp.int32),) + layer_b1),
             "decode layer B1 H16 value split 8, last block shifts, low-rank dots": (
                 counted(low_rank_dot=True), (S((12, 2, 16), jnp.int32),) + layer_b1),
+            "decode layer B1 H16 value split 8, last block shifts, partial sums (the model's)": (
+                with_partials(), partial_sums),
+            "decode layer B1 H16 value split 8, last block shifts, partial sums, loads where used": (
+                with_partials(hoist_loads=False), partial_sums),
             "decode layer B1 H16 value split 8, o_proj in the step": (
                 o_proj_step, (S((12, 2, 16), jnp.int32), S((dim, 2048), jnp.bfloat16)) + layer_b1),
             "chunk_kda B1 T8192": (chunk(), (q, q, q, g, beta, state)),

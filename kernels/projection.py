@@ -171,7 +171,16 @@ def partials_loader(refs, rows, layout: tuple[int, float, bool, str]):
     """In a consumer kernel: a function (columns -> those columns of rows `rows`, finished as `finished` does: the
     float32 sums over the slices, times the norm's 1 / rms where there are squares, rounded to the Partials' dtype)
     for a `Partials` handed over unfinished (refs: `partials_operands`' operands, layout its layout). `rows`: a row
-    (an int, a scalar or a `pl.ds`) or an int32 vector of rows; the rows' norm scale is loaded once, here."""
+    (an int, a scalar or a `pl.ds`) or an int32 vector of rows; the rows' squares are loaded once, here."""
+    fetch = partials_fetcher(refs, rows, layout)
+    return lambda cols: fetch(cols)()
+
+
+def partials_fetcher(refs, rows, layout: tuple[int, float, bool, str]):
+    """`partials_loader` in two phases: `fetch(cols)` issues the loads of those columns' slices and returns a function
+    that finishes them (the slices' sum, the norm's scale, the rounding). A kernel can so issue all its loads before
+    any finishing arithmetic, whose sums across the program's threads would hold each later load behind their
+    barriers (one round trip to memory after another)."""
     k_dim, eps, has_squares, dtype = layout
     n_slices = refs[0].shape[0]
     row_vector = bool(getattr(rows, "ndim", 0))
@@ -184,18 +193,21 @@ def partials_loader(refs, rows, layout: tuple[int, float, bool, str]):
     def added(parts):
         return functools.reduce(jnp.add, parts) if row_vector else jnp.sum(parts, axis=0)
 
-    # the squares are loaded here and added up where each load's values have been asked for: a reduction across
-    # the program before those loads would hold them behind its barriers, one round trip to memory after another
     squares = loaded(refs[1]) if has_squares else None
 
-    def load(cols):
-        total = added(loaded(refs[0], cols))
-        if squares is None:
-            return total.astype(dtype)
-        scale = jax.lax.rsqrt(added(squares) / k_dim + eps)
-        return (total * (scale[..., None] if row_vector else scale)).astype(dtype)
+    def fetch(cols):
+        parts = loaded(refs[0], cols)
 
-    return load
+        def finish():
+            total = added(parts)
+            if squares is None:
+                return total.astype(dtype)
+            scale = jax.lax.rsqrt(added(squares) / k_dim + eps)
+            return (total * (scale[..., None] if row_vector else scale)).astype(dtype)
+
+        return finish
+
+    return fetch
 
 
 @dataclass(frozen=True)

@@ -435,6 +435,10 @@ def test_decode_layer_adds_up_projection_partials(seed, slices, norm):
     options = dict(layer=1, eps=1e-5, lower_bound=None, interpret=True)
     got = decode_layer.decode_step(qkv, fgb, *args[2:], **options)
     want = decode_layer.decode_step(*finished, *args[2:], **options)
+    # the partial sums fetched first and finished where used (`hoist_loads`), or finished where fetched: bit for bit
+    where_used = decode_layer.decode_step(qkv, fgb, *args[2:], **options, hoist_loads=False)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(where_used)):
+        assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     assert got[0].shape == want[0].shape and got[0].dtype == want[0].dtype
     assert _rel_err(got[0], want[0]) < 1e-2
     assert _rel_err(got[1], want[1]) < 1e-2 and _rel_err(got[2], want[2]) < 1e-3

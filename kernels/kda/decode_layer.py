@@ -85,7 +85,11 @@ LOW_RANK_UPS_MIN_ROWS = 16
 # loads otherwise sit between the block-wide reductions' barriers, each group waiting its own round trip to memory
 # (f_b's 32 KB per program arrive in ~5 batches of ~3 loads in flight). On the H100 (medium hybrid with MXFP4 experts,
 # decode_profile.py --set kernels.kda.decode_layer.HOIST_LOADS=true, forty-sixth session; tests/gpu/test_kda_gpu.py -k
-# load_order passes): the step 8.68 -> 6.98 us per layer, batch 1 0.857 -> 0.840 ms per token pipelined.
+# load_order passes): the step 8.68 -> 6.98 us per layer, batch 1 0.857 -> 0.840 ms per token pipelined. That form
+# still finished each projection output's partial sums (a sum across the program's threads) as it fetched them, so
+# in the model's build (partial sums, `triton_report.py` "partial sums (the model's)") the loads came in five groups
+# between barriers; they are now all fetched first and finished where used (`projection.partials_fetcher`): one
+# group of loads before the first barrier in the offline sm_90 build, not yet measured on a GPU.
 HOIST_LOADS = True
 # `decode_step(low_rank_dot=)`: the f_a @ f_b and g_a @ g_b products of a program on the tensor cores (the row
 # repeated to 16 rows, bf16 operands, float32 sums) instead of float32 FMAs and a reduction over R. Off: slower (the
@@ -117,16 +121,24 @@ def choose(impl: str | None = None) -> str:
     return dispatch.choose("kda_decode_layer", ("reference", "pallas"), impl, gpu_verified=GPU_VERIFIED)
 
 
-def _projected_loader(refs, b, *, layout):
-    """A function (index -> float32 values of row b) for one projection output: `layout` None: refs = (the array
-    [B, N],); else a `projection.partials_operands` layout: refs = (the float32 partial sums [S, B, N], and their
-    rows' squares [S, B] with a norm), finished as they load (`projection.partials_loader`). refs past the ones this
-    output uses are returned with the function."""
+def _projected_fetcher(refs, b, *, layout):
+    """A function (index -> a function giving the float32 values of row b there) for one projection output: the
+    loads are issued when it is called, the finishing arithmetic when the returned function is. `layout` None: refs =
+    (the array [B, N],); else a `projection.partials_operands` layout: refs = (the float32 partial sums [S, B, N],
+    and their rows' squares [S, B] with a norm), finished as `projection.partials_fetcher` does. refs past the ones
+    this output uses are returned with the function."""
     if layout is None:
-        return (lambda index: refs[0][b, index].astype(jnp.float32)), refs[1:]
+        def fetch(index):
+            values = refs[0][b, index]
+            return lambda: values.astype(jnp.float32)
+        return fetch, refs[1:]
     n_refs = projection.operand_count(layout)
-    load = projection.partials_loader(refs[:n_refs], b, layout)
-    return (lambda index: load(index).astype(jnp.float32)), refs[n_refs:]
+    fetch_partials = projection.partials_fetcher(refs[:n_refs], b, layout)
+
+    def fetch(index):
+        finish = fetch_partials(index)
+        return lambda: finish().astype(jnp.float32)
+    return fetch, refs[n_refs:]
 
 
 def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, scale, eps, lower_bound, act,
@@ -134,13 +146,13 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
             low_rank_dot, interpret):
     b, h = pl.program_id(0), pl.program_id(1)
     part = pl.program_id(2)  # which of the head's `value_split` blocks of value columns (state columns) this is
-    qkv_at, refs = _projected_loader(refs, b, layout=qkv_layout)
+    qkv_fetch, refs = _projected_fetcher(refs, b, layout=qkv_layout)
     if fgb_layout == "after_qkv":  # one projection output q|k|v|f_a|g_a|b: f_a|g_a|b start at column 3 * H * K
         offset = 3 * heads * head_dim
-        fgb_at = lambda index: qkv_at(pl.ds(index.start + offset, index.size) if isinstance(index, pl.Slice)
-                                      else index + offset)
+        fgb_fetch = lambda index: qkv_fetch(pl.ds(index.start + offset, index.size) if isinstance(index, pl.Slice)
+                                            else index + offset)
     else:
-        fgb_at, refs = _projected_loader(refs, b, layout=fgb_layout)
+        fgb_fetch, refs = _projected_fetcher(refs, b, layout=fgb_layout)
     qw_ref, kw_ref, vw_ref, fb_ref, alog_ref, dtb_ref, gb_ref, norm_ref, *refs = refs
     ups = ()  # (f_a @ f_b, g_a @ g_b) of all rows, where the caller made them
     if ups_given:
@@ -175,15 +187,19 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
         l2_prefetch.prefetch_range(ow_ref, (c0 + v0) * hidden, vb * hidden * ow_ref.dtype.itemsize)
     state = pool_ref[layer, slot, h, :, pl.ds(v0, vb)]  # first: its HBM read overlaps the conv and gate work below
 
-    def ahead(load):  # the values now (`hoist_loads`: every independent load issued before any arithmetic), or
-        if hoist_loads:  # a function that loads them where they are used
+    def ahead(load):  # `hoist_loads`: the loads issued now, before any arithmetic; else where they are used
+        if hoist_loads:
             values_ = load()
             return lambda: values_
         return load
 
-    def taps_of(stream, cols, size):  # the channels' last W - 1 inputs from the cache, then this token's
-        x = qkv_at(pl.ds(stream * dim + cols.start, size))
-        return [conv_ref[layer, slot, stream, cols, j].astype(jnp.float32) for j in range(width - 1)] + [x]
+    def fetch_taps(stream, cols, size):  # the channels' last W - 1 inputs from the cache; this token's, unfinished
+        x = qkv_fetch(pl.ds(stream * dim + cols.start, size))
+        return [conv_ref[layer, slot, stream, cols, j].astype(jnp.float32) for j in range(width - 1)], x
+
+    def taps_of(fetched):  # the taps, this token's input finished
+        cached, x = fetched
+        return cached + [x()]
 
     def shift(taps, store):  # the cache keeps the last W - 1 inputs; padding rows keep theirs
         for j in range(width - 1):
@@ -194,12 +210,13 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
             ref[(*index, j)] = value.astype(ref.dtype)
         return store
 
-    def conv_inputs(stream, w_ref, cols, size):  # (the taps, the conv's weights for the channels)
-        return ahead(lambda: (taps_of(stream, cols, size),
+    def conv_inputs(stream, w_ref, cols, size):  # (the fetched taps, the conv's weights for the channels)
+        return ahead(lambda: (fetch_taps(stream, cols, size),
                               [w_ref[cols, j].astype(jnp.float32) for j in range(width)]))
 
     def conv(stream, inputs, cols, store=True):  # -> (SiLU(conv) rounded, the taps)
-        taps, weights = inputs()
+        fetched, weights = inputs()
+        taps = taps_of(fetched)
         acc = sum(tap * w for tap, w in zip(taps, weights))
         if store:  # in place
             shift(taps, store_into(conv_out_ref, layer, slot, stream, cols))
@@ -208,12 +225,16 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     def low_rank_inputs(offset, w_ref, cols):  # (the row's R low-rank values, the weight's [R, C] columns)
         if ups:  # f_a's at offset 0, g_a's at R: the caller's finished products, no weight
             return ahead(lambda: (ups[offset // low_rank][b, cols].astype(jnp.float32), None))
-        return ahead(lambda: (fgb_at(pl.ds(offset, low_rank)), w_ref[pl.ds(0, low_rank), cols]))
+        def load():  # the weight's columns first: finishing the row's values needs barriers
+            w = w_ref[pl.ds(0, low_rank), cols]
+            return fgb_fetch(pl.ds(offset, low_rank)), w
+        return ahead(load)
 
     def low_rank_up(inputs):  # [R] @ [R, C], rounded as the projection's output
         a, w = inputs()
         if w is None:
             return a
+        a = a()
         if low_rank_dot:  # on the tensor cores: the row repeated to a dot's 16 rows, the first kept (exactly)
             product = tiling.mm(jnp.broadcast_to(a.astype(w.dtype)[None, :], (16, low_rank)), w)
             first = jax.lax.broadcasted_iota(jnp.int32, product.shape, 0) == 0
@@ -224,7 +245,7 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     q_in, k_in, v_in = (conv_inputs(0, qw_ref, chans, head_dim), conv_inputs(1, kw_ref, chans, head_dim),
                         conv_inputs(2, vw_ref, values, vb))
     f_in = low_rank_inputs(0, fb_ref, chans)
-    decay_in = ahead(lambda: (dtb_ref[chans], alog_ref[h], fgb_at(2 * low_rank + h)))
+    decay_in = ahead(lambda: (dtb_ref[chans], alog_ref[h], fgb_fetch(2 * low_rank + h)))
     gate_in = low_rank_inputs(low_rank, gb_ref, values)
     weight_in = ahead(lambda: norm_ref[pl.ds(v0, vb)].astype(jnp.float32))
 
@@ -237,10 +258,10 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
     v, _ = conv(2, v_in, values)
     if value_split > 1 and not last_block_shifts:  # (reloaded for the block's channels: no traced tap slices)
         for stream in (0, 1):
-            shift(taps_of(stream, values, vb), store_into(qk_rows_ref, b, stream, values))
+            shift(taps_of(fetch_taps(stream, values, vb)), store_into(qk_rows_ref, b, stream, values))
     dt_bias, a_log, b_in = decay_in()
     g = kda_reference.log_decay(low_rank_up(f_in) + dt_bias, a_log, lower_bound)
-    beta = jax.nn.sigmoid(b_in)
+    beta = jax.nn.sigmoid(b_in())
     token = (_l2normalize(q), _l2normalize(k), v, jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0), live)
     state, o = _delta_step(state, token, scale, output_before_update=True)  # a padding row keeps its state
     pool_out_ref[layer, slot, h, :, pl.ds(v0, vb)] = state
@@ -279,7 +300,7 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
 
 
 def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple | None]:
-    """A projection output's kernel operands and the static layout `_projected_loader` reads them with."""
+    """A projection output's kernel operands and the static layout `_projected_fetcher` reads them with."""
     if not isinstance(projected, projection.Partials):
         return [projected], None
     return projection.partials_operands(projected)
