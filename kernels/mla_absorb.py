@@ -115,16 +115,24 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials, writ
     # slices among them) share no row-index layout conversion, whose barriers would hold each load until the one
     # before it has arrived
     load_index = 0 if rows == 1 else index
+    if rows % BLOCK_ROWS == 0:  # whole blocks of rows: a slice, loaded as one block with the Partials' slices
+        load_index = pl.ds(pl.multiple_of(pl.program_id(2) * BLOCK_ROWS, BLOCK_ROWS), BLOCK_ROWS)
     if partials is None:
-        q_at = lambda cols: q_refs[0][load_index, cols]
+        def q_fetch(cols):
+            values = q_refs[0][load_index, cols]
+            return lambda: values
     else:
-        q_at = projection.partials_loader(q_refs, load_index, partials)
+        q_fetch = projection.partials_fetcher(q_refs, load_index, partials)
+    q_at = lambda cols: q_fetch(cols)()
     q_start = pl.multiple_of(h * (nope + rope), math.gcd(nope + rope, nope))
-    q_nope = q_at(pl.ds(q_start, nope))
-    if rows == 1:
-        q_nope = jnp.broadcast_to(q_nope[None, :], (BLOCK_ROWS, nope))
+    # the query's loads, then W_UK's, then the query finished: its sums would otherwise hold W_UK's loads behind
+    # their barriers
+    q_nope = q_fetch(pl.ds(q_start, nope))
     r0 = pl.multiple_of(j * block_r, block_r)
     w = w_ref[pl.ds(r0, block_r), pl.ds(pl.multiple_of(h * (nope + v_dim), math.gcd(nope + v_dim, nope)), nope)]
+    q_nope = q_nope()
+    if rows == 1:
+        q_nope = jnp.broadcast_to(q_nope[None, :], (BLOCK_ROWS, nope))
     if write is not None:  # the block's row p by its program p (`writes_latents`), while W_UK's loads are in flight
         p = h * pl.num_programs(1) + j
         row = pl.program_id(2) * BLOCK_ROWS + p

@@ -171,7 +171,7 @@ def partials_loader(refs, rows, layout: tuple[int, float, bool, str]):
     """In a consumer kernel: a function (columns -> those columns of rows `rows`, finished as `finished` does: the
     float32 sums over the slices, times the norm's 1 / rms where there are squares, rounded to the Partials' dtype)
     for a `Partials` handed over unfinished (refs: `partials_operands`' operands, layout its layout). `rows`: a row
-    (an int, a scalar or a `pl.ds`) or an int32 vector of rows; the rows' squares are loaded once, here."""
+    (an int or a scalar), a `pl.ds` of rows or an int32 vector of rows; the rows' squares are loaded once, here."""
     fetch = partials_fetcher(refs, rows, layout)
     return lambda cols: fetch(cols)()
 
@@ -184,6 +184,7 @@ def partials_fetcher(refs, rows, layout: tuple[int, float, bool, str]):
     k_dim, eps, has_squares, dtype = layout
     n_slices = refs[0].shape[0]
     row_vector = bool(getattr(rows, "ndim", 0))
+    several = row_vector or isinstance(rows, pl.Slice)  # rows' scales then broadcast over the columns
 
     def loaded(ref, *index):  # the slices' values: one [S, ...] block, or S blocks for a row vector
         if row_vector:  # Triton's lowering cannot broadcast a row vector between two slices of a load
@@ -203,7 +204,7 @@ def partials_fetcher(refs, rows, layout: tuple[int, float, bool, str]):
             if squares is None:
                 return total.astype(dtype)
             scale = jax.lax.rsqrt(added(squares) / k_dim + eps)
-            return (total * (scale[..., None] if row_vector else scale)).astype(dtype)
+            return (total * (scale[..., None] if several else scale)).astype(dtype)
 
         return finish
 

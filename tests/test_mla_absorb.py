@@ -26,10 +26,11 @@ def _tol(dtype):
     return 2e-2 if dtype == jnp.bfloat16 else 1e-5
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_absorb_queries(seed, rows, dtype):
-    """q_nope . W_UK^T per head against float64, and the rope columns copied exactly; 17 rows span two row blocks."""
+    """q_nope . W_UK^T per head against float64, and the rope columns copied exactly; 16 rows a whole row block
+    (loaded as a slice), 17 rows span two row blocks."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((rows, HEADS * (NOPE + ROPE))), dtype)
     w = _weights(rng, dtype)
@@ -47,7 +48,7 @@ def test_absorb_queries(seed, rows, dtype):
                                atol=_tol(dtype) * float(np.max(np.abs(want))))
 
 
-@pytest.mark.parametrize("rows,squares", [(1, True), (3, False)])
+@pytest.mark.parametrize("rows,squares", [(1, True), (3, False), (16, True), (32, False)])
 def test_absorb_queries_finishes_partial_sums(seed, rows, squares):
     """q as the query projection's K-split `projection.Partials` (with the norm's squares or without): each program
     finishes the columns it reads as `projection.finished` does, so q_latent and q_rope equal bit for bit those of
@@ -221,7 +222,7 @@ def test_latent_write_with_its_norm(seed, dtype):
                            jnp.zeros((3, 2, 48), dtype), interpret=True, norm=norm)
 
 
-@pytest.mark.parametrize("rows,partials", [(1, True), (3, False), (17, True)])
+@pytest.mark.parametrize("rows,partials", [(1, True), (3, False), (16, True), (17, True)])
 def test_absorb_queries_writes_the_latent_rows(seed, rows, partials):
     """`absorb_queries(latent_write=)` (interpret mode): the cache comes back bit for bit as `paged_pallas.write`'s
     decode kernel leaves it (the latent normed, the rope key after it; an invalid row into the scratch block; 17 rows
