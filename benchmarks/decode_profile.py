@@ -102,12 +102,12 @@ def timeline(events: list[dict], ops: dict[str, str], dispatches: int) -> list[d
     the same program, so each is the same number of kernels."""
     kernels = gpu_kernels(events)
     last = kernels[len(kernels) - len(kernels) // dispatches:] if dispatches else []
-    rows, end = [], None
+    rows, end = [], 0.0  # (the first kernel starts at 0: its gap is 0)
     for e in last:
         start = e["ts"] - last[0]["ts"]
         rows.append({"kernel": e["name"][:80], "op": ops.get(e["name"], ""), "start_us": round(start, 2),
-                     "dur_us": round(e["dur"], 2), "gap_us": round(start - end, 2) if end is not None else 0.0})
-        end = start + e["dur"] if end is None else max(end, start + e["dur"])
+                     "dur_us": round(e["dur"], 2), "gap_us": round(start - end, 2)})
+        end = max(end, start + e["dur"])
     return rows
 
 

@@ -110,6 +110,7 @@ def compile_report(ir: str, num_warps: int, num_stages: int, sass_path: str | No
 def kda_cases() -> dict:
     """The KDA kernels at the issue's benchmark shapes (B1 T8192 H32 D128 bf16 prefill; B64 decode) and the
     one-kernel decode layer step at the medium hybrid's."""
+    from dayzero.kernels import projection
     from dayzero.kernels.kda import decode_layer, pallas
 
     S = jax.ShapeDtypeStruct
@@ -140,8 +141,6 @@ def kda_cases() -> dict:
                                                              value_split=8, turns=turns, **options)
     # as the model runs it at batch 1: q|k|v and f_a|g_a|b as the input projection's 8-slice partial sums with the
     # norm's squares (`model.kda.PROJECTION_PARTIALS`)
-    from dayzero.kernels import projection
-
     def with_partials(**options):
         def step(turns, qkv_sums, fgb_sums, squares, *a):
             parts = [projection.Partials(x, squares, 2048, 1e-6, "bfloat16") for x in (qkv_sums, fgb_sums)]

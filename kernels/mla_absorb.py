@@ -117,12 +117,7 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials, writ
     load_index = 0 if rows == 1 else index
     if rows % BLOCK_ROWS == 0:  # whole blocks of rows: a slice, loaded as one block with the Partials' slices
         load_index = pl.ds(pl.multiple_of(pl.program_id(2) * BLOCK_ROWS, BLOCK_ROWS), BLOCK_ROWS)
-    if partials is None:
-        def q_fetch(cols):
-            values = q_refs[0][load_index, cols]
-            return lambda: values
-    else:
-        q_fetch = projection.partials_fetcher(q_refs, load_index, partials)
+    q_fetch = projection.partials_fetcher(q_refs, load_index, partials)
     q_at = lambda cols: q_fetch(cols)()
     q_start = pl.multiple_of(h * (nope + rope), math.gcd(nope + rope, nope))
     # the query's loads, then W_UK's, then the query finished: its sums would otherwise hold W_UK's loads behind

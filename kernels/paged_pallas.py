@@ -75,11 +75,8 @@ def store_decode_row(b, refs, spec: DecodeWrite, out_ref) -> None:
     weight_ref = refs[0] if spec.norm is not None else None
     ok = ok_ref[b] != 0
     row = _token_rows(pos_ref[b], ok, table_ref, b, spec.layer_row0, spec.block_size)
-    if spec.partials is None:
-        values = [value_refs[0][b, pl.ds(start, size)] for start, size in spec.pieces]
-    else:
-        load = projection.partials_loader(value_refs, b, spec.partials)
-        values = [load(pl.ds(start, size)) for start, size in spec.pieces]
+    load = projection.partials_loader(value_refs, b, spec.partials)
+    values = [load(pl.ds(start, size)) for start, size in spec.pieces]
     if spec.norm is not None:  # `paged.LeadingNorm` over the pieces before `width`
         width, eps = spec.norm
         lead = [i for i, (start, _) in enumerate(spec.pieces) if start < width]

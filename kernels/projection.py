@@ -167,20 +167,26 @@ def operand_count(layout: tuple[int, float, bool, str] | None) -> int:
     return 1 if layout is None else 1 + layout[2]
 
 
-def partials_loader(refs, rows, layout: tuple[int, float, bool, str]):
+def partials_loader(refs, rows, layout: tuple[int, float, bool, str] | None):
     """In a consumer kernel: a function (columns -> those columns of rows `rows`, finished as `finished` does: the
     float32 sums over the slices, times the norm's 1 / rms where there are squares, rounded to the Partials' dtype)
-    for a `Partials` handed over unfinished (refs: `partials_operands`' operands, layout its layout). `rows`: a row
-    (an int or a scalar), a `pl.ds` of rows or an int32 vector of rows; the rows' squares are loaded once, here."""
+    for a `Partials` handed over unfinished (refs: `partials_operands`' operands, layout its layout), or, with
+    `layout` None, for a finished output (refs: the array [M, N]; the columns as they are). `rows`: a row (an int or
+    a scalar), a `pl.ds` of rows or an int32 vector of rows; the rows' squares are loaded once, here."""
     fetch = partials_fetcher(refs, rows, layout)
     return lambda cols: fetch(cols)()
 
 
-def partials_fetcher(refs, rows, layout: tuple[int, float, bool, str]):
+def partials_fetcher(refs, rows, layout: tuple[int, float, bool, str] | None):
     """`partials_loader` in two phases: `fetch(cols)` issues the loads of those columns' slices and returns a function
-    that finishes them (the slices' sum, the norm's scale, the rounding). A kernel can so issue all its loads before
-    any finishing arithmetic, whose sums across the program's threads would hold each later load behind their
-    barriers (one round trip to memory after another)."""
+    that finishes them (the slices' sum, the norm's scale, the rounding; a finished output's values as loaded). A
+    kernel can so issue all its loads before any finishing arithmetic, whose sums across the program's threads would
+    hold each later load behind their barriers (one round trip to memory after another)."""
+    if layout is None:
+        def fetch_finished(cols):
+            values = refs[0][rows, cols]
+            return lambda: values
+        return fetch_finished
     k_dim, eps, has_squares, dtype = layout
     n_slices = refs[0].shape[0]
     row_vector = bool(getattr(rows, "ndim", 0))

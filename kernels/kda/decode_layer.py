@@ -123,20 +123,15 @@ def choose(impl: str | None = None) -> str:
 
 def _projected_fetcher(refs, b, *, layout):
     """A function (index -> a function giving the float32 values of row b there) for one projection output: the
-    loads are issued when it is called, the finishing arithmetic when the returned function is. `layout` None: refs =
-    (the array [B, N],); else a `projection.partials_operands` layout: refs = (the float32 partial sums [S, B, N],
-    and their rows' squares [S, B] with a norm), finished as `projection.partials_fetcher` does. refs past the ones
-    this output uses are returned with the function."""
-    if layout is None:
-        def fetch(index):
-            values = refs[0][b, index]
-            return lambda: values.astype(jnp.float32)
-        return fetch, refs[1:]
+    loads are issued when it is called, the finishing arithmetic when the returned function is
+    (`projection.partials_fetcher`). `layout` None: refs = (the array [B, N],); else a
+    `projection.partials_operands` layout: refs = (the float32 partial sums [S, B, N], and their rows' squares
+    [S, B] with a norm). refs past the ones this output uses are returned with the function."""
     n_refs = projection.operand_count(layout)
-    fetch_partials = projection.partials_fetcher(refs[:n_refs], b, layout)
+    fetch_output = projection.partials_fetcher(refs[:n_refs], b, layout)
 
     def fetch(index):
-        finish = fetch_partials(index)
+        finish = fetch_output(index)
         return lambda: finish().astype(jnp.float32)
     return fetch, refs[n_refs:]
 
@@ -224,7 +219,7 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
 
     def low_rank_inputs(offset, w_ref, cols):  # (the row's R low-rank values, the weight's [R, C] columns)
         if ups:  # f_a's at offset 0, g_a's at R: the caller's finished products, no weight
-            return ahead(lambda: (ups[offset // low_rank][b, cols].astype(jnp.float32), None))
+            return ahead(lambda: (projection.partials_fetcher([ups[offset // low_rank]], b, None)(cols), None))
         def load():  # the weight's columns first: finishing the row's values needs barriers
             w = w_ref[pl.ds(0, low_rank), cols]
             return fgb_fetch(pl.ds(offset, low_rank)), w
@@ -232,9 +227,9 @@ def _kernel(slot_ref, len_ref, *refs, layer, heads, head_dim, low_rank, width, s
 
     def low_rank_up(inputs):  # [R] @ [R, C], rounded as the projection's output
         a, w = inputs()
+        a = a().astype(jnp.float32)
         if w is None:
             return a
-        a = a()
         if low_rank_dot:  # on the tensor cores: the row repeated to a dot's 16 rows, the first kept (exactly)
             product = tiling.mm(jnp.broadcast_to(a.astype(w.dtype)[None, :], (16, low_rank)), w)
             first = jax.lax.broadcasted_iota(jnp.int32, product.shape, 0) == 0
