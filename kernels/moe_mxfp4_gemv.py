@@ -317,6 +317,14 @@ SHARED_QUARTERS = 4
 SHARED_STEP_BLOCKS = 4
 # Rows of down per step of the shared MLP's down projection where the gate/up kernel runs it (`SharedFold.down_cols`).
 SHARED_DOWN_ROWS = 32
+# Decode kernels whose programs walk at most this many K steps issue every step's loads (weight blocks, scales,
+# activations) before the first step's products (`_kernel(hoist=)`), instead of one step's loads per loop iteration,
+# each behind the last step's products and their barriers: one round trip to memory where there were as many as
+# steps. The medium hybrid's one-token down kernel walks 3 steps of 8 MX blocks (46 registers, every program of its
+# grid resident at once); its gate/up kernel 2 steps of 16 (124 registers: 4 programs per SM for its 480, so more
+# registers would run them in two waves). Per role; 0: never.
+DOWN_HOIST_MAX_STEPS = 0
+GATE_UP_HOIST_MAX_STEPS = 0
 
 
 class SharedFold(NamedTuple):
@@ -432,28 +440,35 @@ def _activation_block(x_ref, row, ok, g0, gk: int, k_valid: int):
     """Row `row` of the raw activations x_ref [X, K] (any float dtype) over MX blocks g0 .. g0 + gk, packed in the
     kernel (`_block_words`): (words uint32 [gk, 16], factor float32 [gk]); zeros where `ok` is false (a padding row)
     and past K."""
-    elements = g0 * BLOCK + _word_elements(gk)
-    row = jnp.minimum(row, x_ref.shape[0] - 1)
-    lanes = []
-    for element in (elements, elements + 2):
-        v = x_ref[row, jnp.minimum(element, k_valid - 1)].astype(jnp.float32)
-        lanes.append(jnp.where(ok & (element < k_valid), v, 0.0))
-    return _block_words(*lanes)
+    return _activation_fetcher(x_ref, None, "raw", row, ok, g0, gk, k_valid)()
+
+
+def _activation_fetcher(x_ref, factor_ref, x_form: str, row, ok, g0, gk: int, k_valid: int):
+    """`_activation_words` in two phases: the loads are issued here, and the returned function finishes them (the
+    raw form's packing, whose reductions across the program's threads would hold later loads behind barriers)."""
+    if x_form == "raw":
+        elements = g0 * BLOCK + _word_elements(gk)
+        row = jnp.minimum(row, x_ref.shape[0] - 1)
+        lanes = []
+        for element in (elements, elements + 2):
+            v = x_ref[row, jnp.minimum(element, k_valid - 1)].astype(jnp.float32)
+            lanes.append(jnp.where(ok & (element < k_valid), v, 0.0))
+        return lambda: _block_words(*lanes)
+    words = x_ref[row, pl.ds(g0, gk), :]
+    factors = None if x_form == "rows" else factor_ref[row, pl.ds(g0, gk)]
+    return lambda: (words, factors)
 
 
 def _activation_words(x_ref, factor_ref, x_form: str, row, ok, g0, gk: int, k_valid: int):
     """Row `row` of the activations over MX blocks g0 .. g0 + gk as `_kernel` reads them in `x_form` -> (words
     uint32 [gk, 16], each block's factor float32 [gk]; or None for "rows", whose one factor per row, factor_ref[row],
     the caller applies)."""
-    if x_form == "raw":
-        return _activation_block(x_ref, row, ok, g0, gk, k_valid)
-    words = x_ref[row, pl.ds(g0, gk), :]
-    return words, None if x_form == "rows" else factor_ref[row, pl.ds(g0, gk)]
+    return _activation_fetcher(x_ref, factor_ref, x_form, row, ok, g0, gk, k_valid)()
 
 
 def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps, split, n_valid, k_valid, n_src,
             top_k, n_tokens, x_form, h_form, h_dtype, asm, interpret, zero_chunk=0, sums_dim=0,
-            shared: SharedFold | None = None, shared_steps: tuple[int, int]):
+            shared: SharedFold | None = None, shared_steps: tuple[int, int], hoist: bool = False):
     """One program: `rows` token rows of one expert (tile t) x `bn` weight rows (block j) x one K split (q).
 
     The activations (`x_form`): "raw" rows x_ref [X, K] that each program packs; "rows", XLA's `row_scaled_words`
@@ -474,7 +489,9 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
     weights (flat refs after the routed ones; `_shared_products`); their gate/up sums always go through the partials
     and turn counters, since the Q pseudo-experts of one part finish its SwiGLU together; `shared_steps`: their MX
     blocks of K per step of the products and rows of down per step of the down projection (`SHARED_STEP_BLOCKS`,
-    `SHARED_DOWN_ROWS`, read by `_call`, so a kernel's trace depends on its arguments alone)."""
+    `SHARED_DOWN_ROWS`, read by `_call`, so a kernel's trace depends on its arguments alone); `hoist`: the K loop
+    unrolled with every step's loads issued before the first step's products (`DOWN_HOIST_MAX_STEPS`,
+    `GATE_UP_HOIST_MAX_STEPS`; the same sums in the same order)."""
     factor_ref = None
     if x_form != "raw":
         factor_ref, *refs = refs
@@ -510,16 +527,21 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
         """The K loop over the tile's first `width` rows -> their sums [width][n_proj] float32 [bn]."""
         x_rows = src[:width] if role == "gate_up" else [t * rows + r for r in range(width)]
 
-        def step(kk, accs):
+        def fetch(kk):  # step kk's loads: the weights' blocks and scales, then the rows' activations
             g0 = (q * k_steps + kk) * gk
             groups = pl.ds(g0, gk)
             ws = [pltriton.load(w_refs[2 * i].at[expert, pl.ds(c0, bn), groups, :], mask=cmask[:, None, None],
                                 other=0) for i in range(n_proj)]
             ss = [pltriton.load(w_refs[2 * i + 1].at[expert, pl.ds(c0, bn), groups], mask=cmask[:, None], other=0)
                   for i in range(n_proj)]
-            # ("rows": the rows' factors applied after the loop)
-            loaded = [_activation_words(x_ref, factor_ref, x_form, row, ok, g0, gk, k_valid)
+            rows_x = [_activation_fetcher(x_ref, factor_ref, x_form, row, ok, g0, gk, k_valid)
                       for row, ok in zip(x_rows, real)]
+            return ws, ss, rows_x
+
+        def multiply(accs, fetched):
+            ws, ss, rows_x = fetched
+            # ("rows": the rows' factors applied after the loop)
+            loaded = [finish() for finish in rows_x]
             xs = [words for words, _ in loaded]
             factors = None if x_form == "rows" else [f[None, :] for _, f in loaded]
             out = []
@@ -530,7 +552,11 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             return tuple(out)
 
         zeros = tuple(jnp.zeros((bn, gk, _BYTES), jnp.float32) for _ in range(n_proj))
-        accs = jax.lax.fori_loop(0, k_steps, step, zeros)
+        if hoist:  # every step's loads first, then the steps' products in the loop's order (the same sums)
+            fetched = [fetch(kk) for kk in range(k_steps)]
+            accs = functools.reduce(multiply, fetched, zeros)
+        else:
+            accs = jax.lax.fori_loop(0, k_steps, lambda kk, accs: multiply(accs, fetch(kk)), zeros)
         col = jax.lax.broadcasted_iota(jnp.int32, (bn, gk, _BYTES), 2)
         units = [_UNIT * factor_ref[row] if x_form == "rows" else _UNIT for row in x_rows]
         return [[jnp.sum(jnp.sum(jnp.where(col == r, acc, 0.0), axis=2), axis=1) * units[r] for acc in accs]
@@ -720,7 +746,9 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
     out_shapes, aliased, sized = outputs(grid[1], split, bn)  # the aliased buffers are the last outputs
     n_outputs = len(out_shapes) if isinstance(out_shapes, tuple) else 1
     widths = tuple(w for w in ROWS if w <= tiles.rows) if tiles.adaptive else (tiles.rows,)
-    kernel_args = dict(role=role, rows=tiles.rows, widths=widths, bn=bn, gk=gk, k_steps=groups // gk // split,
+    k_steps = groups // gk // split
+    hoist = k_steps <= (DOWN_HOIST_MAX_STEPS if role == "down" else GATE_UP_HOIST_MAX_STEPS)
+    kernel_args = dict(role=role, rows=tiles.rows, widths=widths, bn=bn, gk=gk, k_steps=k_steps, hoist=hoist,
                        split=split, n_valid=n_out, k_valid=groups * BLOCK if packed else x.shape[1], x_form=x_form,
                        asm=dispatch.nvidia_ptx(interpret), interpret=interpret,
                        shared_steps=(SHARED_STEP_BLOCKS, SHARED_DOWN_ROWS), **static, **sized)

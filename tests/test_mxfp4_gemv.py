@@ -61,6 +61,40 @@ def test_split_k_finish(seed, rows, adaptive, in_kernel, kind, block_n):
     assert err < 2e-3, f"rows={rows} {kind}: {err:.2e} (seed={seed})"
 
 
+@pytest.mark.parametrize("rows,adaptive,in_kernel,split_k", [(1, False, True, 1), (1, False, False, 2),
+                                                             (2, True, False, 1), (4, True, True, 2)])
+def test_hoisted_steps_give_the_same_sums(monkeypatch, seed, rows, adaptive, in_kernel, split_k):
+    """Every K step's loads issued before the first step's products (`DOWN_HOIST_MAX_STEPS`,
+    `GATE_UP_HOIST_MAX_STEPS`): the same arithmetic in the same order, so the layer's output is the loop's bit for
+    bit, for the raw rows each program packs, XLA's packed rows and the gate/up kernel's packed h, with K split or
+    not."""
+    hidden, inter = 256, 128
+    rng = np.random.default_rng(seed)
+    ew = packed_experts(rng, E, hidden, inter)
+    tiles = gemv.GemvTiles(rows=rows, adaptive=adaptive, block_n=32, max_groups=2, split_k=split_k,
+                           min_programs=512, pack_in_kernel=in_kernel)
+    assert gemv._k_split(8, tiles, 1)[0] == 2  # gate/up walks 4 // split_k steps of 2 blocks, down 2 // split_k
+    x = rng.standard_normal((5, hidden)).astype(np.float32)
+    ids, w = routing(rng, "random", 5, E, 2)
+    run = lambda: np.asarray(gemv.grouped_swiglu(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), ew, tiles=tiles,
+                                                 interpret=True))
+    looped = run()
+    for name in ("DOWN_HOIST_MAX_STEPS", "GATE_UP_HOIST_MAX_STEPS"):
+        monkeypatch.setattr(gemv, name, 4)
+    kernel, hoisting = gemv._kernel, []
+
+    def recorded(*refs, **kwargs):
+        hoisting.append((kwargs["role"], kwargs["hoist"], kwargs["k_steps"]))
+        return kernel(*refs, **kwargs)
+
+    monkeypatch.setattr(gemv, "_kernel", recorded)
+    hoisted = run()
+    assert {role for role, hoist, _ in hoisting if hoist} == {"gate_up", "down"}, hoisting
+    assert max(steps for *_, steps in hoisting) > 1  # more than one step's loads moved ahead
+    assert rel_err(looped, oracle(x, ids, w, ew)) < 2e-3
+    np.testing.assert_array_equal(hoisted, looped)
+
+
 def test_hidden_halves_match_packing(seed):
     """With 32-column programs the gate/up kernel writes h packed (each MX block's fp16 halves in word order, read
     as words, and its factor): bit for bit what packing its h values gives (`block_scaled_words`), a partial last

@@ -157,6 +157,29 @@ def test_gemv_default_tiles(seed, shape, n_tokens):
     _check_tiles(seed, shape, n_tokens, "mxfp4", tiles, f"gemv default {tiles}")
 
 
+@pytest.mark.parametrize("shape, n_tokens", [((64, 6, 2048, 768), 1), ((64, 6, 2048, 768), 16),
+                                             ((256, 8, 7168, 2048), 1)])
+def test_gemv_hoisted_steps_on_gpu(monkeypatch, seed, shape, n_tokens):
+    """Every K step's loads before the first step's products (`DOWN_HOIST_MAX_STEPS` / `GATE_UP_HOIST_MAX_STEPS`)
+    in the compiled kernels (inline PTX, fp16 block sums): the layer's output is the loop's bit for bit, and near the
+    reference."""
+    n_experts, top_k, hidden, inter = shape
+    key = jax.random.key(seed)
+    ew = mxfp4.random_experts(key, n_experts, hidden, inter)
+    ids, w = _device_routing(jax.random.fold_in(key, 1), n_tokens, n_experts, top_k)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (n_tokens, hidden), jnp.bfloat16)
+    tiles = moe_mxfp4_gemv.tiles_for(n_tokens * top_k, n_experts)
+    run = jax.jit(lambda x, ids, w, ew: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=tiles))
+    looped = np.asarray(run(x, ids, w, ew))
+    for name in ("DOWN_HOIST_MAX_STEPS", "GATE_UP_HOIST_MAX_STEPS"):
+        monkeypatch.setattr(moe_mxfp4_gemv, name, 4)
+    jax.clear_caches()
+    hoisted = np.asarray(run(x, ids, w, ew))
+    want, _ = _reference(x.astype(jnp.float32), ids, w, ew)
+    assert rel_err(looped, want) < 2e-2, rel_err(looped, want)
+    np.testing.assert_array_equal(hoisted, looped)
+
+
 def test_gemv_skewed_loads(seed):
     """bf16 activations, empty experts and one expert taking every token, through the decode kernels."""
     key = jax.random.key(seed)
