@@ -317,13 +317,18 @@ SHARED_QUARTERS = 4
 SHARED_STEP_BLOCKS = 4
 # Rows of down per step of the shared MLP's down projection where the gate/up kernel runs it (`SharedFold.down_cols`).
 SHARED_DOWN_ROWS = 32
-# Decode kernels whose programs walk at most this many K steps issue every step's loads (weight blocks, scales,
-# activations) before the first step's products (`_kernel(hoist=)`), instead of one step's loads per loop iteration,
-# each behind the last step's products and their barriers: one round trip to memory where there were as many as
-# steps. The medium hybrid's one-token down kernel walks 3 steps of 8 MX blocks (46 registers, every program of its
-# grid resident at once); its gate/up kernel 2 steps of 16 (124 registers: 4 programs per SM for its 480, so more
-# registers would run them in two waves). Per role; 0: never.
-DOWN_HOIST_MAX_STEPS = 0
+# Decode kernels of 1-row tiles whose programs walk at most this many K steps issue every step's loads (weight
+# blocks, scales, activations) before the first step's products (`_kernel(hoist=)`), instead of one step's loads per
+# loop iteration, each behind the last step's products and their barriers: one round trip to memory where there were
+# as many as steps. Per role; 0: never. The medium hybrid's one-token down kernel walks 3 steps of 8 MX blocks (46 ->
+# 65 registers in the sm_90 build, every program of its grid still resident at once). On the H100 (decode_profile.py
+# --experts mxfp4, forty-seventh session, one machine): batch 1 0.824 -> 0.820 ms per token pipelined, the down kernel
+# 5.20 -> 5.00 us per MoE layer. The gate/up kernel hoisted (2 steps of 16 blocks; 124 -> 168 registers, so 3
+# programs per SM for its 480 where 4 ran) went 9.97 -> 10.33 us: off. At 16 tokens (2-row tiles, which the constants
+# leave alone) the down kernel hoisted took 23.17 against 22.81 us. The DeepSeek-size one-token down kernel (4 steps
+# of 16 blocks) is left out: hoisted, its sm_90 build takes 187 registers against 94 (2 programs per SM where 5 ran,
+# for 1792 programs); correct on the GPU (tests/gpu/test_mxfp4_gpu.py -k hoisted), its time not measured.
+DOWN_HOIST_MAX_STEPS = 3
 GATE_UP_HOIST_MAX_STEPS = 0
 
 
@@ -436,16 +441,10 @@ def _shared_products(fold: SharedFold, role: str, s_refs, x_ref, factor_ref, x_f
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _activation_block(x_ref, row, ok, g0, gk: int, k_valid: int):
-    """Row `row` of the raw activations x_ref [X, K] (any float dtype) over MX blocks g0 .. g0 + gk, packed in the
-    kernel (`_block_words`): (words uint32 [gk, 16], factor float32 [gk]); zeros where `ok` is false (a padding row)
-    and past K."""
-    return _activation_fetcher(x_ref, None, "raw", row, ok, g0, gk, k_valid)()
-
-
 def _activation_fetcher(x_ref, factor_ref, x_form: str, row, ok, g0, gk: int, k_valid: int):
-    """`_activation_words` in two phases: the loads are issued here, and the returned function finishes them (the
-    raw form's packing, whose reductions across the program's threads would hold later loads behind barriers)."""
+    """`_activation_words` in two phases: the loads are issued here, and the returned function finishes them. The
+    raw form (x_ref [X, K], any float dtype) is packed then (`_block_words`), with zeros where `ok` is false (a
+    padding row) and past K: its reductions across the program's threads would hold later loads behind barriers."""
     if x_form == "raw":
         elements = g0 * BLOCK + _word_elements(gk)
         row = jnp.minimum(row, x_ref.shape[0] - 1)
@@ -747,7 +746,7 @@ def _call(role: str, tile_expert, src_of_row, x, x_form: str, extra, weights, ou
     n_outputs = len(out_shapes) if isinstance(out_shapes, tuple) else 1
     widths = tuple(w for w in ROWS if w <= tiles.rows) if tiles.adaptive else (tiles.rows,)
     k_steps = groups // gk // split
-    hoist = k_steps <= (DOWN_HOIST_MAX_STEPS if role == "down" else GATE_UP_HOIST_MAX_STEPS)
+    hoist = tiles.rows == 1 and k_steps <= (DOWN_HOIST_MAX_STEPS if role == "down" else GATE_UP_HOIST_MAX_STEPS)
     kernel_args = dict(role=role, rows=tiles.rows, widths=widths, bn=bn, gk=gk, k_steps=k_steps, hoist=hoist,
                        split=split, n_valid=n_out, k_valid=groups * BLOCK if packed else x.shape[1], x_form=x_form,
                        asm=dispatch.nvidia_ptx(interpret), interpret=interpret,

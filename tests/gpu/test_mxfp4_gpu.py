@@ -157,27 +157,33 @@ def test_gemv_default_tiles(seed, shape, n_tokens):
     _check_tiles(seed, shape, n_tokens, "mxfp4", tiles, f"gemv default {tiles}")
 
 
-@pytest.mark.parametrize("shape, n_tokens", [((64, 6, 2048, 768), 1), ((64, 6, 2048, 768), 16),
-                                             ((256, 8, 7168, 2048), 1)])
+@pytest.mark.parametrize("shape, n_tokens", [((64, 6, 2048, 768), 1), ((256, 8, 7168, 2048), 1),
+                                             ((256, 8, 7168, 2048), 2)])
 def test_gemv_hoisted_steps_on_gpu(monkeypatch, seed, shape, n_tokens):
-    """Every K step's loads before the first step's products (`DOWN_HOIST_MAX_STEPS` / `GATE_UP_HOIST_MAX_STEPS`)
-    in the compiled kernels (inline PTX, fp16 block sums): the layer's output is the loop's bit for bit, and near the
-    reference."""
+    """Every K step's loads before the first step's products (`DOWN_HOIST_MAX_STEPS` / `GATE_UP_HOIST_MAX_STEPS`,
+    1-row tiles) in the compiled kernels (inline PTX, fp16 block sums): the layer's output is the loop's up to the
+    order of the down kernel's atomic adds, and near the reference."""
     n_experts, top_k, hidden, inter = shape
     key = jax.random.key(seed)
     ew = mxfp4.random_experts(key, n_experts, hidden, inter)
     ids, w = _device_routing(jax.random.fold_in(key, 1), n_tokens, n_experts, top_k)
-    x = jax.random.normal(jax.random.fold_in(key, 2), (n_tokens, hidden), jnp.bfloat16)
+    # float32 rows: the output is the down kernel's float32 sums, not rounded again to bf16 (where one ulp of a sum
+    # in another atomic order can move a rounding by a step)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (n_tokens, hidden), jnp.float32)
     tiles = moe_mxfp4_gemv.tiles_for(n_tokens * top_k, n_experts)
+    assert tiles.rows == 1
     run = jax.jit(lambda x, ids, w, ew: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, ew, tiles=tiles))
-    looped = np.asarray(run(x, ids, w, ew))
-    for name in ("DOWN_HOIST_MAX_STEPS", "GATE_UP_HOIST_MAX_STEPS"):
-        monkeypatch.setattr(moe_mxfp4_gemv, name, 4)
-    jax.clear_caches()
-    hoisted = np.asarray(run(x, ids, w, ew))
-    want, _ = _reference(x.astype(jnp.float32), ids, w, ew)
-    assert rel_err(looped, want) < 2e-2, rel_err(looped, want)
-    np.testing.assert_array_equal(hoisted, looped)
+    outs = []
+    for steps in (0, 4):
+        for name in ("DOWN_HOIST_MAX_STEPS", "GATE_UP_HOIST_MAX_STEPS"):
+            monkeypatch.setattr(moe_mxfp4_gemv, name, steps)
+        jax.clear_caches()
+        outs.append(np.asarray(run(x, ids, w, ew)))
+    looped, hoisted = outs
+    want, _ = _reference(x, ids, w, ew)
+    assert rel_err(looped, want) < 4e-3, rel_err(looped, want)
+    # the same products; only the down kernel's float32 atomics may land in another order (run to run, either way)
+    assert rel_err(hoisted, looped) < 1e-5, rel_err(hoisted, looped)
 
 
 def test_gemv_skewed_loads(seed):
