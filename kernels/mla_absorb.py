@@ -237,7 +237,7 @@ def _up_kernel(out_ref, lse_ref, w_ref, o_ref, *, splits, heads_p, nope, v_dim, 
     lse = lse_ref[split_rows]
     # with few steps, every step's loads are issued here, before the splits' weights reduce: one round trip to
     # memory, not one after each reduction's barriers
-    hoisted = [loads(c) for c in range(steps)] if steps <= UP_HOIST_STEPS else None
+    fold = tiling.fetched_steps(steps, loads, steps <= UP_HOIST_STEPS)
     top = jnp.max(lse)
     weight = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # 0 for splits that saw no key
     total = jnp.sum(weight)
@@ -247,12 +247,7 @@ def _up_kernel(out_ref, lse_ref, w_ref, o_ref, *, splits, heads_p, nope, v_dim, 
         merged = jnp.sum(weight[:, None] * parts.astype(jnp.float32), axis=0).astype(dtype).astype(jnp.float32)
         return acc + jnp.sum(merged[:, None] * w.astype(dtype).astype(jnp.float32), axis=0)
 
-    acc = jnp.zeros((block_v,), jnp.float32)
-    if hoisted is not None:
-        for parts, w in hoisted:
-            acc = product(acc, parts, w)
-    else:
-        acc = jax.lax.fori_loop(0, steps, lambda c, acc: product(acc, *loads(c)), acc)
+    acc = fold(lambda acc, fetched: product(acc, *fetched), jnp.zeros((block_v,), jnp.float32))
     o_ref[m, pl.ds(pl.multiple_of(h * v_dim + j * block_v, block_v), block_v)] = acc.astype(dtype)
 
 

@@ -422,7 +422,7 @@ def _shared_products(fold: SharedFold, role: str, s_refs, x_ref, factor_ref, x_f
     cols = col + jax.lax.broadcasted_iota(jnp.int32, (1, 1, bn), 2)
 
     def step(s, accs):
-        words, factor = _activation_words(x_ref, factor_ref, x_form, row, ok, x_g0 + s * gs, gs, k_valid)
+        words, factor = _activation_fetcher(x_ref, factor_ref, x_form, row, ok, x_g0 + s * gs, gs, k_valid)()
         factor = factor_ref[row] if factor is None else factor[:, None]
         lane0 = (_half_values(words & 0xFFFF) * factor)[:, :, None]
         lane1 = (_half_values(words >> 16) * factor)[:, :, None]
@@ -442,8 +442,10 @@ def _shared_products(fold: SharedFold, role: str, s_refs, x_ref, factor_ref, x_f
 
 
 def _activation_fetcher(x_ref, factor_ref, x_form: str, row, ok, g0, gk: int, k_valid: int):
-    """`_activation_words` in two phases: the loads are issued here, and the returned function finishes them. The
-    raw form (x_ref [X, K], any float dtype) is packed then (`_block_words`), with zeros where `ok` is false (a
+    """Row `row` of the activations over MX blocks g0 .. g0 + gk as `_kernel` reads them in `x_form`, in two phases:
+    the loads are issued here, and the returned function finishes them -> (words uint32 [gk, 16], each block's
+    factor float32 [gk]; or None for "rows", whose one factor per row, factor_ref[row], the caller applies). The raw
+    form (x_ref [X, K], any float dtype) is packed in the finish (`_block_words`), with zeros where `ok` is false (a
     padding row) and past K: its reductions across the program's threads would hold later loads behind barriers."""
     if x_form == "raw":
         elements = g0 * BLOCK + _word_elements(gk)
@@ -456,13 +458,6 @@ def _activation_fetcher(x_ref, factor_ref, x_form: str, row, ok, g0, gk: int, k_
     words = x_ref[row, pl.ds(g0, gk), :]
     factors = None if x_form == "rows" else factor_ref[row, pl.ds(g0, gk)]
     return lambda: (words, factors)
-
-
-def _activation_words(x_ref, factor_ref, x_form: str, row, ok, g0, gk: int, k_valid: int):
-    """Row `row` of the activations over MX blocks g0 .. g0 + gk as `_kernel` reads them in `x_form` -> (words
-    uint32 [gk, 16], each block's factor float32 [gk]; or None for "rows", whose one factor per row, factor_ref[row],
-    the caller applies)."""
-    return _activation_fetcher(x_ref, factor_ref, x_form, row, ok, g0, gk, k_valid)()
 
 
 def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps, split, n_valid, k_valid, n_src,
@@ -551,11 +546,7 @@ def _kernel(tile_ref, src_ref, x_ref, *refs, role, rows, widths, bn, gk, k_steps
             return tuple(out)
 
         zeros = tuple(jnp.zeros((bn, gk, _BYTES), jnp.float32) for _ in range(n_proj))
-        if hoist:  # every step's loads first, then the steps' products in the loop's order (the same sums)
-            fetched = [fetch(kk) for kk in range(k_steps)]
-            accs = functools.reduce(multiply, fetched, zeros)
-        else:
-            accs = jax.lax.fori_loop(0, k_steps, lambda kk, accs: multiply(accs, fetch(kk)), zeros)
+        accs = tiling.fetched_steps(k_steps, fetch, hoist)(multiply, zeros)
         col = jax.lax.broadcasted_iota(jnp.int32, (bn, gk, _BYTES), 2)
         units = [_UNIT * factor_ref[row] if x_form == "rows" else _UNIT for row in x_rows]
         return [[jnp.sum(jnp.sum(jnp.where(col == r, acc, 0.0), axis=2), axis=1) * units[r] for acc in accs]

@@ -120,6 +120,22 @@ def _launch(operands, *, kernel, kernel_args, out_shape, grid, aliases, num_warp
                        interpret=interpret, name=name)(*operands)
 
 
+def fetched_steps(steps: int, fetch, hoist: bool):
+    """A kernel's loop of `steps` steps whose loads (`fetch(i)`: step i's loads, issued when it is called) may go
+    first: with `hoist` every step's loads are issued here, at once, and the loop is unrolled; else each iteration
+    of a `fori_loop` issues its own. Returns `fold(step, init)`: `step(carry, fetched)` over the steps in order (the
+    same arithmetic either way), called where the products belong, so work between the two calls runs with the
+    hoisted loads already in flight."""
+    fetched = [fetch(i) for i in range(steps)] if hoist else None
+
+    def fold(step, init):
+        if fetched is not None:
+            return functools.reduce(step, fetched, init)
+        return jax.lax.fori_loop(0, steps, lambda i, carry: step(carry, fetch(i)), init)
+
+    return fold
+
+
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
     return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
