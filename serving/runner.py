@@ -143,7 +143,10 @@ def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_gr
     sampling path is compiled in. `unrolled` (static): the n steps as straight-line code instead of a loop (no XLA
     while loop: on a GPU, one launch of the whole dispatch rather than the loop body's kernels launched from the host
     each step; compiles about n times the code). `arrays`, `layout`: the rows as `pack_rows` sends them. Returns
-    (tokens [B, n], logprobs [B, n], cache)."""
+    (cache, arrays, previous, tokens [B, n], logprobs [B, n]): `arrays` and `previous` as they came, so that with
+    them donated (`_DECODE_HELD`) the runner's next dispatch of this shape gets these buffers back (`_restage`).
+    The outputs that hand back donated inputs come first, in the inputs' order: JAX gives each donated buffer to
+    the first output of its shape and dtype, and the tokens have `previous`' shape and dtype."""
     rows = unpack_rows(arrays, layout)
 
     def one(carry, xs):
@@ -161,7 +164,7 @@ def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_gr
     first = jnp.where((rows["feed"] >= 0)[:, None], fed[:, None], rows["tokens"])
     xs = (jnp.arange(n, dtype=jnp.int32), jnp.swapaxes(rows["keys"], 0, 1))
     (cache, _, _), (tokens, logprobs) = jax.lax.scan(one, (cache, first, rows["positions"]), xs, unroll=unrolled)
-    return tokens.T, logprobs.T, cache
+    return cache, arrays, previous, tokens.T, logprobs.T
 
 
 def _prefill_as_previous(tokens, shape: tuple[int, int]):
@@ -169,6 +172,20 @@ def _prefill_as_previous(tokens, shape: tuple[int, int]):
     [p, 0] (the rows past B are padding: a prefill feeding a decode dispatch has no more real rows than it)."""
     rows = min(tokens.shape[0], shape[0])
     return jnp.zeros(shape, jnp.int32).at[:rows, 0].set(tokens[:rows].astype(jnp.int32))
+
+
+def _restage(held, new):
+    """`new`'s values written into `held`'s arrays (same tree, shapes and dtypes).
+
+    Why: on the H100 the decode dispatch's call held the host 2.9 ms with input buffers new to it against 0.7 ms
+    with the buffers of the call before (benchmarks/NOTES_serving.md, forty-eighth session): XLA:GPU's command
+    buffers are updated when an input's address changes. With `ModelRunner.held_inputs` the runner keeps one set of
+    input buffers per decode shape: jitted with `held` donated, this writes a dispatch's inputs into the buffers the
+    shape's last dispatch read, and the decode function (donating them too) hands them back. Both donations take
+    the output of work still queued, as the cache's do. Not on XLA:CPU: there a new address costs nothing, and this
+    small copy runs inline on the calling thread, waiting for the dispatch before it (the host stops running
+    ahead of the device)."""
+    return jax.tree.map(lambda h, n: jax.lax.dynamic_update_slice(h, n, (0,) * h.ndim), held, new)
 
 
 def _reset(cache, slots):
@@ -185,8 +202,11 @@ def _restore(cache, snaps, slot, snap):
 
 # Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
 _STEP = dispatch.PlatformJit(_step, static_argnums=(0, 4, 5), donate_argnums=(2,))
-_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6, 7), donate_argnums=(2,))
+_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6, 7), donate_argnums=(2, 3))
+# `previous` donated too: the held buffer it came in (with held inputs; else the tokens the host has yet to read)
+_DECODE_HELD = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6, 7), donate_argnums=(2, 3, 5))
 _PREFILL_AS_PREVIOUS = jax.jit(_prefill_as_previous, static_argnums=(1,))
+_RESTAGE = jax.jit(_restage, donate_argnums=(0,))
 _RESET = jax.jit(_reset, donate_argnums=(0,))
 _SAVE = jax.jit(_save, donate_argnums=(1,))
 _RESTORE = jax.jit(_restore, donate_argnums=(0,))
@@ -214,19 +234,27 @@ def unrolled_by_default(platform: str) -> bool:
     return dispatch.canonical_platform(platform) in UNROLLED_PLATFORMS
 
 
+def _shapes_of(arrays: dict) -> tuple:
+    """(name, shape) of each array in `arrays` (None where the field is None): part of a held-inputs key."""
+    return tuple((name, None if value is None else value.shape) for name, value in sorted(arrays.items()))
+
+
 class ModelRunner:
     """Owns the cache (and snapshot) arrays of one model and runs steps on them. For a model on a mesh
     (`Model.mesh`), the cache and snapshots live on their `sharding.CACHE_RULES` shardings (KDA heads over
     `tensor`; latents and indexer keys replicated) and the step inputs are replicated over the mesh.
     `unrolled_decode`: decode dispatches compiled as straight-line steps (`_decode`'s `unrolled`); None: where the
-    model runs on a GPU (`unrolled_by_default`)."""
+    model runs on a GPU (`unrolled_by_default`). `held_inputs`: each decode dispatch's inputs reach the decode
+    function in the buffers the last dispatch of its shape used (`_restage`). Prefill steps, fewer and longer, take
+    fresh buffers (a vision model's embeds among them)."""
 
     def __init__(self, model: Model, num_blocks: int, num_slots: int, num_snapshots: int, block_size: int = 64,
-                 unrolled_decode: bool | None = None):
+                 unrolled_decode: bool | None = None, held_inputs: bool = False):
         self.model = model
         self.block_size = block_size
         self.unrolled_decode = (unrolled_by_default(model.platform) if unrolled_decode is None
                                 else unrolled_decode)
+        self.held_inputs = held_inputs
         self.has_kda = LAYER_KDA in model.config.layer_types
         self.snapshots = {}
         with platforms.activate(model.placement):  # the cache lives on the model's device (or its mesh)
@@ -239,6 +267,8 @@ class ModelRunner:
         self._inputs = None if model.mesh is None else NamedSharding(model.mesh, PartitionSpec())
         self._shapes: set[tuple] = set()
         self._no_previous: dict[tuple[int, int], jax.Array] = {}  # zeros standing in for `previous`, by shape
+        # with held_inputs, each decode shape's (arrays, previous) buffers as its last dispatch handed them back
+        self._held: dict[tuple, tuple] = {}
 
     @property
     def num_compilations(self) -> int:
@@ -264,13 +294,26 @@ class ModelRunner:
             arrays, layout = pack_rows(rows)
             arrays = jax.device_put(arrays, self._inputs)  # None stays None
             if decode:
-                previous = self._previous(previous, rows.keys.shape[:2])
-                tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays,
-                                                       layout, previous, greedy, self.unrolled_decode)
+                key, inputs = (layout, _shapes_of(arrays)), (arrays, self._previous(previous, rows.keys.shape[:2]))
+                if self.held_inputs:
+                    inputs = self._restaged(key, inputs)
+                step = _DECODE_HELD if self.held_inputs else _DECODE
+                self.cache, *held, tokens, logprobs = step(self.model.module, self.model.params, self.cache,
+                                                           inputs[0], layout, inputs[1], greedy, self.unrolled_decode)
+                if self.held_inputs:
+                    self._held[key] = tuple(held)
             else:
                 tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays,
                                                      layout, False)
         return tokens, logprobs
+
+    def _restaged(self, key: tuple, inputs: tuple) -> tuple:
+        """`inputs` (device arrays) written into the buffers that the last dispatch of `key` handed back (new ones
+        from zeros the first time, so that `_restage` compiles with the shape's first dispatch, in warm-up)."""
+        held = self._held.pop(key, None)
+        if held is None:
+            held = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), self._inputs), inputs)
+        return _RESTAGE(held, inputs)
 
     def _previous(self, previous: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
         """`previous` for a decode dispatch of `shape` [B, n]: zeros where there is none, a prefill's [P] tokens
