@@ -144,7 +144,8 @@ def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_gr
     while loop: on a GPU, one launch of the whole dispatch rather than the loop body's kernels launched from the host
     each step; compiles about n times the code). `arrays`, `layout`: the rows as `pack_rows` sends them. Returns
     (cache, arrays, previous, tokens [B, n], logprobs [B, n]): `arrays` and `previous` as they came, so that with
-    them donated (`_DECODE_HELD`) the runner's next dispatch of this shape gets these buffers back (`_restage`).
+    them donated (`_DECODE_HELD`) the runner's next dispatch of this shape gets these buffers back (`_restage`;
+    `_decode_fresh` drops them).
     The outputs that hand back donated inputs come first, in the inputs' order: JAX gives each donated buffer to
     the first output of its shape and dtype, and the tokens have `previous`' shape and dtype."""
     rows = unpack_rows(arrays, layout)
@@ -165,6 +166,13 @@ def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_gr
     xs = (jnp.arange(n, dtype=jnp.int32), jnp.swapaxes(rows["keys"], 0, 1))
     (cache, _, _), (tokens, logprobs) = jax.lax.scan(one, (cache, first, rows["positions"]), xs, unroll=unrolled)
     return cache, arrays, previous, tokens.T, logprobs.T
+
+
+def _decode_fresh(module, params, cache, arrays: dict, layout: tuple, previous, all_greedy: bool,
+                  unrolled: bool = False):
+    """`_decode` for input buffers made for this dispatch alone: (cache, tokens [B, n], logprobs [B, n])."""
+    cache, _, _, tokens, logprobs = _decode(module, params, cache, arrays, layout, previous, all_greedy, unrolled)
+    return cache, tokens, logprobs
 
 
 def _prefill_as_previous(tokens, shape: tuple[int, int]):
@@ -202,8 +210,7 @@ def _restore(cache, snaps, slot, snap):
 
 # Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
 _STEP = dispatch.PlatformJit(_step, static_argnums=(0, 4, 5), donate_argnums=(2,))
-_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6, 7), donate_argnums=(2, 3))
-# `previous` donated too: the held buffer it came in (with held inputs; else the tokens the host has yet to read)
+_DECODE = dispatch.PlatformJit(_decode_fresh, static_argnums=(0, 4, 6, 7), donate_argnums=(2,))
 _DECODE_HELD = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6, 7), donate_argnums=(2, 3, 5))
 _PREFILL_AS_PREVIOUS = jax.jit(_prefill_as_previous, static_argnums=(1,))
 _RESTAGE = jax.jit(_restage, donate_argnums=(0,))
@@ -294,26 +301,32 @@ class ModelRunner:
             arrays, layout = pack_rows(rows)
             arrays = jax.device_put(arrays, self._inputs)  # None stays None
             if decode:
-                key, inputs = (layout, _shapes_of(arrays)), (arrays, self._previous(previous, rows.keys.shape[:2]))
+                previous = self._previous(previous, rows.keys.shape[:2])
                 if self.held_inputs:
-                    inputs = self._restaged(key, inputs)
-                step = _DECODE_HELD if self.held_inputs else _DECODE
-                self.cache, *held, tokens, logprobs = step(self.model.module, self.model.params, self.cache,
-                                                           inputs[0], layout, inputs[1], greedy, self.unrolled_decode)
-                if self.held_inputs:
-                    self._held[key] = tuple(held)
+                    tokens, logprobs = self._decode_held(arrays, layout, previous, greedy)
+                else:
+                    self.cache, tokens, logprobs = _DECODE(self.model.module, self.model.params, self.cache, arrays,
+                                                           layout, previous, greedy, self.unrolled_decode)
             else:
                 tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays,
                                                      layout, False)
         return tokens, logprobs
 
-    def _restaged(self, key: tuple, inputs: tuple) -> tuple:
-        """`inputs` (device arrays) written into the buffers that the last dispatch of `key` handed back (new ones
-        from zeros the first time, so that `_restage` compiles with the shape's first dispatch, in warm-up)."""
+    def _decode_held(self, arrays: dict, layout: tuple, previous: jax.Array, greedy: bool):
+        """A decode dispatch whose inputs (`arrays`, `previous`: device arrays) are first written into the buffers
+        that the last dispatch of their shape handed back (new ones from zeros the first time, so that `_restage`
+        compiles with the shape's first dispatch, in warm-up); returns (tokens, logprobs) and holds the buffers
+        the dispatch hands back for the next one."""
+        key = (layout, _shapes_of(arrays))
         held = self._held.pop(key, None)
         if held is None:
-            held = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), self._inputs), inputs)
-        return _RESTAGE(held, inputs)
+            held = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), self._inputs),
+                                (arrays, previous))
+        arrays, previous = _RESTAGE(held, (arrays, previous))
+        self.cache, arrays, previous, tokens, logprobs = _DECODE_HELD(
+            self.model.module, self.model.params, self.cache, arrays, layout, previous, greedy, self.unrolled_decode)
+        self._held[key] = (arrays, previous)
+        return tokens, logprobs
 
     def _previous(self, previous: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
         """`previous` for a decode dispatch of `shape` [B, n]: zeros where there is none, a prefill's [P] tokens
