@@ -171,8 +171,10 @@ def call_host_ms(engine: Engine, rows: StepRows, repeats: int) -> dict[str, floa
         for kind in ("fresh", "ready", "same"):
             for i in range(repeats):
                 called = time.perf_counter()
-                arrays, previous = {"fresh": lambda: jax.device_put((packed, zeros)), "ready": lambda: ready[i],
-                                    "same": lambda: held}[kind]()
+                if kind == "fresh":
+                    arrays, previous = jax.device_put((packed, zeros))
+                else:
+                    arrays, previous = ready[i] if kind == "ready" else held
                 called_put = time.perf_counter()
                 runner.cache, arrays, previous, *out = runner_module._DECODE_HELD(
                     engine.model.module, engine.model.params, runner.cache, arrays, layout, previous, greedy,

@@ -241,11 +241,6 @@ def unrolled_by_default(platform: str) -> bool:
     return dispatch.canonical_platform(platform) in UNROLLED_PLATFORMS
 
 
-def _shapes_of(arrays: dict) -> tuple:
-    """(name, shape) of each array in `arrays` (None where the field is None): part of a held-inputs key."""
-    return tuple((name, None if value is None else value.shape) for name, value in sorted(arrays.items()))
-
-
 class ModelRunner:
     """Owns the cache (and snapshot) arrays of one model and runs steps on them. For a model on a mesh
     (`Model.mesh`), the cache and snapshots live on their `sharding.CACHE_RULES` shardings (KDA heads over
@@ -317,7 +312,7 @@ class ModelRunner:
         that the last dispatch of their shape handed back (new ones from zeros the first time, so that `_restage`
         compiles with the shape's first dispatch, in warm-up); returns (tokens, logprobs) and holds the buffers
         the dispatch hands back for the next one."""
-        key = (layout, _shapes_of(arrays))
+        key = (layout, arrays["block_tables"].shape)  # the packed fields' shapes, then the blocks per row
         held = self._held.pop(key, None)
         if held is None:
             held = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), self._inputs),
