@@ -111,17 +111,15 @@ def timeline(events: list[dict], ops: dict[str, str], dispatches: int) -> list[d
     return rows
 
 
-def engine_for(model: Model, kind: str, batch: int, unrolled_decode: bool | None = None,
-               held_inputs: bool = False) -> Engine:
+def engine_for(model: Model, kind: str, batch: int, unrolled_decode: bool | None = None) -> Engine:
     if kind == "serving":
         return Engine(model, None, EngineConfig(
             max_num_seqs=64, max_model_len=32768 + 256, max_prefill_tokens=4096, max_prefill_rows=16,
             prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0,
-            unrolled_decode=unrolled_decode, held_inputs=held_inputs))
+            unrolled_decode=unrolled_decode))
     return Engine(model, None, EngineConfig(max_num_seqs=batch, max_model_len=256, max_prefill_tokens=256,
                                             prefill_len_buckets=(256,), block_buckets=(4,),
-                                            enable_prefix_caching=False, unrolled_decode=unrolled_decode,
-                                            held_inputs=held_inputs))
+                                            enable_prefix_caching=False, unrolled_decode=unrolled_decode))
 
 
 def decode_rows(batch: int, context: int, vocab_size: int) -> StepRows:
@@ -150,39 +148,41 @@ def latest_hlo(folder: str) -> str:
 
 
 def call_host_ms(engine: Engine, rows: StepRows, repeats: int) -> dict[str, float]:
-    """Where the dispatch call's host time goes, in medians of `repeats` calls (ms); the cache, step inputs and
-    `previous` donated as the engine does: "put" the step inputs' `jax.device_put` alone; the decode function's call
-    alone with: "fresh" new input buffers each time, put just before it; "ready" new input buffers each time, all
-    put and transferred before the loop; "same" the buffers the last call handed back (the same addresses each time,
-    as the runner's `_restage` keeps them). fresh against ready: what waiting for a fresh transfer costs; ready
-    against same: what new input addresses cost XLA's launch (command buffers)."""
+    """Where the dispatch call's host time goes, in medians of `repeats` calls (ms), the cache donated as the engine
+    does: "put" the step inputs' `jax.device_put` alone; the decode function's call alone with: "fresh" new input
+    buffers each time, put just before it; "ready" new input buffers each time, all put and transferred before the
+    loop; "same" one set of input buffers for every call; and "waited" the put, a wait for its transfer and the call
+    together. fresh against ready: what a transfer still in flight costs the call; ready against same: what new
+    input addresses cost XLA's launch (command buffers); waited against put + fresh: whether waiting for the
+    transfer first shortens the whole."""
     from dayzero import platforms
     from dayzero.serving import runner as runner_module
     from dayzero.serving.sampling import GREEDY_EPS
 
     runner = engine.runner
     greedy = bool(np.all(rows.temperature < GREEDY_EPS))
-    times = {"put": [], "fresh": [], "ready": [], "same": []}
+    times = {"put": [], "fresh": [], "ready": [], "same": [], "waited": []}
     with platforms.activate(engine.model.placement):
         packed, layout = runner_module.pack_rows(rows)
         zeros = np.zeros(rows.keys.shape[:2], np.int32)
         ready = jax.block_until_ready([jax.device_put((packed, zeros)) for _ in range(repeats)])
-        held = jax.device_put((packed, zeros))
-        for kind in ("fresh", "ready", "same"):
+        for kind in ("fresh", "ready", "same", "waited"):
             for i in range(repeats):
                 called = time.perf_counter()
-                if kind == "fresh":
+                if kind in ("fresh", "waited"):
                     arrays, previous = jax.device_put((packed, zeros))
+                    if kind == "waited":
+                        jax.block_until_ready((arrays, previous))
                 else:
-                    arrays, previous = ready[i] if kind == "ready" else held
+                    arrays, previous = ready[i if kind == "ready" else 0]
                 called_put = time.perf_counter()
-                runner.cache, arrays, previous, *out = runner_module._DECODE_HELD(
+                *out, runner.cache = runner_module._DECODE(
                     engine.model.module, engine.model.params, runner.cache, arrays, layout, previous, greedy,
                     runner.unrolled_decode)
-                times[kind].append(time.perf_counter() - called_put)
+                done = time.perf_counter()
+                times[kind].append(done - (called if kind == "waited" else called_put))
                 if kind == "fresh":
                     times["put"].append(called_put - called)
-                held = arrays, previous
             jax.block_until_ready(out)
     return {kind: float(np.median(t)) * 1e3 for kind, t in times.items()}
 
@@ -210,7 +210,7 @@ def profile(engine: Engine, rows: StepRows, hlo_folder: str, repeats: int = 50) 
             "pipelined_ms_per_token": pipelined / STEPS * 1e3, "waited_ms_per_token": waited / STEPS * 1e3,
             "host_ms_per_dispatch": float(np.median(calls)) * 1e3, "host_ms_per_dispatch_same_inputs": parts["same"],
             "host_ms_device_put": parts["put"], "host_ms_call_fresh_inputs": parts["fresh"],
-            "host_ms_call_ready_inputs": parts["ready"],
+            "host_ms_call_ready_inputs": parts["ready"], "host_ms_put_wait_call": parts["waited"],
             "gpu_ms_per_token": total_ms, "kernels_per_token": kernels, "ops": ops}
 
 
@@ -265,7 +265,7 @@ def run(args, hlo_folder: str) -> dict:
                          dtype="bfloat16", seed=0)
     summary = {}
     for batch in (int(b) for b in args.batches.split(",")):
-        engine = engine_for(model, args.engine, batch, args.unrolled_decode, args.held_inputs)
+        engine = engine_for(model, args.engine, batch, args.unrolled_decode)
         result = profile(engine, decode_rows(batch, args.context, model.config.vocab_size), hlo_folder)
         print(f"\nbatch {batch}: {result['pipelined_ms_per_token']:.3f} ms per token pipelined, "
               f"{result['waited_ms_per_token']:.3f} ms waited on; GPU kernels {result['gpu_ms_per_token']:.3f} ms, "
@@ -274,7 +274,8 @@ def run(args, hlo_folder: str) -> dict:
               f"{result['host_ms_per_dispatch_same_inputs']:.3f} ms with the same input arrays each time; apart, "
               f"the inputs' device_put {result['host_ms_device_put']:.3f} ms and the call with new inputs "
               f"{result['host_ms_call_fresh_inputs']:.3f} ms, with new inputs transferred before "
-              f"{result['host_ms_call_ready_inputs']:.3f} ms")
+              f"{result['host_ms_call_ready_inputs']:.3f} ms; put, waited for and called "
+              f"{result['host_ms_put_wait_call']:.3f} ms")
         print("| op | ms / token | kernels / token |\n|---|---|---|")
         for label, ms, n in result["ops"][:args.top]:
             print(f"| {label} | {ms:.4f} | {n:g} |")
@@ -317,9 +318,6 @@ def main(argv=None) -> int:
     parser.add_argument("--unrolled-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine option unrolled_decode: the dispatch's steps as straight-line code "
                              "(default: on a GPU)")
-    parser.add_argument("--held-inputs", action="store_true",
-                        help="the engine option held_inputs: each dispatch's inputs copied on the device into the "
-                             "buffers the last one of its shape used")
     parser.add_argument("--context", type=int, default=200, help="position of the decoded tokens (< 256)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
@@ -385,8 +383,7 @@ def main(argv=None) -> int:
     append_line(args.results, f"- {datetime.date.today()} decode_profile.py, {device.device_kind}, commit "
                               f"{git_commit()}, jax {jax.__version__}, {args.preset} (random, routed experts "
                               f"{args.experts}), engine options '{args.engine}'"
-                              f"{' with the steps unrolled' if args.unrolled_decode else ', steps in a loop'}"
-                              f"{', inputs held' if args.held_inputs else ''}, "
+                              f"{' with the steps unrolled' if args.unrolled_decode else ', steps in a loop'}, "
                               f"XLA options and module constants set "
                               f"{extra or 'none'}, XLA environment {environment}, {STEPS} steps per dispatch at "
                               f"position {args.context}, per token: {json.dumps(summary)}\n")

@@ -108,9 +108,6 @@ def main(argv=None) -> int:
     parser.add_argument("--unrolled-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="each decode dispatch's steps as straight-line code, no XLA loop (the engine option; "
                              "default: on a GPU)")
-    parser.add_argument("--held-inputs", action="store_true",
-                        help="each dispatch's inputs copied on the device into the buffers the last one of its shape "
-                             "used (the engine option)")
     parser.add_argument("--repeats", type=int, default=3, help="timed generates per batch size (median ITL)")
     parser.add_argument("--trace-batches", default="", help="comma-separated batch sizes whose generate runs once "
                         "more under the profiler: GPU busy time, idle share and kernel time by XLA module")
@@ -148,8 +145,7 @@ def main(argv=None) -> int:
         max_num_seqs=64, max_model_len=args.long_prompt + 256, max_prefill_tokens=4096, max_prefill_rows=16,
         prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0,
         decode_steps=args.decode_steps, overlap_decode=not args.no_overlap_decode,
-        overlap_prefill=not args.no_overlap_prefill, unrolled_decode=args.unrolled_decode,
-        held_inputs=args.held_inputs))
+        overlap_prefill=not args.no_overlap_prefill, unrolled_decode=args.unrolled_decode))
     rng = np.random.default_rng(0)
     res = {}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -212,7 +208,6 @@ def main(argv=None) -> int:
             f" (routed experts {args.experts}; kernels: {kernel_choice()}; {args.decode_steps} decode steps per "
             f"dispatch, overlapped: {not args.no_overlap_decode}, first decode ahead of the prefill's token: "
             f"{not (args.no_overlap_decode or args.no_overlap_prefill)}; steps unrolled: {args.unrolled_decode}; "
-            f"inputs held: {args.held_inputs}; "
             f"XLA options added {xla_options or 'none'}; module constants set {constants or 'none'}; "
             f"XLA environment {xla_environment()}): "
             f"dayzero {json.dumps(res)}; "

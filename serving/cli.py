@@ -176,9 +176,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--unrolled-decode", action=argparse.BooleanOptionalAction, default=None,
                         help="compile each dispatch's decode steps as straight-line code rather than a loop (longer "
                              "compiles, faster GPU decode; default: on a GPU, off elsewhere)")
-    parser.add_argument("--held-inputs", action="store_true",
-                        help="copy each decode dispatch's inputs on the device into the buffers the last one of its "
-                             "shape used (a shorter launch on a GPU; not measured there yet)")
     parser.add_argument("--warmup", action="store_true", help="compile every bucketed shape before generating")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--mesh", help="run on a device mesh, e.g. expert=2,tensor=4 (axes data, expert, tensor; "
@@ -189,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--image goes with --prompt (in a JSONL file, give an \"image\" field)")
     options = dict(max_num_seqs=args.max_num_seqs, seed=args.seed, decode_steps=args.decode_steps,
                    overlap_decode=not args.no_overlap_decode, overlap_prefill=not args.no_overlap_prefill,
-                   unrolled_decode=args.unrolled_decode, held_inputs=args.held_inputs,
+                   unrolled_decode=args.unrolled_decode,
                    max_model_len=args.max_model_len or (4096 if args.model else 256),
                    max_prefill_tokens=args.max_prefill_tokens or (512 if args.model else 128))
     with platforms.compilation_cache.counting() as cache_use:

@@ -63,9 +63,6 @@ class EngineConfig:
     # a dispatch's decode steps compiled as straight-line code, not an XLA loop; None: where the model runs on a GPU
     # (`runner.unrolled_by_default`)
     unrolled_decode: bool | None = None
-    # each decode dispatch's inputs copied on the device into the buffers the last dispatch of its shape used (the
-    # same input addresses every time: a shorter launch on XLA:GPU, `runner._restage`; off until measured there)
-    held_inputs: bool = False
     max_image_patches: int = 65536  # patches of one request's images in all (vision models)
 
     def __post_init__(self):
@@ -94,7 +91,7 @@ class Engine:
         hybrid = LAYER_KDA in mcfg.layer_types
         num_slots = config.max_num_seqs + 1
         self.runner = ModelRunner(model, num_blocks, num_slots, config.num_snapshots if hybrid else 0,
-                                  config.block_size, config.unrolled_decode, config.held_inputs)
+                                  config.block_size, config.unrolled_decode)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_prefill_tokens, config.max_prefill_rows,
                             config.max_model_len, config.block_size, config.enable_prefix_caching,

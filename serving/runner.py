@@ -143,11 +143,7 @@ def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_gr
     sampling path is compiled in. `unrolled` (static): the n steps as straight-line code instead of a loop (no XLA
     while loop: on a GPU, one launch of the whole dispatch rather than the loop body's kernels launched from the host
     each step; compiles about n times the code). `arrays`, `layout`: the rows as `pack_rows` sends them. Returns
-    (cache, arrays, previous, tokens [B, n], logprobs [B, n]): `arrays` and `previous` as they came, so that with
-    them donated (`_DECODE_HELD`) the runner's next dispatch of this shape gets these buffers back (`_restage`;
-    `_decode_fresh` drops them).
-    The outputs that hand back donated inputs come first, in the inputs' order: JAX gives each donated buffer to
-    the first output of its shape and dtype, and the tokens have `previous`' shape and dtype."""
+    (tokens [B, n], logprobs [B, n], cache)."""
     rows = unpack_rows(arrays, layout)
 
     def one(carry, xs):
@@ -165,14 +161,7 @@ def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_gr
     first = jnp.where((rows["feed"] >= 0)[:, None], fed[:, None], rows["tokens"])
     xs = (jnp.arange(n, dtype=jnp.int32), jnp.swapaxes(rows["keys"], 0, 1))
     (cache, _, _), (tokens, logprobs) = jax.lax.scan(one, (cache, first, rows["positions"]), xs, unroll=unrolled)
-    return cache, arrays, previous, tokens.T, logprobs.T
-
-
-def _decode_fresh(module, params, cache, arrays: dict, layout: tuple, previous, all_greedy: bool,
-                  unrolled: bool = False):
-    """`_decode` for input buffers made for this dispatch alone: (cache, tokens [B, n], logprobs [B, n])."""
-    cache, _, _, tokens, logprobs = _decode(module, params, cache, arrays, layout, previous, all_greedy, unrolled)
-    return cache, tokens, logprobs
+    return tokens.T, logprobs.T, cache
 
 
 def _prefill_as_previous(tokens, shape: tuple[int, int]):
@@ -180,20 +169,6 @@ def _prefill_as_previous(tokens, shape: tuple[int, int]):
     [p, 0] (the rows past B are padding: a prefill feeding a decode dispatch has no more real rows than it)."""
     rows = min(tokens.shape[0], shape[0])
     return jnp.zeros(shape, jnp.int32).at[:rows, 0].set(tokens[:rows].astype(jnp.int32))
-
-
-def _restage(held, new):
-    """`new`'s values written into `held`'s arrays (same tree, shapes and dtypes).
-
-    Why: on the H100 the decode dispatch's call held the host 2.9 ms with input buffers new to it against 0.7 ms
-    with the buffers of the call before (benchmarks/NOTES_serving.md, forty-eighth session): XLA:GPU's command
-    buffers are updated when an input's address changes. With `ModelRunner.held_inputs` the runner keeps one set of
-    input buffers per decode shape: jitted with `held` donated, this writes a dispatch's inputs into the buffers the
-    shape's last dispatch read, and the decode function (donating them too) hands them back. Both donations take
-    the output of work still queued, as the cache's do. Not on XLA:CPU: there a new address costs nothing, and this
-    small copy runs inline on the calling thread, waiting for the dispatch before it (the host stops running
-    ahead of the device)."""
-    return jax.tree.map(lambda h, n: jax.lax.dynamic_update_slice(h, n, (0,) * h.ndim), held, new)
 
 
 def _reset(cache, slots):
@@ -210,10 +185,8 @@ def _restore(cache, snaps, slot, snap):
 
 # Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
 _STEP = dispatch.PlatformJit(_step, static_argnums=(0, 4, 5), donate_argnums=(2,))
-_DECODE = dispatch.PlatformJit(_decode_fresh, static_argnums=(0, 4, 6, 7), donate_argnums=(2,))
-_DECODE_HELD = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6, 7), donate_argnums=(2, 3, 5))
+_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6, 7), donate_argnums=(2,))
 _PREFILL_AS_PREVIOUS = jax.jit(_prefill_as_previous, static_argnums=(1,))
-_RESTAGE = jax.jit(_restage, donate_argnums=(0,))
 _RESET = jax.jit(_reset, donate_argnums=(0,))
 _SAVE = jax.jit(_save, donate_argnums=(1,))
 _RESTORE = jax.jit(_restore, donate_argnums=(0,))
@@ -246,17 +219,14 @@ class ModelRunner:
     (`Model.mesh`), the cache and snapshots live on their `sharding.CACHE_RULES` shardings (KDA heads over
     `tensor`; latents and indexer keys replicated) and the step inputs are replicated over the mesh.
     `unrolled_decode`: decode dispatches compiled as straight-line steps (`_decode`'s `unrolled`); None: where the
-    model runs on a GPU (`unrolled_by_default`). `held_inputs`: each decode dispatch's inputs reach the decode
-    function in the buffers the last dispatch of its shape used (`_restage`). Prefill steps, fewer and longer, take
-    fresh buffers (a vision model's embeds among them)."""
+    model runs on a GPU (`unrolled_by_default`)."""
 
     def __init__(self, model: Model, num_blocks: int, num_slots: int, num_snapshots: int, block_size: int = 64,
-                 unrolled_decode: bool | None = None, held_inputs: bool = False):
+                 unrolled_decode: bool | None = None):
         self.model = model
         self.block_size = block_size
         self.unrolled_decode = (unrolled_by_default(model.platform) if unrolled_decode is None
                                 else unrolled_decode)
-        self.held_inputs = held_inputs
         self.has_kda = LAYER_KDA in model.config.layer_types
         self.snapshots = {}
         with platforms.activate(model.placement):  # the cache lives on the model's device (or its mesh)
@@ -269,8 +239,6 @@ class ModelRunner:
         self._inputs = None if model.mesh is None else NamedSharding(model.mesh, PartitionSpec())
         self._shapes: set[tuple] = set()
         self._no_previous: dict[tuple[int, int], jax.Array] = {}  # zeros standing in for `previous`, by shape
-        # with held_inputs, each decode shape's (arrays, previous) buffers as its last dispatch handed them back
-        self._held: dict[tuple, tuple] = {}
 
     @property
     def num_compilations(self) -> int:
@@ -297,30 +265,11 @@ class ModelRunner:
             arrays = jax.device_put(arrays, self._inputs)  # None stays None
             if decode:
                 previous = self._previous(previous, rows.keys.shape[:2])
-                if self.held_inputs:
-                    tokens, logprobs = self._decode_held(arrays, layout, previous, greedy)
-                else:
-                    self.cache, tokens, logprobs = _DECODE(self.model.module, self.model.params, self.cache, arrays,
-                                                           layout, previous, greedy, self.unrolled_decode)
+                tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays,
+                                                       layout, previous, greedy, self.unrolled_decode)
             else:
                 tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays,
                                                      layout, False)
-        return tokens, logprobs
-
-    def _decode_held(self, arrays: dict, layout: tuple, previous: jax.Array, greedy: bool):
-        """A decode dispatch whose inputs (`arrays`, `previous`: device arrays) are first written into the buffers
-        that the last dispatch of their shape handed back (new ones from zeros the first time, so that `_restage`
-        compiles with the shape's first dispatch, in warm-up); returns (tokens, logprobs) and holds the buffers
-        the dispatch hands back for the next one."""
-        key = (layout, arrays["block_tables"].shape)  # the packed fields' shapes, then the blocks per row
-        held = self._held.pop(key, None)
-        if held is None:
-            held = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), self._inputs),
-                                (arrays, previous))
-        arrays, previous = _RESTAGE(held, (arrays, previous))
-        self.cache, arrays, previous, tokens, logprobs = _DECODE_HELD(
-            self.model.module, self.model.params, self.cache, arrays, layout, previous, greedy, self.unrolled_decode)
-        self._held[key] = (arrays, previous)
         return tokens, logprobs
 
     def _previous(self, previous: jax.Array | None, shape: tuple[int, int]) -> jax.Array:

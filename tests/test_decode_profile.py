@@ -110,3 +110,21 @@ def test_timeline_lists_the_last_dispatch_in_launch_order():
     assert rows[0] == {"kernel": "moe_front", "op": "", "start_us": 0.0, "dur_us": 5.0, "gap_us": 0.0}
     assert rows[1]["op"] == ops["input_reduce_fusion_98"] and rows[1]["start_us"] == 13.0
     assert rows[1]["gap_us"] == 8.0  # from the first kernel's end (5 us) to this one's start (13 us)
+
+
+def test_call_host_ms_times_every_input_kind_and_leaves_the_engine_usable():
+    """The dispatch call's host-time split runs the engine's own decode function with the cache donated: every
+    kind is timed, and the runner's cache (handed back by each call) still serves the next dispatch."""
+    from dayzero.model import Model
+    from dayzero.model.presets import tiny
+
+    model = Model.random(tiny(), dtype="float32", seed=0)
+    engine = decode_profile.engine_for(model, "profile", 1)
+    rows = decode_profile.decode_rows(1, 20, model.config.vocab_size)
+    engine.runner.run(rows, True)  # compiles
+    parts = decode_profile.call_host_ms(engine, rows, repeats=3)
+    assert set(parts) == {"put", "fresh", "ready", "same", "waited"}
+    assert all(ms > 0 for ms in parts.values())
+    tokens, logprobs = engine.runner.run(rows, True)
+    assert tokens.shape == (1, decode_profile.STEPS) and ((tokens >= 0) & (tokens < model.config.vocab_size)).all()
+    assert (logprobs <= 0).all()

@@ -227,46 +227,6 @@ def test_unrolled_decode_defaults_to_the_gpu(models):
     assert gpu_model.platform == "cuda"
 
 
-def test_held_inputs_match_fresh_ones_at_fixed_addresses(models, monkeypatch):
-    """With `held_inputs` each dispatch's inputs are copied into the buffers its shape's last dispatch used: the
-    same tokens and logprobs as fresh buffers (overlapped decode, a decode launched ahead of a prefill, seeded
-    sampling), every decode dispatch of a shape reads its inputs at the same device addresses, and after warm-up
-    XLA compiles nothing. Off by default."""
-    from dayzero.serving import runner as runner_module
-
-    assert Engine(models["kimi_linear"], None, config()).runner.held_inputs is False
-    model = models["kimi_linear"]
-    prompts = [[9, 8, 7, 6, 5], [3, 4], list(range(3, 60))]
-    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=11, seed=5, ignore_eos=True, logprobs=True),
-              SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True, logprobs=True),
-              SamplingParams(temperature=0.7, top_k=5, max_tokens=9, seed=6, ignore_eos=True, logprobs=True)]
-    outs = {}
-    for held in (False, True):
-        engine = Engine(model, None, config(decode_steps=3, held_inputs=held))
-        assert engine.runner.held_inputs is held
-        engine.warmup()
-        addresses = {}  # decode key -> the device addresses its dispatches read
-        original = runner_module._DECODE_HELD
-
-        def noted(module, model_params, cache, arrays, layout, previous, *rest):
-            leaves = jax.tree_util.tree_leaves((arrays, previous))
-            addresses.setdefault(layout, set()).add(tuple(a.unsafe_buffer_pointer() for a in leaves))
-            return original(module, model_params, cache, arrays, layout, previous, *rest)
-
-        monkeypatch.setattr(runner_module, "_DECODE_HELD", noted)
-        with xla_compilations() as compiled:
-            outs[held] = engine.generate(prompt_token_ids=prompts, sampling_params=params)
-        monkeypatch.undo()
-        assert not compiled, f"held={held}: XLA compiled {len(compiled)} functions after warm-up"
-        if held:
-            assert addresses and all(len(seen) == 1 for seen in addresses.values()), addresses
-        else:
-            assert not addresses and not engine.runner._held
-    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
-    np.testing.assert_allclose(np.concatenate([o.logprobs for o in outs[True]]),
-                               np.concatenate([o.logprobs for o in outs[False]]), rtol=1e-6, atol=1e-6)
-
-
 def test_overlapped_decode_matches_waiting_for_each_dispatch(models):
     """Decode dispatches launched before the previous one's tokens are read (`overlap_decode`) give the same
     tokens and logprobs as waiting for each: seeded sampling, a stop token in the middle of a dispatch, token
