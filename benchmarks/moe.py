@@ -2,7 +2,8 @@
 width 768) and a DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at 1, 16, 64, 256 tokens and an 8K prefill.
 
     python3 benchmarks/moe.py [--results benchmarks/RESULTS.md] [--shapes medium,deepseek] [--tokens 1,16,64,256,8192]
-                              [--sweep [all|split_k|decode16|gemv|dense|mlp,...]] [--dense-only | --variants fused,fp8,...]
+                              [--sweep [all|split_k|decode16|many|gemv|dense|mlp,...]]
+                              [--dense-only | --variants fused,fp8,...]
 
 Variants, on the same weights (random MXFP4; the others converted from it) and the same uniform top-k routing:
   bf16      jax.lax.ragged_dot over dense bf16 experts (dayzero.kernels.moe.moe_experts with block_m=None)
@@ -37,8 +38,9 @@ TB/s against ~4.1 for timing.py's pipelined copy and ~4.29 for the read: the ear
 what the read roofline gives. Beside the measured bf16 ragged_dot (which XLA may run over every expert, padded),
 "bf16 roofline" is an ideal bf16 kernel reading only the active experts at that bandwidth. A variant that cannot run
 (out of memory) is reported as not measured. Prints a table and appends a dated line to the results file.
-`--sweep` also times the MMA kernels over a few tile configurations: at 1 token (split-K ones included) or, with
-`decode16`, at 16 tokens; `gemv`: the CUDA-core kernels over GEMV_SWEEP's tiles at each token count up to 64;
+`--sweep` also times the MMA kernels over a few tile configurations: at 1 token (split-K ones included), with
+`decode16` at 16 tokens, with `many` over MANY_SWEEP at each token count from 17 to 1024; `gemv`: the CUDA-core
+kernels over GEMV_SWEEP's tiles at each token count up to 64;
 `dense`: the bf16 dense-expert kernels over DENSE_SWEEP's tiles at each token count up to 16 (GPU time); `dense16`:
 the same at 16 tokens over the epilogue tiles of DENSE16_SWEEP; `mlp`: the one-kernel MLP (DenseTiles.fused_mlp) over
 MLP_SWEEP's tiles likewise, and choose_tiles' own with the down kernel's atomic combine.
@@ -405,12 +407,13 @@ def dense_sweep(layer, name, n_tokens: int, impl, table: dict | None = None, sha
     return out
 
 
-def sweep(layer, name, impl, which: str = "all") -> dict:
+def sweep(layer, name, impl, which: str = "all", n_tokens: int | None = None) -> dict:
     """The fused kernel over a few tile configurations: at 1 token ("all", or "split_k": the split-K tiles and
-    choose_tiles' own), or at 16 tokens ("decode16": choose_tiles' own against DECODE16_SWEEP)."""
+    choose_tiles' own), at 16 tokens ("decode16": choose_tiles' own against DECODE16_SWEEP), or at `n_tokens`
+    ("many": choose_tiles' own against MANY_SWEEP)."""
     n_experts, top_k, hidden, _ = SHAPES[name]
     ew = layer[0]
-    n_tokens = 16 if which == "decode16" else 1
+    n_tokens = n_tokens or (16 if which == "decode16" else 1)
     ids, w = routing(jax.random.key(1), n_tokens, n_experts, top_k)
     x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
     out = {}
@@ -420,11 +423,11 @@ def sweep(layer, name, impl, which: str = "all") -> dict:
             x, ids, w, e, tiles=tiles, impl=impl)[0], x, 20, ew)
         return round(t * 1e6, 2)
 
-    if which in ("split_k", "decode16"):
+    if which in ("split_k", "decode16", "many"):
         out["choose_tiles"] = time_tiles(moe_mxfp4.choose_tiles(ids.size, n_experts))  # the MMA kernels' own tiles
-    if which == "decode16":
-        for label, tiles in DECODE16_SWEEP.items():
-            out[label] = time_tiles(tiles)
+    if which in ("decode16", "many"):
+        for label, tiles in (DECODE16_SWEEP if which == "decode16" else MANY_SWEEP).items():
+            out[label] = attempt(label, lambda tiles=tiles: time_tiles(tiles))
         return out
     for bn in (32, 64, 128) if which == "all" else ():
         for groups in (2, 4, 8):
@@ -465,6 +468,19 @@ DECODE16_SWEEP = {
     "bn16_g4_w1_pf": moe_mxfp4.Tiles(16, 16, 4, 1, 3, prefetch_scales=True),
     "bn32_g4_w2": moe_mxfp4.Tiles(16, 32, 4, 2, 3),  # 4.4
 }
+
+
+# Tiles of the MMA kernels swept by --sweep many at each token count above 16 (where experts see several rows:
+# choose_tiles gives 16 rows up to 16 rows per active expert, then 32 up to 48, then 64; 64 columns, 4 groups of 32
+# per K step, 4 warps, 3 stages). "m32_n128_g4_w8_s3": 32 rows, 128 columns, 4 groups, 8 warps, 3 stages; "a_": the
+# weights as the MMA's A operand (its M the tile's columns: Hopper's wgmma takes M = 64).
+MANY_SWEEP = {
+    f"{'a_' if a else ''}m{m}_n{n}_g{g}_w{w}_s{st}": moe_mxfp4.Tiles(m, n, g, w, st, weights_as_a=a)
+    for m, n, g, w, st, a in ((16, 64, 4, 4, 3, False), (32, 64, 4, 4, 3, False), (64, 64, 4, 4, 3, False),
+                              (32, 128, 4, 4, 3, False), (32, 128, 4, 8, 3, False), (64, 128, 4, 8, 3, False),
+                              (32, 64, 8, 4, 3, False), (32, 64, 2, 4, 3, False), (32, 64, 4, 4, 2, False),
+                              (32, 64, 4, 4, 4, False), (32, 64, 4, 4, 3, True), (32, 128, 4, 8, 3, True),
+                              (64, 128, 4, 8, 3, True), (16, 64, 4, 4, 3, True))}
 
 
 # (block_n, max_groups, split_k) of the split-K tiles swept at 1 token (4 warps, 3 stages)
@@ -528,9 +544,9 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
                                                                            args.shared_parts, with_combine=True)
                     print(f"tile sweep (dense bf16, one-kernel MLP), {n} token(s), GPU time (us):", r)
                 continue
-            n = 16 if which == "decode16" else 1
-            results[f"{name}_sweep_{which}_T{n}_fused_us"] = r = sweep(layer, name, args.impl, which)
-            print(f"tile sweep ({which}), fused, {n} token(s) (us):", r)
+            for n in [t for t in tokens if 16 < t <= 1024] if which == "many" else [16 if which == "decode16" else 1]:
+                results[f"{name}_sweep_{which}_T{n}_fused_us"] = r = sweep(layer, name, args.impl, which, n)
+                print(f"tile sweep ({which}), fused, {n} token(s) (us):", r)
         del layer
 
 
@@ -542,7 +558,8 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", default="pallas", help="pallas (GPU), or interpret for a CPU smoke run")
     parser.add_argument("--sweep", nargs="?", const="all",
                         help="also sweep the fused kernel's tiles, comma-separated: all / split_k (1 token: every "
-                             "tile, or the split-K ones), decode16 (16 tokens); gemv: the decode kernels' tiles at "
+                             "tile, or the split-K ones), decode16 (16 tokens), many (MANY_SWEEP at each token count "
+                             "from 17 to 1024); gemv: the decode kernels' tiles at "
                              "each token count up to 64; dense: the bf16 dense-expert kernels' tiles (GPU time) "
                              "at each token count up to 16; dense16: the batch-16 epilogue tiles (DENSE16_SWEEP); "
                              "mlp: the one-kernel MLP's tiles (MLP_SWEEP) likewise")
