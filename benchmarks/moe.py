@@ -39,11 +39,10 @@ what the read roofline gives. Beside the measured bf16 ragged_dot (which XLA may
 "bf16 roofline" is an ideal bf16 kernel reading only the active experts at that bandwidth. A variant that cannot run
 (out of memory) is reported as not measured. Prints a table and appends a dated line to the results file.
 `--sweep` also times the MMA kernels over a few tile configurations: at 1 token (split-K ones included), with
-`decode16` at 16 tokens, with `many` over MANY_SWEEP at each token count from 17 to 1024; `gemv`: the CUDA-core
-kernels over GEMV_SWEEP's tiles at each token count up to 64;
-`dense`: the bf16 dense-expert kernels over DENSE_SWEEP's tiles at each token count up to 16 (GPU time); `dense16`:
-the same at 16 tokens over the epilogue tiles of DENSE16_SWEEP; `mlp`: the one-kernel MLP (DenseTiles.fused_mlp) over
-MLP_SWEEP's tiles likewise, and choose_tiles' own with the down kernel's atomic combine.
+`decode16` at 16 tokens, with `many` over MANY_SWEEP at each token count from 17 to 1024 (PREFILL_SWEEP above);
+`gemv`: the CUDA-core kernels over GEMV_SWEEP's tiles at each token count up to 64; `dense`: the bf16 dense-expert
+kernels over DENSE_SWEEP's tiles at each token count up to 16 (GPU time); `dense16`: the same at 16 tokens over
+the epilogue tiles of DENSE16_SWEEP; `mlp`: the one-kernel MLP (DenseTiles.fused_mlp) over MLP_SWEEP's tiles likewise, and choose_tiles' own with the down kernel's atomic combine.
 """
 
 from __future__ import annotations
@@ -410,7 +409,7 @@ def dense_sweep(layer, name, n_tokens: int, impl, table: dict | None = None, sha
 def sweep(layer, name, impl, which: str = "all", n_tokens: int | None = None) -> dict:
     """The fused kernel over a few tile configurations: at 1 token ("all", or "split_k": the split-K tiles and
     choose_tiles' own), at 16 tokens ("decode16": choose_tiles' own against DECODE16_SWEEP), or at `n_tokens`
-    ("many": choose_tiles' own against MANY_SWEEP)."""
+    ("many": choose_tiles' own against MANY_SWEEP, or PREFILL_SWEEP above 1024 tokens)."""
     n_experts, top_k, hidden, _ = SHAPES[name]
     ew = layer[0]
     n_tokens = n_tokens or (16 if which == "decode16" else 1)
@@ -426,7 +425,8 @@ def sweep(layer, name, impl, which: str = "all", n_tokens: int | None = None) ->
     if which in ("split_k", "decode16", "many"):
         out["choose_tiles"] = time_tiles(moe_mxfp4.choose_tiles(ids.size, n_experts))  # the MMA kernels' own tiles
     if which in ("decode16", "many"):
-        for label, tiles in (DECODE16_SWEEP if which == "decode16" else MANY_SWEEP).items():
+        table = DECODE16_SWEEP if which == "decode16" else MANY_SWEEP if n_tokens <= 1024 else PREFILL_SWEEP
+        for label, tiles in table.items():
             out[label] = attempt(label, lambda tiles=tiles: time_tiles(tiles))
         return out
     for bn in (32, 64, 128) if which == "all" else ():
@@ -481,6 +481,15 @@ MANY_SWEEP = {
                               (32, 64, 8, 4, 3, False), (32, 64, 2, 4, 3, False), (32, 64, 4, 4, 2, False),
                               (32, 64, 4, 4, 4, False), (32, 64, 4, 4, 3, True), (32, 128, 4, 8, 3, True),
                               (64, 128, 4, 8, 3, True), (16, 64, 4, 4, 3, True))}
+
+# Prefill tiles (64+ rows per active expert), swept by --sweep many above 1024 tokens; labels as MANY_SWEEP's
+PREFILL_SWEEP = {
+    f"{'a_' if a else ''}m{m}_n{n}_g{g}_w{w}_s{st}": moe_mxfp4.Tiles(m, n, g, w, st, weights_as_a=a)
+    for m, n, g, w, st, a in ((64, 64, 4, 4, 3, False), (64, 64, 4, 4, 3, True), (64, 128, 4, 4, 3, True),
+                              (64, 128, 4, 8, 3, True), (64, 128, 4, 8, 3, False), (128, 64, 4, 4, 3, False),
+                              (128, 64, 4, 8, 3, False), (128, 128, 4, 8, 3, False), (128, 128, 4, 8, 3, True),
+                              (64, 64, 8, 4, 3, False), (64, 64, 4, 4, 4, False), (64, 64, 4, 8, 3, False),
+                              (64, 64, 8, 4, 3, True), (128, 64, 4, 4, 3, True))}
 
 
 # (block_n, max_groups, split_k) of the split-K tiles swept at 1 token (4 warps, 3 stages)
@@ -544,7 +553,7 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
                                                                            args.shared_parts, with_combine=True)
                     print(f"tile sweep (dense bf16, one-kernel MLP), {n} token(s), GPU time (us):", r)
                 continue
-            for n in [t for t in tokens if 16 < t <= 1024] if which == "many" else [16 if which == "decode16" else 1]:
+            for n in [t for t in tokens if t > 16] if which == "many" else [16 if which == "decode16" else 1]:
                 results[f"{name}_sweep_{which}_T{n}_fused_us"] = r = sweep(layer, name, args.impl, which, n)
                 print(f"tile sweep ({which}), fused, {n} token(s) (us):", r)
         del layer
@@ -559,7 +568,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", nargs="?", const="all",
                         help="also sweep the fused kernel's tiles, comma-separated: all / split_k (1 token: every "
                              "tile, or the split-K ones), decode16 (16 tokens), many (MANY_SWEEP at each token count "
-                             "from 17 to 1024); gemv: the decode kernels' tiles at "
+                             "above 16, PREFILL_SWEEP above 1024); gemv: the decode kernels' tiles at "
                              "each token count up to 64; dense: the bf16 dense-expert kernels' tiles (GPU time) "
                              "at each token count up to 16; dense16: the batch-16 epilogue tiles (DENSE16_SWEEP); "
                              "mlp: the one-kernel MLP's tiles (MLP_SWEEP) likewise")

@@ -64,6 +64,11 @@ class Tiles:
     prefetch_scales: bool = False
 
 
+# Whether calls of 17-48 rows per active expert take their 32-row tiles with the weights as the MMA's A operand. On
+# an H100 (benchmarks/moe.py --sweep many, 2026-12-06, forty-ninth session) the medium layer at 256 tokens (24 rows
+# per expert) took 217.5 us against 268.4 with the rows as A; every other tile of the sweep was slower than these
+# two (NOTES_moe.md). tests/gpu/test_mxfp4_gpu.py::test_many_row_tiles checks them against the reference.
+WEIGHTS_AS_A_32_ROWS = True
 # Layer calls of at most this many token-expert pairs take split-K tiles (64 columns x 4 groups x 8 K splits,
 # `choose_tiles`). On the H200 (benchmarks/moe.py --sweep split_k, 2026-12-01) the medium layer at 1 token ran
 # 42.6 us with split-K tiles against 52.1 us for the 16-row tiles without splits;
@@ -83,8 +88,8 @@ def choose_tiles(n_pairs: int, n_experts: int) -> Tiles:
         return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3, split_k=8, prefetch_scales=True)
     if rows <= 16:
         return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3, prefetch_scales=True)
-    if rows <= 48:
-        return Tiles(block_m=32, block_n=64, max_groups=4, num_stages=3)
+    if rows <= 48:  # the weights as the MMA's A operand: its M is the tile's 64 columns (one wgmma warpgroup)
+        return Tiles(block_m=32, block_n=64, max_groups=4, num_stages=3, weights_as_a=WEIGHTS_AS_A_32_ROWS)
     return Tiles(block_m=64, block_n=64, max_groups=4, num_stages=3)
 
 

@@ -4,6 +4,8 @@ medium-hybrid and DeepSeek shapes, odd token counts, skewed loads, and a whole M
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,6 +128,19 @@ def test_decode_tile_variants(seed, name, shape, n_tokens, fmt):
     """Decode tile variants (the weights as the MMA's A operand, wider K steps, scales loaded a step ahead) against
     the reference."""
     _check_tiles(seed, shape, n_tokens, fmt, DECODE_VARIANTS[name], name)
+
+
+@pytest.mark.parametrize("shape, n_tokens, fmt", [((64, 6, 2048, 768), 256, "mxfp4"),
+                                                  ((64, 6, 2048, 768), 200, "float8_e4m3fn")])
+@pytest.mark.parametrize("weights_as_a", [False, True])
+def test_many_row_tiles(seed, shape, n_tokens, fmt, weights_as_a):
+    """`choose_tiles`' 32-row tiles (17-48 rows per active expert), the weights as the MMA's A operand (the default,
+    `WEIGHTS_AS_A_32_ROWS`) or the rows, against the reference."""
+    n_experts, top_k = shape[:2]
+    tiles = moe_mxfp4.choose_tiles(n_tokens * top_k, n_experts)
+    assert tiles.block_m == 32
+    tiles = dataclasses.replace(tiles, weights_as_a=weights_as_a)
+    _check_tiles(seed, shape, n_tokens, fmt, tiles, f"32 rows, weights_as_a={weights_as_a}")
 
 
 @pytest.mark.parametrize("shape, n_tokens, rows, adaptive, stages, in_kernel", [
