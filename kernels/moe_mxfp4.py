@@ -69,6 +69,11 @@ class Tiles:
 # per expert) took 217.5 us against 268.4 with the rows as A; every other tile of the sweep was slower than these
 # two (NOTES_moe.md). tests/gpu/test_mxfp4_gpu.py::test_many_row_tiles checks them against the reference.
 WEIGHTS_AS_A_32_ROWS = True
+# Whether calls of more rows per active expert (prefill) take 128-column tiles with the weights as the MMA's A
+# operand: 64 rows up to 128 rows per expert, then 128 rows at 8 warps; else 64 x 64 tiles with the rows as A. On an
+# H100 (moe.py --sweep many, 8192 tokens; NOTES_moe.md) the medium layer took 2844 / 2607 us with the 64- / 128-row
+# wide tiles against 3429, the DeepSeek-size layer 31255 / 30038 against 39197.
+WIDE_PREFILL_TILES = True
 # Layer calls of at most this many token-expert pairs take split-K tiles (64 columns x 4 groups x 8 K splits,
 # `choose_tiles`). On the H200 (benchmarks/moe.py --sweep split_k, 2026-12-01) the medium layer at 1 token ran
 # 42.6 us with split-K tiles against 52.1 us for the 16-row tiles without splits;
@@ -90,7 +95,11 @@ def choose_tiles(n_pairs: int, n_experts: int) -> Tiles:
         return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3, prefetch_scales=True)
     if rows <= 48:  # the weights as the MMA's A operand: its M is the tile's 64 columns (one wgmma warpgroup)
         return Tiles(block_m=32, block_n=64, max_groups=4, num_stages=3, weights_as_a=WEIGHTS_AS_A_32_ROWS)
-    return Tiles(block_m=64, block_n=64, max_groups=4, num_stages=3)
+    if not WIDE_PREFILL_TILES:
+        return Tiles(block_m=64, block_n=64, max_groups=4, num_stages=3)
+    if rows <= 128:
+        return Tiles(block_m=64, block_n=128, max_groups=4, num_warps=4, num_stages=3, weights_as_a=True)
+    return Tiles(block_m=128, block_n=128, max_groups=4, num_warps=8, num_stages=3, weights_as_a=True)
 
 
 

@@ -65,12 +65,13 @@ def test_offline_converted_matches_oracle(seed, fmt, tol):
 
 def test_choose_tiles_by_rows_per_expert():
     """16-row tiles (split-K for one token's experts) up to 16 rows per active expert, 32 rows with the weights as the
-    MMA's A operand up to 48, then 64 rows."""
+    MMA's A operand up to 48, then 128-column tiles with the weights as A: 64 rows up to 128, then 128 rows."""
     assert moe_mxfp4.choose_tiles(6, 64).split_k > 1
     assert moe_mxfp4.choose_tiles(64 * 6, 64).block_m == 16  # 6 rows per expert
     many = moe_mxfp4.choose_tiles(256 * 6, 64)  # 24 rows per expert
     assert many.block_m == 32 and many.weights_as_a is moe_mxfp4.WEIGHTS_AS_A_32_ROWS
-    assert moe_mxfp4.choose_tiles(4096 * 6, 64).block_m == 64
+    wide = moe_mxfp4.choose_tiles(1024 * 6, 64), moe_mxfp4.choose_tiles(4096 * 6, 64)  # 96, 384 rows per expert
+    assert [(t.block_m, t.block_n, t.weights_as_a) for t in wide] == [(64, 128, True), (128, 128, True)]
 
 
 def test_default_tiles_bf16_activations(seed):
@@ -240,7 +241,8 @@ def test_split_k_matches_oracle(seed, kind, n_tokens, top_k, tiles):
     (1, dataclasses.replace(SPLIT, weights_as_a=True)),
     (5, moe_mxfp4.Tiles(block_m=16, block_n=16, max_groups=1, prefetch_scales=True)),
     (1, dataclasses.replace(SPLIT_GATE_UP, prefetch_scales=True, weights_as_a=True)),
-    (40, moe_mxfp4.Tiles(block_m=32, block_n=16, max_groups=2, weights_as_a=True))])
+    (40, moe_mxfp4.Tiles(block_m=32, block_n=16, max_groups=2, weights_as_a=True)),
+    (150, moe_mxfp4.Tiles(block_m=128, block_n=32, max_groups=2, num_warps=8, weights_as_a=True))])
 def test_tile_options_match_oracle(seed, n_tokens, tiles):
     """Tiles.weights_as_a (out^T = W x^T in the kernels, transposed before the epilogue) and Tiles.prefetch_scales
     (each K step's scales loaded one step ahead) against the oracle, with and without split-K, in MXFP4 and
