@@ -63,15 +63,19 @@ def test_offline_converted_matches_oracle(seed, fmt, tol):
     assert rel_err(got, want) < tol, f"pallas {fmt}: {rel_err(got, want):.2e} (seed={seed})"
 
 
-def test_choose_tiles_by_rows_per_expert():
+def test_choose_tiles_by_rows_per_expert(monkeypatch):
     """16-row tiles (split-K for one token's experts) up to 16 rows per active expert, 32 rows with the weights as the
-    MMA's A operand up to 48, then 128-column tiles with the weights as A: 64 rows up to 128, then 128 rows."""
+    MMA's A operand up to 48, then 64 x 64 tiles, or with `WIDE_PREFILL_TILES` 128-column tiles with the weights as
+    A: 64 rows up to 128, then 128 rows."""
     assert moe_mxfp4.choose_tiles(6, 64).split_k > 1
     assert moe_mxfp4.choose_tiles(64 * 6, 64).block_m == 16  # 6 rows per expert
     many = moe_mxfp4.choose_tiles(256 * 6, 64)  # 24 rows per expert
     assert many.block_m == 32 and many.weights_as_a is moe_mxfp4.WEIGHTS_AS_A_32_ROWS
-    wide = moe_mxfp4.choose_tiles(1024 * 6, 64), moe_mxfp4.choose_tiles(4096 * 6, 64)  # 96, 384 rows per expert
-    assert [(t.block_m, t.block_n, t.weights_as_a) for t in wide] == [(64, 128, True), (128, 128, True)]
+    shape = lambda t: (t.block_m, t.block_n, t.weights_as_a)  # noqa: E731
+    for wide, want in ((False, [(64, 64, False)] * 2), (True, [(64, 128, True), (128, 128, True)])):
+        monkeypatch.setattr(moe_mxfp4, "WIDE_PREFILL_TILES", wide)
+        tiles = moe_mxfp4.choose_tiles(1024 * 6, 64), moe_mxfp4.choose_tiles(4096 * 6, 64)  # 96, 384 rows per expert
+        assert [shape(t) for t in tiles] == want
 
 
 def test_default_tiles_bf16_activations(seed):

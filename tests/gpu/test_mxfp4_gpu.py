@@ -144,9 +144,10 @@ def test_many_row_tiles(seed, shape, n_tokens, fmt, weights_as_a):
 
 
 @pytest.mark.parametrize("n_tokens, fmt", [(1031, "float8_e4m3fn"), (4096, "mxfp4"), (4096, "float8_e4m3fn")])
-def test_wide_prefill_tiles(seed, n_tokens, fmt):
-    """`choose_tiles`' prefill tiles (`WIDE_PREFILL_TILES`: 128 columns, the weights as the MMA's A operand; 64 rows
-    at ~97 rows per expert, 128 rows at 8 warps at 384) on the medium layer against the reference."""
+def test_wide_prefill_tiles(seed, n_tokens, fmt, monkeypatch):
+    """`choose_tiles`' prefill tiles with `WIDE_PREFILL_TILES` (128 columns, the weights as the MMA's A operand; 64
+    rows at ~97 rows per expert, 128 rows at 8 warps at 384) on the medium layer against the reference."""
+    monkeypatch.setattr(moe_mxfp4, "WIDE_PREFILL_TILES", True)
     tiles = moe_mxfp4.choose_tiles(n_tokens * 6, 64)
     assert tiles.weights_as_a and tiles.block_n == 128 and tiles.block_m == (64 if n_tokens < 2048 else 128)
     _check_tiles(seed, (64, 6, 2048, 768), n_tokens, fmt, tiles, f"prefill {tiles}")
