@@ -470,26 +470,28 @@ DECODE16_SWEEP = {
 }
 
 
-# Tiles of the MMA kernels swept by --sweep many at each token count above 16 (where experts see several rows:
-# choose_tiles gives 16 rows up to 16 rows per active expert, then 32 up to 48, then 64; 64 columns, 4 groups of 32
-# per K step, 4 warps, 3 stages). "m32_n128_g4_w8_s3": 32 rows, 128 columns, 4 groups, 8 warps, 3 stages; "a_": the
-# weights as the MMA's A operand (its M the tile's columns: Hopper's wgmma takes M = 64).
-MANY_SWEEP = {
-    f"{'a_' if a else ''}m{m}_n{n}_g{g}_w{w}_s{st}": moe_mxfp4.Tiles(m, n, g, w, st, weights_as_a=a)
-    for m, n, g, w, st, a in ((16, 64, 4, 4, 3, False), (32, 64, 4, 4, 3, False), (64, 64, 4, 4, 3, False),
-                              (32, 128, 4, 4, 3, False), (32, 128, 4, 8, 3, False), (64, 128, 4, 8, 3, False),
-                              (32, 64, 8, 4, 3, False), (32, 64, 2, 4, 3, False), (32, 64, 4, 4, 2, False),
-                              (32, 64, 4, 4, 4, False), (32, 64, 4, 4, 3, True), (32, 128, 4, 8, 3, True),
-                              (64, 128, 4, 8, 3, True), (16, 64, 4, 4, 3, True))}
+def mma_tile_table(specs) -> dict:
+    """{label: Tiles} for (rows, columns, groups per K step, warps, stages, weights as A) specs: "m32_n128_g4_w8_s3"
+    is 32 rows, 128 columns, 4 groups, 8 warps, 3 stages; "a_" marks the weights as the MMA's A operand (its M then
+    the tile's columns: Hopper's wgmma takes M = 64)."""
+    return {f"{'a_' if a else ''}m{m}_n{n}_g{g}_w{w}_s{st}": moe_mxfp4.Tiles(m, n, g, w, st, weights_as_a=a)
+            for m, n, g, w, st, a in specs}
 
-# Prefill tiles (64+ rows per active expert), swept by --sweep many above 1024 tokens; labels as MANY_SWEEP's
-PREFILL_SWEEP = {
-    f"{'a_' if a else ''}m{m}_n{n}_g{g}_w{w}_s{st}": moe_mxfp4.Tiles(m, n, g, w, st, weights_as_a=a)
-    for m, n, g, w, st, a in ((64, 64, 4, 4, 3, False), (64, 64, 4, 4, 3, True), (64, 128, 4, 4, 3, True),
-                              (64, 128, 4, 8, 3, True), (64, 128, 4, 8, 3, False), (128, 64, 4, 4, 3, False),
-                              (128, 64, 4, 8, 3, False), (128, 128, 4, 8, 3, False), (128, 128, 4, 8, 3, True),
-                              (64, 64, 8, 4, 3, False), (64, 64, 4, 4, 4, False), (64, 64, 4, 8, 3, False),
-                              (64, 64, 8, 4, 3, True), (128, 64, 4, 4, 3, True))}
+
+# Tiles of the MMA kernels swept by --sweep many at each token count from 17 to 1024, where experts see several rows
+# (choose_tiles: 16 rows up to 16 rows per active expert, then 32 up to 48; 64 columns, 4 groups, 4 warps, 3 stages)
+MANY_SWEEP = mma_tile_table((
+    (16, 64, 4, 4, 3, False), (32, 64, 4, 4, 3, False), (64, 64, 4, 4, 3, False), (32, 128, 4, 4, 3, False),
+    (32, 128, 4, 8, 3, False), (64, 128, 4, 8, 3, False), (32, 64, 8, 4, 3, False), (32, 64, 2, 4, 3, False),
+    (32, 64, 4, 4, 2, False), (32, 64, 4, 4, 4, False), (32, 64, 4, 4, 3, True), (32, 128, 4, 8, 3, True),
+    (64, 128, 4, 8, 3, True), (16, 64, 4, 4, 3, True)))
+
+# Prefill tiles (64+ rows per active expert), swept by --sweep many above 1024 tokens
+PREFILL_SWEEP = mma_tile_table((
+    (64, 64, 4, 4, 3, False), (64, 64, 4, 4, 3, True), (64, 128, 4, 4, 3, True), (64, 128, 4, 8, 3, True),
+    (64, 128, 4, 8, 3, False), (128, 64, 4, 4, 3, False), (128, 64, 4, 8, 3, False), (128, 128, 4, 8, 3, False),
+    (128, 128, 4, 8, 3, True), (64, 64, 8, 4, 3, False), (64, 64, 4, 4, 4, False), (64, 64, 4, 8, 3, False),
+    (64, 64, 8, 4, 3, True), (128, 64, 4, 4, 3, True)))
 
 
 # (block_n, max_groups, split_k) of the split-K tiles swept at 1 token (4 warps, 3 stages)

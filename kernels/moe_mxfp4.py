@@ -69,6 +69,7 @@ class Tiles:
 # per expert) took 217.5 us against 268.4 with the rows as A; every other tile of the sweep was slower than these
 # two (NOTES_moe.md). tests/gpu/test_mxfp4_gpu.py::test_many_row_tiles checks them against the reference.
 WEIGHTS_AS_A_32_ROWS = True
+
 # Whether calls of more rows per active expert (prefill) take 128-column tiles with the weights as the MMA's A
 # operand: 64 rows up to 128 rows per expert, then 128 rows at 8 warps; else 64 x 64 tiles with the rows as A. On an
 # H100 (moe.py --sweep many, 8192 tokens; NOTES_moe.md) the medium layer took 2844 / 2607 us with the 64- / 128-row
@@ -76,6 +77,7 @@ WEIGHTS_AS_A_32_ROWS = True
 # tests/gpu/test_mxfp4_gpu.py::test_wide_prefill_tiles passes on a GPU (their interpret-mode tests pass; the device
 # time of the session that measured them ran out first).
 WIDE_PREFILL_TILES = False
+
 # Layer calls of at most this many token-expert pairs take split-K tiles (64 columns x 4 groups x 8 K splits,
 # `choose_tiles`). On the H200 (benchmarks/moe.py --sweep split_k, 2026-12-01) the medium layer at 1 token ran
 # 42.6 us with split-K tiles against 52.1 us for the 16-row tiles without splits;
