@@ -369,19 +369,24 @@ def _moe_layer_shapes(n_experts: int, top_k: int, hidden: int, inter: int, n_tok
 
 def moe_mxfp4_cases() -> dict:
     """The MXFP4 (and pre-converted FP8) grouped matmuls at the medium hybrid's layer (64 experts, top-6, 2048 x 768)
-    at 1 token (split-K tiles) and 16 tokens, and at the DeepSeek-size layer (256 experts, top-8, 7168 x 2048) at
-    16 tokens, with `choose_tiles`' tiles."""
+    at 1 token (split-K tiles), 16 and 256 tokens (32 rows per tile, the weights as the MMA's A operand), and 4096
+    tokens with the wide prefill tiles (`WIDE_PREFILL_TILES`), and at the DeepSeek-size layer (256 experts, top-8,
+    7168 x 2048) at 16 tokens, with `choose_tiles`' tiles."""
     from dayzero.kernels import moe_mxfp4, mxfp4
 
+    wide = moe_mxfp4.Tiles(block_m=128, block_n=128, max_groups=4, num_warps=8, num_stages=3, weights_as_a=True)
     cases = {}
-    for label, (n_experts, top_k, hidden, inter), n_tokens, fmt in (
-            ("medium", (64, 6, 2048, 768), 1, "mxfp4"), ("medium", (64, 6, 2048, 768), 16, "mxfp4"),
-            ("medium", (64, 6, 2048, 768), 16, "float8_e4m3fn"), ("deepseek", (256, 8, 7168, 2048), 16, "mxfp4")):
+    for label, (n_experts, top_k, hidden, inter), n_tokens, fmt, tiles in (
+            ("medium", (64, 6, 2048, 768), 1, "mxfp4", None), ("medium", (64, 6, 2048, 768), 16, "mxfp4", None),
+            ("medium", (64, 6, 2048, 768), 16, "float8_e4m3fn", None),
+            ("medium", (64, 6, 2048, 768), 256, "mxfp4", None),
+            ("medium wide", (64, 6, 2048, 768), 4096, "mxfp4", wide),
+            ("deepseek", (256, 8, 7168, 2048), 16, "mxfp4", None)):
 
-        def fn(x, ids, w, g, u, d, gs, us, ds, fmt=fmt, n_experts=n_experts):
+        def fn(x, ids, w, g, u, d, gs, us, ds, fmt=fmt, n_experts=n_experts, tiles=tiles):
             ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds, fmt=fmt)  # the MMA kernels even where decode takes moe_gemv
             return moe_mxfp4.grouped_swiglu(x, ids, w, ew, n_experts=n_experts,
-                                            tiles=moe_mxfp4.choose_tiles(ids.size, n_experts))
+                                            tiles=tiles or moe_mxfp4.choose_tiles(ids.size, n_experts))
 
         cases[f"{label} {fmt} T{n_tokens}"] = (fn, _moe_layer_shapes(n_experts, top_k, hidden, inter, n_tokens, fmt))
     return cases
