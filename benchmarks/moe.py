@@ -479,12 +479,14 @@ def mma_tile_table(specs) -> dict:
 
 
 # Tiles of the MMA kernels swept by --sweep many at each token count from 17 to 1024, where experts see several rows
-# (choose_tiles: 16 rows up to 16 rows per active expert, then 32 up to 48; 64 columns, 4 groups, 4 warps, 3 stages)
+# (choose_tiles: 16 rows up to 16 rows per active expert, then 32 up to 48; 64 columns, 4 groups, 4 warps, 3 stages;
+# the last four: 16-row tiles for 4-16 rows per expert, e.g. the DeepSeek-size layer at 256 tokens, 8 rows)
 MANY_SWEEP = mma_tile_table((
     (16, 64, 4, 4, 3, False), (32, 64, 4, 4, 3, False), (64, 64, 4, 4, 3, False), (32, 128, 4, 4, 3, False),
     (32, 128, 4, 8, 3, False), (64, 128, 4, 8, 3, False), (32, 64, 8, 4, 3, False), (32, 64, 2, 4, 3, False),
     (32, 64, 4, 4, 2, False), (32, 64, 4, 4, 4, False), (32, 64, 4, 4, 3, True), (32, 128, 4, 8, 3, True),
-    (64, 128, 4, 8, 3, True), (16, 64, 4, 4, 3, True)))
+    (64, 128, 4, 8, 3, True), (16, 64, 4, 4, 3, True), (16, 128, 4, 4, 3, True), (16, 128, 4, 8, 3, True),
+    (16, 128, 4, 4, 3, False), (16, 64, 8, 4, 3, False)))
 
 # Prefill tiles (64+ rows per active expert), swept by --sweep many above 1024 tokens
 PREFILL_SWEEP = mma_tile_table((
