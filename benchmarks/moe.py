@@ -42,7 +42,8 @@ what the read roofline gives. Beside the measured bf16 ragged_dot (which XLA may
 `decode16` at 16 tokens, with `many` over MANY_SWEEP at each token count from 17 to 1024 (PREFILL_SWEEP above);
 `gemv`: the CUDA-core kernels over GEMV_SWEEP's tiles at each token count up to 64; `dense`: the bf16 dense-expert
 kernels over DENSE_SWEEP's tiles at each token count up to 16 (GPU time); `dense16`: the same at 16 tokens over
-the epilogue tiles of DENSE16_SWEEP; `mlp`: the one-kernel MLP (DenseTiles.fused_mlp) over MLP_SWEEP's tiles likewise, and choose_tiles' own with the down kernel's atomic combine.
+the epilogue tiles of DENSE16_SWEEP; `mlp`: the one-kernel MLP (DenseTiles.fused_mlp) over MLP_SWEEP's tiles
+likewise, and choose_tiles' own with the down kernel's atomic combine.
 """
 
 from __future__ import annotations
@@ -406,13 +407,12 @@ def dense_sweep(layer, name, n_tokens: int, impl, table: dict | None = None, sha
     return out
 
 
-def sweep(layer, name, impl, which: str = "all", n_tokens: int | None = None) -> dict:
-    """The fused kernel over a few tile configurations: at 1 token ("all", or "split_k": the split-K tiles and
-    choose_tiles' own), at 16 tokens ("decode16": choose_tiles' own against DECODE16_SWEEP), or at `n_tokens`
-    ("many": choose_tiles' own against MANY_SWEEP, or PREFILL_SWEEP above 1024 tokens)."""
+def sweep(layer, name, impl, which: str, n_tokens: int) -> dict:
+    """The fused kernel over a few tile configurations at `n_tokens`: "all" (1 token) every tile, "split_k" (1 token)
+    the split-K tiles and choose_tiles' own, "decode16" (16 tokens) choose_tiles' own against DECODE16_SWEEP, "many"
+    choose_tiles' own against MANY_SWEEP, or PREFILL_SWEEP above 1024 tokens."""
     n_experts, top_k, hidden, _ = SHAPES[name]
     ew = layer[0]
-    n_tokens = n_tokens or (16 if which == "decode16" else 1)
     ids, w = routing(jax.random.key(1), n_tokens, n_experts, top_k)
     x = jax.random.normal(jax.random.key(1), (n_tokens, hidden), jnp.bfloat16)
     out = {}

@@ -374,7 +374,7 @@ def moe_mxfp4_cases() -> dict:
     7168 x 2048) at 16 tokens, with `choose_tiles`' tiles."""
     from dayzero.kernels import moe_mxfp4, mxfp4
 
-    wide = moe_mxfp4.Tiles(block_m=128, block_n=128, max_groups=4, num_warps=8, num_stages=3, weights_as_a=True)
+    wide = moe_mxfp4.prefill_tiles(4096 * 6 / 64, wide=True)  # the medium layer's 384 rows per expert
     cases = {}
     for label, (n_experts, top_k, hidden, inter), n_tokens, fmt, tiles in (
             ("medium", (64, 6, 2048, 768), 1, "mxfp4", None), ("medium", (64, 6, 2048, 768), 16, "mxfp4", None),

@@ -99,7 +99,14 @@ def choose_tiles(n_pairs: int, n_experts: int) -> Tiles:
         return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3, prefetch_scales=True)
     if rows <= 48:  # the weights as the MMA's A operand: its M is the tile's 64 columns (one wgmma warpgroup)
         return Tiles(block_m=32, block_n=64, max_groups=4, num_stages=3, weights_as_a=WEIGHTS_AS_A_32_ROWS)
-    if not WIDE_PREFILL_TILES:
+    return prefill_tiles(rows, WIDE_PREFILL_TILES)
+
+
+def prefill_tiles(rows: float, wide: bool) -> Tiles:
+    """`choose_tiles`' tiles above 48 rows per active expert (`rows`): 64 x 64 with the rows as the MMA's A operand,
+    or with `wide` (`WIDE_PREFILL_TILES`) 128 columns with the weights as A, 64 rows up to 128 rows per expert, then
+    128 rows at 8 warps."""
+    if not wide:
         return Tiles(block_m=64, block_n=64, max_groups=4, num_stages=3)
     if rows <= 128:
         return Tiles(block_m=64, block_n=128, max_groups=4, num_warps=4, num_stages=3, weights_as_a=True)
