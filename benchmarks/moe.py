@@ -162,7 +162,7 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
         lambda x, d: moe_dense.grouped_swiglu(x, ids, w, *d, tiles=fused_tiles, interpret=impl == "interpret"), dense))
     timed("fp8", "fp8", lambda: plain(lambda x, e: moe.moe_experts_packed(x, ids, w, e, impl=impl)[0], ew8))
     timed("fused", "fused", lambda: plain(lambda x, e: moe.moe_experts_packed(x, ids, w, e, impl=impl)[0], ew))
-    mma_tiles = moe_mxfp4.choose_tiles(ids.size, n_experts)
+    mma_tiles = moe_mxfp4.choose_tiles(ids.size, n_experts, hidden)
     gemv_tiles = moe_mxfp4_gemv.tiles_for(ids.size, n_experts)
     layers = {"mma": lambda x, e: moe.moe_experts_packed(x, ids, w, e, tiles=mma_tiles, impl=impl)[0],
               "gemv": lambda x, e: moe_mxfp4_gemv.grouped_swiglu(x, ids, w, e, tiles=gemv_tiles,
@@ -189,7 +189,7 @@ def bench_case(name, n_tokens, layer, impl, extras: bool, bandwidth: float, vari
     if extras:
         timed("resident", "resident", lambda: staged(True))
     if n_tokens <= 16 and "kernels" in variants:  # the two fused kernels alone (schedule and activations prepared outside the loop)
-        tiles = moe_mxfp4.choose_tiles(ids.size, n_experts)
+        tiles = moe_mxfp4.choose_tiles(ids.size, n_experts, hidden)
         plan = moe_mxfp4.plan(x, ids, ew, None, n_experts, tiles)
         # split-K tiles: the kernels and their partial sums per pair (expert_rows would add a scatter into rows that
         # the layer does not run)
@@ -423,7 +423,8 @@ def sweep(layer, name, impl, which: str, n_tokens: int) -> dict:
         return round(t * 1e6, 2)
 
     if which in ("split_k", "decode16", "many"):
-        out["choose_tiles"] = time_tiles(moe_mxfp4.choose_tiles(ids.size, n_experts))  # the MMA kernels' own tiles
+        # the MMA kernels' own tiles
+        out["choose_tiles"] = time_tiles(moe_mxfp4.choose_tiles(ids.size, n_experts, hidden))
     if which in ("decode16", "many"):
         table = DECODE16_SWEEP if which == "decode16" else MANY_SWEEP if n_tokens <= 1024 else PREFILL_SWEEP
         for label, tiles in table.items():

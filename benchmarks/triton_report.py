@@ -385,8 +385,8 @@ def moe_mxfp4_cases() -> dict:
 
         def fn(x, ids, w, g, u, d, gs, us, ds, fmt=fmt, n_experts=n_experts, tiles=tiles):
             ew = mxfp4.ExpertWeights(g, u, d, gs, us, ds, fmt=fmt)  # the MMA kernels even where decode takes moe_gemv
-            return moe_mxfp4.grouped_swiglu(x, ids, w, ew, n_experts=n_experts,
-                                            tiles=tiles or moe_mxfp4.choose_tiles(ids.size, n_experts))
+            tiles = tiles or moe_mxfp4.choose_tiles(ids.size, n_experts, x.shape[-1], fmt)
+            return moe_mxfp4.grouped_swiglu(x, ids, w, ew, n_experts=n_experts, tiles=tiles)
 
         cases[f"{label} {fmt} T{n_tokens}"] = (fn, _moe_layer_shapes(n_experts, top_k, hidden, inter, n_tokens, fmt))
     return cases

@@ -73,10 +73,19 @@ WEIGHTS_AS_A_32_ROWS = True
 # Whether calls of more rows per active expert (prefill) take 128-column tiles with the weights as the MMA's A
 # operand: 64 rows up to 128 rows per expert, then 128 rows at 8 warps; else 64 x 64 tiles with the rows as A. On an
 # H100 (moe.py --sweep many, 8192 tokens; NOTES_moe.md) the medium layer took 2844 / 2607 us with the 64- / 128-row
-# wide tiles against 3429, the DeepSeek-size layer 31255 / 30038 against 39197. Off until
-# tests/gpu/test_mxfp4_gpu.py::test_wide_prefill_tiles passes on a GPU (their interpret-mode tests pass; the device
-# time of the session that measured them ran out first).
-WIDE_PREFILL_TILES = False
+# wide tiles against 3429, the DeepSeek-size layer 31255 / 30038 against 39197; serving.py's TTFT (one H100, same
+# machine, fiftieth session) 32.0 -> 29.7 ms at 2K and 1913 -> 1856 ms at 32K.
+# tests/gpu/test_mxfp4_gpu.py::test_wide_prefill_tiles passed on the H100 (2026-12-06).
+WIDE_PREFILL_TILES = True
+
+# Calls of at most 16 rows per active expert (not split-K) into packed MXFP4 experts of at least this hidden size walk
+# K in steps of 8 blocks of 32 instead of 4. On an H100 (moe.py --sweep decode16 / many, fiftieth session) the
+# DeepSeek-size layer (hidden 7168) took 1760 against 1886 us at 16 tokens, 4270 against 4734 at 128 and 4354 against
+# 4838 at 256 (8 rows per expert; 44.9% of read bandwidth from 40.8); the medium layer (hidden 2048) was as fast or
+# slower with 8 (172 against 166 us at 64 tokens), so it keeps 4. FP8 experts (the workspace) keep 4: with 8 blocks
+# and the scales one step ahead, tests/gpu/test_mxfp4_gpu.py gave garbage for the DeepSeek-size FP8 layer at 37
+# tokens on the H100 (relative error 32; the MXFP4 layer at 64 and 256 tokens passed; interpret mode is exact).
+LONG_K_MIN_HIDDEN = 4096
 
 # Layer calls of at most this many token-expert pairs take split-K tiles (64 columns x 4 groups x 8 K splits,
 # `choose_tiles`). On the H200 (benchmarks/moe.py --sweep split_k, 2026-12-01) the medium layer at 1 token ran
@@ -86,17 +95,19 @@ WIDE_PREFILL_TILES = False
 SPLIT_K_MAX_PAIRS = 8
 
 
-def choose_tiles(n_pairs: int, n_experts: int) -> Tiles:
+def choose_tiles(n_pairs: int, n_experts: int, hidden: int = 0, fmt: str = "mxfp4") -> Tiles:
     """Tiles for a layer call of `n_pairs` token-expert pairs: 16-row tiles for decode-sized batches (the weights
     are read once per tile; fewer wasted rows), 64-row tiles once experts see many tokens (prefill). Decode tiles
     (split-K at one token, 16 rows) load each K step's scales one step ahead: on the H200 (benchmarks/moe.py
     --sweep, 2026-12-01, sixth session) one token took 38.5 / 183 us (medium / DeepSeek-size layer) against 44.4 /
-    196 us for the best tiles without it, 16 tokens 146.6 / 1669 us against 170.5 / 1710."""
+    196 us for the best tiles without it, 16 tokens 146.6 / 1669 us against 170.5 / 1710. `hidden` (the experts'
+    input width) and `fmt` (their format) set the 16-row tiles' K step (`LONG_K_MIN_HIDDEN`)."""
     rows = n_pairs / max(1, min(n_experts, n_pairs))
     if n_pairs <= SPLIT_K_MAX_PAIRS:  # one token's experts: split K so enough programs stream the weights
         return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3, split_k=8, prefetch_scales=True)
     if rows <= 16:
-        return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3, prefetch_scales=True)
+        groups = 8 if fmt == "mxfp4" and hidden >= LONG_K_MIN_HIDDEN else 4
+        return Tiles(block_m=16, block_n=64, max_groups=groups, num_stages=3, prefetch_scales=True)
     if rows <= 48:  # the weights as the MMA's A operand: its M is the tile's 64 columns (one wgmma warpgroup)
         return Tiles(block_m=32, block_n=64, max_groups=4, num_stages=3, weights_as_a=WEIGHTS_AS_A_32_ROWS)
     return prefill_tiles(rows, WIDE_PREFILL_TILES)
@@ -473,7 +484,7 @@ def grouped_swiglu(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, e
     if shared is not None or residual_sums is not None:
         raise ValueError("a shared MLP and residual rows fold into the MXFP4 decode kernels only (GemvTiles), not "
                          "the MMA kernels")
-    tiles = tiles or choose_tiles(topk_ids.size, n_experts)
+    tiles = tiles or choose_tiles(topk_ids.size, n_experts, x.shape[-1], ew.fmt)
     p = plan(x, topk_ids, ew, slot_of_expert, n_experts, tiles)
     if _split_k(ew, tiles):
         pairs = expert_pairs(p, ew, x.dtype, tiles, interpret).reshape(*topk_ids.shape, -1)

@@ -64,11 +64,14 @@ def test_offline_converted_matches_oracle(seed, fmt, tol):
 
 
 def test_choose_tiles_by_rows_per_expert(monkeypatch):
-    """16-row tiles (split-K for one token's experts) up to 16 rows per active expert, 32 rows with the weights as the
-    MMA's A operand up to 48, then 64 x 64 tiles, or with `WIDE_PREFILL_TILES` 128-column tiles with the weights as
-    A: 64 rows up to 128, then 128 rows."""
+    """16-row tiles (split-K for one token's experts; 8 blocks per K step from `LONG_K_MIN_HIDDEN`) up to 16 rows per
+    active expert, 32 rows with the weights as the MMA's A operand up to 48, then 64 x 64 tiles, or with
+    `WIDE_PREFILL_TILES` 128-column tiles with the weights as A: 64 rows up to 128, then 128 rows."""
     assert moe_mxfp4.choose_tiles(6, 64).split_k > 1
     assert moe_mxfp4.choose_tiles(64 * 6, 64).block_m == 16  # 6 rows per expert
+    groups = [moe_mxfp4.choose_tiles(64 * 6, 64, hidden, fmt).max_groups
+              for hidden, fmt in ((2048, "mxfp4"), (7168, "mxfp4"), (7168, "float8_e4m3fn"))]
+    assert groups == [4, 8, 4]  # longer K steps for wide MXFP4 experts (`LONG_K_MIN_HIDDEN`)
     many = moe_mxfp4.choose_tiles(256 * 6, 64)  # 24 rows per expert
     assert many.block_m == 32 and many.weights_as_a is moe_mxfp4.WEIGHTS_AS_A_32_ROWS
     shape = lambda t: (t.block_m, t.block_n, t.weights_as_a)  # noqa: E731

@@ -116,6 +116,7 @@ DECODE_VARIANTS = {  # benchmarks/moe.py --sweep split_k,decode16 times these
     "bn64_g8_w4": moe_mxfp4.Tiles(16, 64, 8, 4, 3),
     "a_bn64_g4_w4_s8": moe_mxfp4.Tiles(16, 64, 4, 4, 3, split_k=8, weights_as_a=True),
     "bn64_g4_w4_pf": moe_mxfp4.Tiles(16, 64, 4, 4, 3, prefetch_scales=True),
+    "bn64_g8_w4_pf": moe_mxfp4.Tiles(16, 64, 8, 4, 3, prefetch_scales=True),  # wide experts' (LONG_K_MIN_HIDDEN)
     "bn32_g4_w4_s8_pf": moe_mxfp4.Tiles(16, 32, 4, 4, 3, split_k=8, prefetch_scales=True),
     "bn16_g4_w1_pf": moe_mxfp4.Tiles(16, 16, 4, 1, 3, prefetch_scales=True),
 }
@@ -128,6 +129,18 @@ def test_decode_tile_variants(seed, name, shape, n_tokens, fmt):
     """Decode tile variants (the weights as the MMA's A operand, wider K steps, scales loaded a step ahead) against
     the reference."""
     _check_tiles(seed, shape, n_tokens, fmt, DECODE_VARIANTS[name], name)
+
+
+@pytest.mark.parametrize("n_tokens, fmt", [(64, "mxfp4"), (256, "mxfp4"), (37, "float8_e4m3fn")])
+def test_long_k_tiles(seed, n_tokens, fmt):
+    """`choose_tiles`' 16-row tiles for MXFP4 experts of hidden size >= `LONG_K_MIN_HIDDEN` (8 blocks per K step,
+    scales one step ahead; FP8 experts keep 4) on the DeepSeek-size layer, 1-8 rows per active expert, against the
+    reference."""
+    shape = (256, 8, 7168, 2048)
+    tiles = moe_mxfp4.choose_tiles(n_tokens * shape[1], shape[0], shape[2], fmt)
+    groups = 8 if fmt == "mxfp4" else 4
+    assert (tiles.block_m, tiles.max_groups, tiles.split_k, tiles.prefetch_scales) == (16, groups, 1, True)
+    _check_tiles(seed, shape, n_tokens, fmt, tiles, f"16 rows, {groups} groups")
 
 
 @pytest.mark.parametrize("shape, n_tokens, fmt", [((64, 6, 2048, 768), 256, "mxfp4"),
