@@ -116,7 +116,7 @@ DECODE_VARIANTS = {  # benchmarks/moe.py --sweep split_k,decode16 times these
     "bn64_g8_w4": moe_mxfp4.Tiles(16, 64, 8, 4, 3),
     "a_bn64_g4_w4_s8": moe_mxfp4.Tiles(16, 64, 4, 4, 3, split_k=8, weights_as_a=True),
     "bn64_g4_w4_pf": moe_mxfp4.Tiles(16, 64, 4, 4, 3, prefetch_scales=True),
-    "bn64_g8_w4_pf": moe_mxfp4.Tiles(16, 64, 8, 4, 3, prefetch_scales=True),  # wide experts' (LONG_K_MIN_HIDDEN)
+    "bn64_g8_w4_pf": moe_mxfp4.Tiles(16, 64, 8, 4, 3, prefetch_scales=True),  # choose_tiles' for wide MXFP4 experts
     "bn32_g4_w4_s8_pf": moe_mxfp4.Tiles(16, 32, 4, 4, 3, split_k=8, prefetch_scales=True),
     "bn16_g4_w1_pf": moe_mxfp4.Tiles(16, 16, 4, 1, 3, prefetch_scales=True),
 }
