@@ -97,11 +97,12 @@ SPLIT_K_MAX_PAIRS = 8
 
 def choose_tiles(n_pairs: int, n_experts: int, hidden: int = 0, fmt: str = "mxfp4") -> Tiles:
     """Tiles for a layer call of `n_pairs` token-expert pairs: 16-row tiles for decode-sized batches (the weights
-    are read once per tile; fewer wasted rows), 64-row tiles once experts see many tokens (prefill). Decode tiles
-    (split-K at one token, 16 rows) load each K step's scales one step ahead: on the H200 (benchmarks/moe.py
-    --sweep, 2026-12-01, sixth session) one token took 38.5 / 183 us (medium / DeepSeek-size layer) against 44.4 /
-    196 us for the best tiles without it, 16 tokens 146.6 / 1669 us against 170.5 / 1710. `hidden` (the experts'
-    input width) and `fmt` (their format) set the 16-row tiles' K step (`LONG_K_MIN_HIDDEN`)."""
+    are read once per tile; fewer wasted rows), 32-row tiles up to 48 rows per active expert, then `prefill_tiles`
+    (`WIDE_PREFILL_TILES`). Decode tiles (split-K at one token, 16 rows) load each K step's scales one step ahead:
+    on the H200 (benchmarks/moe.py --sweep, 2026-12-01, sixth session) one token took 38.5 / 183 us (medium /
+    DeepSeek-size layer) against 44.4 / 196 us for the best tiles without it, 16 tokens 146.6 / 1669 us against
+    170.5 / 1710. `hidden` (the experts' input width) and `fmt` (their format) set the 16-row tiles' K step
+    (`LONG_K_MIN_HIDDEN`)."""
     rows = n_pairs / max(1, min(n_experts, n_pairs))
     if n_pairs <= SPLIT_K_MAX_PAIRS:  # one token's experts: split K so enough programs stream the weights
         return Tiles(block_m=16, block_n=64, max_groups=4, num_stages=3, split_k=8, prefetch_scales=True)
