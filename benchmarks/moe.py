@@ -89,7 +89,10 @@ def make_layer(key, n_experts: int, hidden: int, inter: int):
     ew = mxfp4.random_experts(key, n_experts, hidden, inter)
     gb, ub, db, gs, us, ds = ew.gate, ew.up, ew.down, ew.gate_scales, ew.up_scales, ew.down_scales
     fp8 = jax.jit(lambda b, s: jax.lax.map(lambda a: mxfp4.to_workspace(a[0], a[1], "float8_e4m3fn"), (b, s)))
-    ew8 = mxfp4.ExpertWeights(fp8(gb, gs), fp8(ub, us), fp8(db, ds), gs, us, ds, fmt="float8_e4m3fn")
+    # padded where the whole layer in FP8 is a stack the kernels cannot index (the DeepSeek-size layer, 3.76e9 bytes a
+    # projection: tiles.offsets_wrap); before 2026-12-06 its figures came from kernels reading outside the stack
+    ew8 = moe_workspace.clear_of_offset_wrap(
+        mxfp4.ExpertWeights(fp8(gb, gs), fp8(ub, us), fp8(db, ds), gs, us, ds, fmt="float8_e4m3fn"))
     dense = jax.jit(lambda b, s, k: jax.lax.map(lambda a: mxfp4.dequantize(a[0], a[1], jnp.bfloat16)[:, :k].T,
                                                 (b, s)), static_argnums=2)
     bf16 = (dense(gb, gs, hidden), dense(ub, us, hidden), dense(db, ds, inter))

@@ -82,9 +82,9 @@ WIDE_PREFILL_TILES = True
 # K in steps of 8 blocks of 32 instead of 4. On an H100 (moe.py --sweep decode16 / many, fiftieth session) the
 # DeepSeek-size layer (hidden 7168) took 1760 against 1886 us at 16 tokens, 4270 against 4734 at 128 and 4354 against
 # 4838 at 256 (8 rows per expert; 44.9% of read bandwidth from 40.8); the medium layer (hidden 2048) was as fast or
-# slower with 8 (172 against 166 us at 64 tokens), so it keeps 4. FP8 experts (the workspace) keep 4: with 8 blocks
-# and the scales one step ahead, tests/gpu/test_mxfp4_gpu.py gave garbage for the DeepSeek-size FP8 layer at 37
-# tokens on the H100 (relative error 32; the MXFP4 layer at 64 and 256 tokens passed; interpret mode is exact).
+# slower with 8 (172 against 166 us at 64 tokens), so it keeps 4. FP8 experts (the workspace) keep 4, as timed. (The
+# garbage the DeepSeek-size FP8 layer gave on the H100 with 8 blocks, fiftieth session, came from its unpadded
+# 3.76e9-byte stacks, whose int32 offsets wrap at every tile shape: `tiles.offsets_wrap`, fifty-first session.)
 LONG_K_MIN_HIDDEN = 4096
 
 # Layer calls of at most this many token-expert pairs take split-K tiles (64 columns x 4 groups x 8 K splits,

@@ -9,12 +9,13 @@ layer needs (a miss: converted by `fill`). `hits` and `misses` count expert conv
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from . import moe_mxfp4, mxfp4
+from . import moe_mxfp4, mxfp4, tiles as tiling
 from .mxfp4 import ExpertWeights
 
 EMPTY = -1
@@ -54,15 +55,34 @@ def num_slots(n_pairs: int, n_experts: int) -> int:
 
 
 def create(slots: int, hidden: int, intermediate: int, dtype="float8_e4m3fn") -> Workspace:
-    """An empty workspace of `slots` experts of a layer with hidden size `hidden` and expert width `intermediate`."""
+    """An empty workspace of at least `slots` experts of a layer with hidden size `hidden` and expert width
+    `intermediate`. Where `slots` FP8 experts would make a buffer the kernels cannot index (more than 2**31 bytes and
+    at most 2**32: `tiles.offsets_wrap`, e.g. 146-292 slots of the DeepSeek-size layer) it has enough slots to pass
+    2**32 bytes; the extra slots keep more conversions resident."""
     if jnp.dtype(dtype).name not in mxfp4.WORKSPACE_DTYPES:
         raise ValueError(f"workspace dtype {dtype} is not one of {mxfp4.WORKSPACE_DTYPES}")
     gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(intermediate)
     half = mxfp4.BLOCK // 2
+    slots = tiling.entries_clear_of_wrap(slots, ((intermediate, gd, 2, half), (hidden, gi, 2, half)), dtype)
     zeros = lambda *shape: jnp.zeros(shape, dtype)  # noqa: E731
     return Workspace(zeros(slots, intermediate, gd, 2, half), zeros(slots, intermediate, gd, 2, half),
                      zeros(slots, hidden, gi, 2, half), jnp.full((slots,), EMPTY, jnp.int32),
                      jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def clear_of_offset_wrap(ew: ExpertWeights) -> ExpertWeights:
+    """Offline-converted experts `ew` (float8_e4m3fn / bfloat16 entries [X, ...]) as the kernels can index them:
+    unchanged, or, where X entries of a projection make a buffer whose offsets wrap (`tiles.offsets_wrap`: FP8
+    stacks of 2**31-2**32 bytes, e.g. the whole DeepSeek-size layer), every projection padded with zero entries past
+    2**32 bytes. The scales stay indexed by expert, so the padding entries are never read."""
+    if ew.fmt == "mxfp4":
+        raise ValueError("clear_of_offset_wrap takes converted experts (float8_e4m3fn / bfloat16), not packed MXFP4")
+    data = (ew.gate, ew.up, ew.down)
+    count = tiling.entries_clear_of_wrap(data[0].shape[0], tuple(a.shape[1:] for a in data), data[0].dtype)
+    if count == data[0].shape[0]:
+        return ew
+    gate, up, down = (jnp.pad(a, ((0, count - a.shape[0]),) + ((0, 0),) * (a.ndim - 1)) for a in data)
+    return dataclasses.replace(ew, gate=gate, up=up, down=down)
 
 
 def assign(ws: Workspace, layer: int | jax.Array,

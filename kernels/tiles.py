@@ -11,6 +11,7 @@ Every kernel of the package is built through `pallas_call` here (the one place t
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,49 @@ from . import dispatch, grid_dependency
 # against 0.869 without, same call (benchmarks/NOTES_serving.md, thirtieth session); "wait_first" not yet measured.
 PROGRAMMATIC_LAUNCH = "off"
 LAUNCH_ORDERS = ("off", "trigger_first", "wait_first")
+
+# Pallas' Triton lowering (jax 0.10.2 and 0.11.2, `_compute_offsets_from_indices`) computes the element offsets of a
+# load or store in int32 for an operand of at most 2**32 bytes and in int64 above. An operand of 1-byte elements
+# (uint8, float8) with more than 2**31 elements and at most 2**32 bytes therefore wraps: its offsets past 2**31 turn
+# negative and the kernel reads or writes outside the operand. Found on an H100 (2026-12-06): the DeepSeek-size FP8
+# layer (256 experts of 2048 x 7168 bytes a projection, 3.76e9 bytes) gave relative error 32 at every tile shape.
+# `pallas_call` refuses such operands (`OffsetWrapError`); `entries_clear_of_wrap` sizes stacks that avoid them.
+INT32_OFFSET_ELEMENTS = 2**31
+INT64_OFFSET_BYTES = 2**32
+
+
+class OffsetWrapError(ValueError):
+    """A kernel operand whose element offsets would wrap in Pallas' Triton lowering (see `offsets_wrap`)."""
+
+
+def offsets_wrap(shape: tuple[int, ...], dtype) -> bool:
+    """Whether an operand of `shape` and `dtype` is indexed with int32 offsets that wrap in a Triton kernel: more than
+    2**31 elements in at most 2**32 bytes (1-byte elements only)."""
+    size = math.prod(shape)
+    return size > INT32_OFFSET_ELEMENTS and size * jnp.dtype(dtype).itemsize <= INT64_OFFSET_BYTES
+
+
+def entries_clear_of_wrap(n: int, entry_shapes: tuple[tuple[int, ...], ...], dtype) -> int:
+    """The smallest count >= n of entries for stacks [count, *entry_shape] of `dtype` (one per shape in
+    `entry_shapes`) none of which wraps (`offsets_wrap`): n itself, or enough entries to pass 2**32 bytes."""
+    itemsize = jnp.dtype(dtype).itemsize
+    count = n
+    while any(offsets_wrap((count, *shape), dtype) for shape in entry_shapes):
+        count = max(INT64_OFFSET_BYTES // (math.prod(shape) * itemsize) + 1 for shape in entry_shapes
+                    if offsets_wrap((count, *shape), dtype))
+    return count
+
+
+def check_offsets(name: str, arrays) -> None:
+    """Raises `OffsetWrapError` naming kernel `name` and the first array-like leaf of `arrays` (operands or output
+    shapes) whose offsets would wrap."""
+    for i, leaf in enumerate(jax.tree.leaves(arrays)):
+        shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+        if shape is not None and dtype is not None and offsets_wrap(tuple(shape), dtype):
+            raise OffsetWrapError(
+                f"kernel {name}: array {i} {jnp.dtype(dtype).name}{list(shape)} has {math.prod(shape)} elements in "
+                f"<= 2**32 bytes; Pallas' Triton lowering indexes it with int32 offsets that wrap past 2**31. Stack "
+                f"fewer or more entries (tiles.entries_clear_of_wrap), shard it, or run the reference path")
 
 
 def pow2_at_least(n: int, floor: int = 1) -> int:
@@ -83,20 +127,32 @@ def pallas_call(kernel, *, interpret: bool = False, **kwargs):
     in the order it names: XLA launches Triton kernels as programmatic dependents, so once a kernel has let the next one launch, that
     kernel's programs are resident and waiting as it ends, where otherwise they start only then. Every such kernel
     waits before its first load, so a kernel after one that lets it launch early reads finished outputs. Elsewhere
-    (interpret mode, ROCm, vendor plugins) and with "off" the body is the kernel's own."""
+    (interpret mode, ROCm, vendor plugins) and with "off" the body is the kernel's own. Compiled (not interpret
+    mode), the call raises `OffsetWrapError` for an operand or output whose offsets would wrap (`offsets_wrap`)."""
     if PROGRAMMATIC_LAUNCH not in LAUNCH_ORDERS:
         raise ValueError(f"tiles.PROGRAMMATIC_LAUNCH is {PROGRAMMATIC_LAUNCH!r}, not one of {LAUNCH_ORDERS}")
+    kernel_name = getattr(getattr(kernel, "func", kernel), "__name__", "kernel")
     if PROGRAMMATIC_LAUNCH == "off" or not dispatch.grid_dependency_ptx(interpret):
-        return pl.pallas_call(kernel, interpret=interpret, **kwargs)
-    first, second = ((grid_dependency.launch_dependents, grid_dependency.wait) if PROGRAMMATIC_LAUNCH == "trigger_first"
-                     else (grid_dependency.wait, grid_dependency.launch_dependents))
+        call = pl.pallas_call(kernel, interpret=interpret, **kwargs)
+    else:
+        first, second = ((grid_dependency.launch_dependents, grid_dependency.wait)
+                         if PROGRAMMATIC_LAUNCH == "trigger_first"
+                         else (grid_dependency.wait, grid_dependency.launch_dependents))
 
-    def dependent(*refs):
-        second(first(0))
-        kernel(*refs)
+        def dependent(*refs):
+            second(first(0))
+            kernel(*refs)
 
-    dependent.__name__ = getattr(getattr(kernel, "func", kernel), "__name__", "kernel")  # its debug info's name
-    return pl.pallas_call(dependent, interpret=interpret, **kwargs)
+        dependent.__name__ = kernel_name  # its debug info's name
+        call = pl.pallas_call(dependent, interpret=interpret, **kwargs)
+    if interpret:  # interpret mode runs on XLA's own indexing
+        return call
+
+    def checked(*operands):
+        check_offsets(kwargs.get("name") or kernel_name, (operands, kwargs.get("out_shape")))
+        return call(*operands)
+
+    return checked
 
 
 def launch(kernel, kernel_args: dict, operands, *, out_shape, grid: tuple[int, ...], num_warps: int, num_stages: int,

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dayzero.kernels import mxfp4
+from dayzero.kernels import moe_workspace, mxfp4
 
 _quantize = jax.jit(mxfp4.quantize)
 _to_workspace = jax.jit(mxfp4.to_workspace, static_argnums=2)
@@ -28,11 +28,12 @@ def packed_experts(rng, n_experts: int, hidden: int, inter: int, fmt: str = "mxf
 
 
 def converted(ew: mxfp4.ExpertWeights, fmt: str) -> mxfp4.ExpertWeights:
-    """The same experts converted offline to a workspace format."""
+    """The same experts converted offline to a workspace format (padded where the kernels need it:
+    `moe_workspace.clear_of_offset_wrap`)."""
     data = [_to_workspace(b, s, fmt) for b, s in ((ew.gate, ew.gate_scales), (ew.up, ew.up_scales),
                                                        (ew.down, ew.down_scales))]
     scales = (ew.gate_scales, ew.up_scales, ew.down_scales) if fmt == "float8_e4m3fn" else (None, None, None)
-    return mxfp4.ExpertWeights(*data, *scales, fmt=fmt)
+    return moe_workspace.clear_of_offset_wrap(mxfp4.ExpertWeights(*data, *scales, fmt=fmt))
 
 
 def routing(rng, kind: str, n_tokens: int, n_experts: int, top_k: int = 2):

@@ -135,7 +135,7 @@ def test_decode_tile_variants(seed, name, shape, n_tokens, fmt):
 def test_long_k_tiles(seed, n_tokens, fmt):
     """`choose_tiles`' 16-row tiles for MXFP4 experts of hidden size >= `LONG_K_MIN_HIDDEN` (8 blocks per K step,
     scales one step ahead; FP8 experts keep 4) on the DeepSeek-size layer, 1-8 rows per active expert, against the
-    reference."""
+    reference (the FP8 experts padded clear of int32 offset wrap by `converted`)."""
     shape = (256, 8, 7168, 2048)
     tiles = moe_mxfp4.choose_tiles(n_tokens * shape[1], shape[0], shape[2], fmt)
     groups = 8 if fmt == "mxfp4" else 4
@@ -279,6 +279,30 @@ def test_workspace_through_layers(seed, dtype):
         want, _ = _reference(x.astype(jnp.float32), ids, w, layers[layer])
         assert rel_err(got, want) < tol, f"layer {layer}: {rel_err(got, want):.2e} (seed={seed})"
     assert (int(ws.hits), int(ws.misses)) == (64, 128)
+
+
+def test_deepseek_workspace_past_2gib(seed):
+    """The DeepSeek-size layer through the FP8 workspace with every expert active: 256 slots of 14.7 MB a
+    projection would be 3.76e9 bytes, whose int32 offsets wrap in the Triton lowering (`tiles.offsets_wrap`);
+    `moe_workspace.create` gives 293 slots instead. Against the reference."""
+    key = jax.random.key(seed)
+    ew = mxfp4.random_experts(key, 256, 7168, 2048)
+    ids, w = _device_routing(jax.random.fold_in(key, 1), 40, 256, 8)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (40, 7168), jnp.bfloat16)
+    ws = moe_workspace.create(moe_workspace.num_slots(ids.size, 256), 7168, 2048)
+    assert ws.num_slots == 293
+    got, ws = _packed(x, ids, w, ew, workspace=ws, impl="pallas")
+    want, _ = _reference(x.astype(jnp.float32), ids, w, ew)
+    assert rel_err(got, want) < 2e-2, f"{rel_err(got, want):.2e} (seed={seed})"
+
+
+@pytest.mark.parametrize("groups", [4, 8])
+def test_offline_fp8_deepseek_padded(seed, groups):
+    """The DeepSeek-size layer pre-converted to FP8 (`converted` pads it past 2**32 bytes a projection:
+    `moe_workspace.clear_of_offset_wrap`) with 16-row tiles of 4 and 8 blocks per K step; unpadded, every tile
+    shape gave relative error 32 on an H100 (2026-12-06)."""
+    tiles = moe_mxfp4.Tiles(16, 64, groups, 4, 3, prefetch_scales=True)
+    _check_tiles(seed, (256, 8, 7168, 2048), 37, "float8_e4m3fn", tiles, f"padded FP8, {groups} groups")
 
 
 def test_small_shapes_against_float64_oracle(seed):
