@@ -124,11 +124,12 @@ def mm_nt(a: jax.Array, b: jax.Array) -> jax.Array:
 def pallas_call(kernel, *, interpret: bool = False, **kwargs):
     """`pl.pallas_call` for dayzero's kernels. Compiled for an sm_90+ NVIDIA GPU (`dispatch.grid_dependency_ptx`)
     with `PROGRAMMATIC_LAUNCH` other than "off", the kernel body starts with the two `grid_dependency` instructions
-    in the order it names: XLA launches Triton kernels as programmatic dependents, so once a kernel has let the next one launch, that
-    kernel's programs are resident and waiting as it ends, where otherwise they start only then. Every such kernel
-    waits before its first load, so a kernel after one that lets it launch early reads finished outputs. Elsewhere
-    (interpret mode, ROCm, vendor plugins) and with "off" the body is the kernel's own. Compiled (not interpret
-    mode), the call raises `OffsetWrapError` for an operand or output whose offsets would wrap (`offsets_wrap`)."""
+    in the order it names: XLA launches Triton kernels as programmatic dependents, so once a kernel has let the next
+    one launch, that kernel's programs are resident and waiting as it ends, where otherwise they start only then.
+    Every such kernel waits before its first load, so a kernel after one that lets it launch early reads finished
+    outputs. Elsewhere (interpret mode, ROCm, vendor plugins) and with "off" the body is the kernel's own. Compiled
+    (not interpret mode), the call raises `OffsetWrapError` for an operand or output whose offsets would wrap
+    (`offsets_wrap`)."""
     if PROGRAMMATIC_LAUNCH not in LAUNCH_ORDERS:
         raise ValueError(f"tiles.PROGRAMMATIC_LAUNCH is {PROGRAMMATIC_LAUNCH!r}, not one of {LAUNCH_ORDERS}")
     kernel_name = getattr(getattr(kernel, "func", kernel), "__name__", "kernel")
