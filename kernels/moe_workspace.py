@@ -57,7 +57,7 @@ def num_slots(n_pairs: int, n_experts: int) -> int:
 def create(slots: int, hidden: int, intermediate: int, dtype="float8_e4m3fn") -> Workspace:
     """An empty workspace of at least `slots` experts of a layer with hidden size `hidden` and expert width
     `intermediate`. Where `slots` FP8 experts would make a buffer the kernels cannot index (more than 2**31 bytes and
-    at most 2**32: `tiles.offsets_wrap`, e.g. 146-292 slots of the DeepSeek-size layer) it has enough slots to pass
+    at most 2**32: `tiles.offsets_wrap`, e.g. 147-292 slots of the DeepSeek-size layer) it has enough slots to pass
     2**32 bytes; the extra slots keep more conversions resident."""
     if jnp.dtype(dtype).name not in mxfp4.WORKSPACE_DTYPES:
         raise ValueError(f"workspace dtype {dtype} is not one of {mxfp4.WORKSPACE_DTYPES}")
