@@ -12,8 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import (dispatch, moe_dense, moe_grouped, moe_mxfp4, moe_mxfp4_gemv, moe_tiles, moe_workspace, mxfp4,
-               tiles as tiling)
+from . import dispatch, moe_dense, moe_grouped, moe_mxfp4, moe_mxfp4_gemv, moe_tiles, moe_workspace, tiles as tiling
 from .moe_mxfp4 import Tiles
 from .moe_workspace import Workspace
 from .mxfp4 import ExpertWeights
@@ -105,19 +104,16 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_ga
 
 
 def packed_decode_tiles(n_pairs: int, n_experts: int, fmt: str, workspace: Workspace | None,
-                        impl: str | None = None, hidden: int = 0,
-                        intermediate: int = 0) -> moe_mxfp4_gemv.GemvTiles | None:
+                        impl: str | None = None, experts=None) -> moe_mxfp4_gemv.GemvTiles | None:
     """The MXFP4 decode kernels' tiles (`moe_mxfp4_gemv.choose`) where `moe_experts_packed` runs them for a call of
     `n_pairs` token-expert pairs over experts of format `fmt`: packed MXFP4, no workspace, a kernel platform, and
-    (with the experts' `hidden` and `intermediate` sizes given) packed stacks the kernels can index
-    (`kernels_index`); else None. A caller that makes their schedule or packed activations ahead
-    (`moe_experts_packed(sched=, x_words=)`) asks this first."""
+    (with `experts` given: their arrays, or shape structs of them) stacks the kernels can index (`kernels_index`);
+    else None. A caller that makes their schedule or packed activations ahead (`moe_experts_packed(sched=,
+    x_words=)`) asks this first."""
     kind = dispatch.choose("moe_mxfp4", ("reference", "pallas"), impl, gpu_verified=PACKED_GPU_VERIFIED)
     if kind == "reference" or fmt != "mxfp4" or workspace is not None:
         return None
-    stacks = ((n_experts, intermediate, mxfp4.num_blocks(hidden), mxfp4.BLOCK // 2),
-              (n_experts, hidden, mxfp4.num_blocks(intermediate), mxfp4.BLOCK // 2))
-    if kind == "pallas" and impl != "pallas" and any(tiling.offsets_wrap(s, jnp.uint8) for s in stacks):
+    if kind == "pallas" and impl != "pallas" and not kernels_index(experts):
         return None
     return moe_mxfp4_gemv.choose(n_pairs, n_experts, fmt)
 
@@ -170,15 +166,13 @@ def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
     return y, workspace
 
 
-def kernels_index(experts: ExpertWeights, workspace: Workspace | None = None) -> bool:
-    """Whether the compiled MoE kernels can index every array of `experts` and `workspace` (none has offsets that
-    wrap in Pallas' Triton lowering, `tiles.offsets_wrap`: e.g. the DeepSeek-size layer's 256 experts pre-converted
-    to FP8 unpadded, or one device holding a Kimi-K2-size layer's 384 packed MXFP4 experts). Where not, a call
-    that was not asked for the kernels (impl="pallas") runs the reference path."""
-    arrays = [experts.gate, experts.up, experts.down, experts.gate_scales, experts.up_scales, experts.down_scales]
-    if workspace is not None:
-        arrays += [workspace.gate, workspace.up, workspace.down]
-    return not any(a is not None and tiling.offsets_wrap(a.shape, a.dtype) for a in arrays)
+def kernels_index(experts, workspace: Workspace | None = None) -> bool:
+    """Whether the compiled MoE kernels can index every array of `experts` (an `ExpertWeights`, or any pytree of
+    arrays or shape structs) and `workspace`: none has offsets that wrap in Pallas' Triton lowering
+    (`tiles.offsets_wrap`; e.g. the DeepSeek-size layer's 256 experts pre-converted to FP8 unpadded, or one device
+    holding a Kimi-K2-size layer's 384 packed MXFP4 experts). Where not, a call that was not asked for the kernels
+    (impl="pallas") runs the reference path."""
+    return tiling.first_wrapping((experts, workspace)) is None
 
 
 def _packed_reference(x, topk_ids, topk_weights, ew: ExpertWeights, slot_of_expert, n_experts):

@@ -60,16 +60,26 @@ def entries_clear_of_wrap(n: int, entry_shapes: tuple[tuple[int, ...], ...], dty
     return count
 
 
-def check_offsets(name: str, arrays) -> None:
-    """Raises `OffsetWrapError` naming kernel `name` and the first array-like leaf of `arrays` (operands or output
-    shapes) whose offsets would wrap."""
+def first_wrapping(arrays) -> tuple[int, object] | None:
+    """(index, leaf) of the first array-like leaf of the pytree `arrays` (arrays, tracers, ShapeDtypeStructs) whose
+    offsets would wrap (`offsets_wrap`), or None."""
     for i, leaf in enumerate(jax.tree.leaves(arrays)):
         shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
         if shape is not None and dtype is not None and offsets_wrap(tuple(shape), dtype):
-            raise OffsetWrapError(
-                f"kernel {name}: array {i} {jnp.dtype(dtype).name}{list(shape)} has {math.prod(shape)} elements in "
-                f"<= 2**32 bytes; Pallas' Triton lowering indexes it with int32 offsets that wrap past 2**31. Stack "
-                f"fewer or more entries (tiles.entries_clear_of_wrap), shard it, or run the reference path")
+            return i, leaf
+    return None
+
+
+def check_offsets(name: str, arrays) -> None:
+    """Raises `OffsetWrapError` naming kernel `name` and the first array-like leaf of `arrays` (operands or output
+    shapes) whose offsets would wrap."""
+    found = first_wrapping(arrays)
+    if found is not None:
+        i, leaf = found
+        raise OffsetWrapError(
+            f"kernel {name}: array {i} {jnp.dtype(leaf.dtype).name}{list(leaf.shape)} has {math.prod(leaf.shape)} "
+            f"elements in <= 2**32 bytes; Pallas' Triton lowering indexes it with int32 offsets that wrap past 2**31. "
+            f"Stack fewer or more entries (tiles.entries_clear_of_wrap), shard it, or run the reference path")
 
 
 def pow2_at_least(n: int, floor: int = 1) -> int:

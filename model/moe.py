@@ -492,9 +492,9 @@ class MoE(nn.Module):
         cfg = self.config
         if cfg.quant_method != "mxfp4" or self.mesh is not None:
             return None
+        experts = [jax.ShapeDtypeStruct(*spec) for spec in packed_param_shapes(cfg).values()]
         return moe_kernels.packed_decode_tiles(n_tokens * cfg.num_experts_per_token, cfg.num_experts,
-                                               packed_format(cfg), workspace, cfg.mxfp4.impl, cfg.hidden_size,
-                                               cfg.moe_intermediate_size)
+                                               packed_format(cfg), workspace, cfg.mxfp4.impl, experts)
 
     def front_packs(self, n_tokens: int, workspace: Workspace | None = None) -> bool:
         """Whether a decode call of `n_tokens` tokens takes x packed by the front kernel (`FRONT_PACKED_MIN_TOKENS`,

@@ -27,6 +27,17 @@ def packed_experts(rng, n_experts: int, hidden: int, inter: int, fmt: str = "mxf
     return ew if fmt == "mxfp4" else converted(ew, fmt)
 
 
+def expert_specs(n_experts: int, hidden: int, inter: int, fmt: str) -> mxfp4.ExpertWeights:
+    """Shape structs of a layer's experts in `fmt` ("mxfp4" packed, or converted "float8_e4m3fn" / "bfloat16"),
+    unpadded: for lowering and dispatch checks that allocate nothing."""
+    s = jax.ShapeDtypeStruct
+    gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(inter)
+    tail, dtype = ((16,), jnp.uint8) if fmt == "mxfp4" else ((2, 16), jnp.dtype(fmt))
+    data = [s((n_experts, inter, gd, *tail), dtype)] * 2 + [s((n_experts, hidden, gi, *tail), dtype)]
+    scales = [s((n_experts, inter, gd), jnp.uint8)] * 2 + [s((n_experts, hidden, gi), jnp.uint8)]
+    return mxfp4.ExpertWeights(*data, *(scales if fmt != "bfloat16" else [None] * 3), fmt=fmt)
+
+
 def converted(ew: mxfp4.ExpertWeights, fmt: str) -> mxfp4.ExpertWeights:
     """The same experts converted offline to a workspace format (padded where the kernels need it:
     `moe_workspace.clear_of_offset_wrap`)."""

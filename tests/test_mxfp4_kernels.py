@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mxfp4_cases import ROUTINGS, oracle, packed_experts, rel_err, routing
+from mxfp4_cases import ROUTINGS, expert_specs, oracle, packed_experts, rel_err, routing
 from triton_lowering import count_triton_kernels, lower_for_cuda
 from dayzero.kernels import moe, moe_mxfp4, moe_tiles, moe_workspace, mxfp4
 from dayzero.kernels import tiles as tiling
@@ -192,15 +192,7 @@ SHAPES = {"medium": (64, 2048, 768, 6), "deepseek": (256, 7168, 2048, 8)}
 
 
 def _specs(n_experts, hidden, inter, fmt):
-    s = jax.ShapeDtypeStruct
-    gd, gi = mxfp4.num_blocks(hidden), mxfp4.num_blocks(inter)
-    if fmt == "mxfp4":
-        data = [s((n_experts, inter, gd, 16), jnp.uint8)] * 2 + [s((n_experts, hidden, gi, 16), jnp.uint8)]
-    else:
-        data = [s((n_experts, inter, gd, 2, 16), jnp.dtype(fmt))] * 2 + [s((n_experts, hidden, gi, 2, 16),
-                                                                            jnp.dtype(fmt))]
-    scales = [s((n_experts, inter, gd), jnp.uint8)] * 2 + [s((n_experts, hidden, gi), jnp.uint8)]
-    ew = mxfp4.ExpertWeights(*data, *(scales if fmt != "bfloat16" else [None] * 3), fmt=fmt)
+    ew = expert_specs(n_experts, hidden, inter, fmt)
     # converted stacks as offline conversion leaves them for the kernels (the DeepSeek-size layer's FP8 padded)
     return ew if fmt == "mxfp4" else jax.eval_shape(moe_workspace.clear_of_offset_wrap, ew)
 

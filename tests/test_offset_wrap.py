@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from mxfp4_cases import expert_specs
 from dayzero.kernels import moe, moe_mxfp4_gemv, moe_workspace, mxfp4, tiles
 
 DEEPSEEK_ENTRY = (2048, 224, 2, 16)  # one DeepSeek-size expert's gate rows, converted: 14,680,064 bytes
@@ -82,17 +83,11 @@ def test_workspace_slots_clear_of_wrap():
 
 
 def _packed_deepseek(n_experts):
-    shapes = {"gate": (n_experts, 2048, 224, 16), "up": (n_experts, 2048, 224, 16), "down": (n_experts, 7168, 64, 16),
-              "gate_scales": (n_experts, 2048, 224), "up_scales": (n_experts, 2048, 224),
-              "down_scales": (n_experts, 7168, 64)}
-    return mxfp4.ExpertWeights(**{k: jax.ShapeDtypeStruct(v, jnp.uint8) for k, v in shapes.items()})
+    return expert_specs(n_experts, 7168, 2048, "mxfp4")
 
 
 def _fp8_deepseek():
-    packed = _packed_deepseek(256)
-    fp8 = lambda a: jax.ShapeDtypeStruct((*a.shape, 2), jnp.float8_e4m3fn)  # noqa: E731 [E, N, n, 2, 16]
-    return mxfp4.ExpertWeights(fp8(packed.gate), fp8(packed.up), fp8(packed.down), packed.gate_scales,
-                               packed.up_scales, packed.down_scales, fmt="float8_e4m3fn")
+    return expert_specs(256, 7168, 2048, "float8_e4m3fn")
 
 
 def test_offline_fp8_padded_clear_of_wrap():
@@ -132,10 +127,10 @@ def test_dispatch_falls_back_rather_than_wrap(monkeypatch):
     """Where dispatch picks the kernels (as on a GPU), experts the kernels cannot index run the reference path and
     take no decode tiles; asked for explicitly (impl="pallas"), the kernels are still tried."""
     monkeypatch.setattr(moe.dispatch, "choose", lambda *args, **kwargs: "pallas")
-    tiles_small = moe.packed_decode_tiles(8, 256, "mxfp4", None, None, 7168, 2048)
+    tiles_small = moe.packed_decode_tiles(8, 256, "mxfp4", None, None, _packed_deepseek(256))
     assert isinstance(tiles_small, moe_mxfp4_gemv.GemvTiles)
-    assert moe.packed_decode_tiles(8, 384, "mxfp4", None, None, 7168, 2048) is None
-    assert moe.packed_decode_tiles(8, 384, "mxfp4", None, "pallas", 7168, 2048) is not None
+    assert moe.packed_decode_tiles(8, 384, "mxfp4", None, None, _packed_deepseek(384)) is None
+    assert moe.packed_decode_tiles(8, 384, "mxfp4", None, "pallas", _packed_deepseek(384)) is not None
     assert moe.kernels_index(_packed_deepseek(256)) and not moe.kernels_index(_packed_deepseek(384))
     x, ids, w = jnp.zeros((2, 7168), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 8), jnp.float32)
     taken = []
