@@ -84,18 +84,20 @@ def per_call(step, carry, iters: int, operands=(), repeats: int = 5):
     return statistics.median(times) / iters, out
 
 
-def make_layer(key, n_experts: int, hidden: int, inter: int):
-    """Random MXFP4 experts (std ~0.02) and their pre-converted FP8 and dense bf16 versions (converted per expert)."""
+def make_layer(key, n_experts: int, hidden: int, inter: int, with_fp8: bool = True, with_bf16: bool = True):
+    """Random MXFP4 experts (std ~0.02) and their pre-converted FP8 and dense bf16 versions (converted per expert;
+    None where not `with_fp8` / `with_bf16`: the DeepSeek-size layer's three forms are ~41 GB, which with a
+    workspace and 8192 tokens' activations did not fit an H100's 80 GB)."""
     ew = mxfp4.random_experts(key, n_experts, hidden, inter)
     gb, ub, db, gs, us, ds = ew.gate, ew.up, ew.down, ew.gate_scales, ew.up_scales, ew.down_scales
     fp8 = jax.jit(lambda b, s: jax.lax.map(lambda a: mxfp4.to_workspace(a[0], a[1], "float8_e4m3fn"), (b, s)))
     # padded where the whole layer in FP8 is a stack the kernels cannot index (the DeepSeek-size layer, 3.76e9 bytes a
     # projection: tiles.offsets_wrap); before 2026-12-06 its figures came from kernels reading outside the stack
-    ew8 = moe_workspace.clear_of_offset_wrap(
-        mxfp4.ExpertWeights(fp8(gb, gs), fp8(ub, us), fp8(db, ds), gs, us, ds, fmt="float8_e4m3fn"))
+    ew8 = moe_workspace.clear_of_offset_wrap(mxfp4.ExpertWeights(
+        fp8(gb, gs), fp8(ub, us), fp8(db, ds), gs, us, ds, fmt="float8_e4m3fn")) if with_fp8 else None
     dense = jax.jit(lambda b, s, k: jax.lax.map(lambda a: mxfp4.dequantize(a[0], a[1], jnp.bfloat16)[:, :k].T,
                                                 (b, s)), static_argnums=2)
-    bf16 = (dense(gb, gs, hidden), dense(ub, us, hidden), dense(db, ds, inter))
+    bf16 = (dense(gb, gs, hidden), dense(ub, us, hidden), dense(db, ds, inter)) if with_bf16 else None
     return jax.block_until_ready((ew, ew8, bf16))
 
 
@@ -508,7 +510,9 @@ def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> 
     """Every shape x token count of the run; fills `results` (printing a table row per case) as it goes."""
     for name in args.shapes.split(","):
         n_experts, top_k, hidden, inter = SHAPES[name]
-        layer = make_layer(jax.random.key(0), n_experts, hidden, inter)
+        sweeps = set(args.sweep.split(",")) if args.sweep else set()
+        with_bf16 = bool(set(DENSE_VARIANTS) & set(args.variants) or {"dense", "dense16", "mlp"} & sweeps)
+        layer = make_layer(jax.random.key(0), n_experts, hidden, inter, "fp8" in args.variants, with_bf16)
         print(f"\n{name}: {n_experts} experts, top-{top_k}, {hidden} x {inter}")
         print("| tokens | active experts | bf16 ragged_dot us | bf16 auto us (tile rows) | bf16 pallas us (% of read bw) "
               "| bf16 pallas, fused prologues us | fp8 pre-converted us "
