@@ -23,8 +23,8 @@ _packed = jax.jit(moe.moe_experts_packed, static_argnames=("tiles", "impl"))
 
 def _reference_bytes() -> int:
     """At most this much dequantized expert weight per reference call: 16 GiB, or an eighth of the device's memory
-    where that is less (an H100's 80 GB held the kernels' operands, a 293-slot workspace and 16 GiB of float32
-    weights with their copies only barely, and ran out on 2026-12-06)."""
+    where that is less (on an H100, 2026-12-06, 16 GiB of float32 weights and their copies beside the kernels'
+    operands and a 293-slot workspace ran out of memory)."""
     limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 0)
     return min(16 << 30, limit // 8) if limit else 16 << 30
 
