@@ -110,10 +110,7 @@ def packed_decode_tiles(n_pairs: int, n_experts: int, fmt: str, workspace: Works
     (with `experts` given: their arrays, or shape structs of them) stacks the kernels can index (`kernels_index`);
     else None. A caller that makes their schedule or packed activations ahead (`moe_experts_packed(sched=,
     x_words=)`) asks this first."""
-    kind = dispatch.choose("moe_mxfp4", ("reference", "pallas"), impl, gpu_verified=PACKED_GPU_VERIFIED)
-    if kind == "reference" or fmt != "mxfp4" or workspace is not None:
-        return None
-    if kind == "pallas" and impl != "pallas" and not kernels_index(experts):
+    if _packed_kind(impl, experts) == "reference" or fmt != "mxfp4" or workspace is not None:
         return None
     return moe_mxfp4_gemv.choose(n_pairs, n_experts, fmt)
 
@@ -137,9 +134,7 @@ def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
     Converted experts (offline FP8 / BF16): multiplied directly. `layer` names the weights for the workspace's
     residency tags.
     """
-    kind = dispatch.choose("moe_mxfp4", ("reference", "pallas"), impl, gpu_verified=PACKED_GPU_VERIFIED)
-    if kind == "pallas" and impl != "pallas" and not kernels_index(experts, workspace):
-        kind = "reference"  # chosen, not asked for: run correctly rather than raise tiles.OffsetWrapError
+    kind = _packed_kind(impl, experts, workspace)
     pallas, interpret = kind != "reference", kind == "interpret"
     n_experts = (experts.gate_scales if experts.gate_scales is not None else experts.gate).shape[0]
     source, slot_of_expert = experts, None
@@ -173,6 +168,16 @@ def kernels_index(experts, workspace: Workspace | None = None) -> bool:
     holding a Kimi-K2-size layer's 384 packed MXFP4 experts). Where not, a call that was not asked for the kernels
     (impl="pallas") runs the reference path."""
     return tiling.first_wrapping((experts, workspace)) is None
+
+
+def _packed_kind(impl: str | None, experts, workspace: Workspace | None = None) -> str:
+    """The packed-expert path ("reference", "pallas" or "interpret") `dispatch` picks for `impl`, except that where it
+    chose the compiled kernels (not asked for with impl="pallas") for `experts` / `workspace` they cannot index
+    (`kernels_index`), the reference path: run correctly rather than raise `tiles.OffsetWrapError`."""
+    kind = dispatch.choose("moe_mxfp4", ("reference", "pallas"), impl, gpu_verified=PACKED_GPU_VERIFIED)
+    if kind == "pallas" and impl != "pallas" and not kernels_index(experts, workspace):
+        return "reference"
+    return kind
 
 
 def _packed_reference(x, topk_ids, topk_weights, ew: ExpertWeights, slot_of_expert, n_experts):
