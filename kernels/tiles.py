@@ -24,9 +24,14 @@ from . import dispatch, grid_dependency
 # the order of the two instructions each kernel starts with: "trigger_first" (let the next kernel launch, then wait
 # for the ones before) or "wait_first" (wait, then let the next one launch: one kernel ahead at most). Off: on the
 # H200 (jax 0.11.2) the medium hybrid's MXFP4 batch-1 decode step took 0.960 ms per token with "trigger_first"
-# against 0.869 without, same call (benchmarks/NOTES_serving.md, thirtieth session); "wait_first" not yet measured.
+# against 0.869 without, same call (benchmarks/NOTES_serving.md, thirtieth session); "wait_first" 0.966 against 0.865
+# (thirty-third session).
 PROGRAMMATIC_LAUNCH = "off"
 LAUNCH_ORDERS = ("off", "trigger_first", "wait_first")
+# Which kernels take `PROGRAMMATIC_LAUNCH`: comma-separated prefixes of kernel names (a `pallas_call`'s `name`, e.g.
+# "decode_projection,moe_gemv"); empty: every kernel. For finding which kernels lose by letting their successor launch
+# early (decode_profile.py --set kernels.tiles.PROGRAMMATIC_LAUNCH_KERNELS=...); the others only wait, first thing.
+PROGRAMMATIC_LAUNCH_KERNELS = ""
 
 # Pallas' Triton lowering (jax 0.10.2 and 0.11.2, `_compute_offsets_from_indices`) computes the element offsets of a
 # load or store in int32 for an operand of at most 2**32 bytes and in int64 above. An operand of 1-byte elements
@@ -137,8 +142,9 @@ def pallas_call(kernel, *, interpret: bool = False, **kwargs):
     in the order it names: XLA launches Triton kernels as programmatic dependents, so once a kernel has let the next
     one launch, that kernel's programs are resident and waiting as it ends, where otherwise they start only then.
     Every such kernel waits before its first load, so a kernel after one that lets it launch early reads finished
-    outputs. Elsewhere (interpret mode, ROCm, vendor plugins) and with "off" the body is the kernel's own. Compiled
-    (not interpret mode), the call raises `OffsetWrapError` for an operand or output whose offsets would wrap
+    outputs; a kernel that `PROGRAMMATIC_LAUNCH_KERNELS` leaves out still waits, but lets no kernel launch early.
+    Elsewhere (interpret mode, ROCm, vendor plugins) and with "off" the body is the kernel's own. Compiled (not
+    interpret mode), the call raises `OffsetWrapError` for an operand or output whose offsets would wrap
     (`offsets_wrap`)."""
     if PROGRAMMATIC_LAUNCH not in LAUNCH_ORDERS:
         raise ValueError(f"tiles.PROGRAMMATIC_LAUNCH is {PROGRAMMATIC_LAUNCH!r}, not one of {LAUNCH_ORDERS}")
@@ -146,9 +152,12 @@ def pallas_call(kernel, *, interpret: bool = False, **kwargs):
     if PROGRAMMATIC_LAUNCH == "off" or not dispatch.grid_dependency_ptx(interpret):
         call = pl.pallas_call(kernel, interpret=interpret, **kwargs)
     else:
-        first, second = ((grid_dependency.launch_dependents, grid_dependency.wait)
-                         if PROGRAMMATIC_LAUNCH == "trigger_first"
-                         else (grid_dependency.wait, grid_dependency.launch_dependents))
+        if not launches_early(kwargs.get("name") or kernel_name):  # waits as the others do, lets none launch early
+            first, second = grid_dependency.wait, (lambda token: token)
+        elif PROGRAMMATIC_LAUNCH == "trigger_first":
+            first, second = grid_dependency.launch_dependents, grid_dependency.wait
+        else:
+            first, second = grid_dependency.wait, grid_dependency.launch_dependents
 
         def dependent(*refs):
             second(first(0))
@@ -164,6 +173,12 @@ def pallas_call(kernel, *, interpret: bool = False, **kwargs):
         return call(*operands)
 
     return checked
+
+
+def launches_early(name: str) -> bool:
+    """Whether the kernel called `name` is one that `PROGRAMMATIC_LAUNCH_KERNELS` names (every kernel when empty)."""
+    prefixes = [p.strip() for p in str(PROGRAMMATIC_LAUNCH_KERNELS).split(",") if p.strip()]
+    return not prefixes or any(name.startswith(p) for p in prefixes)
 
 
 def launch(kernel, kernel_args: dict, operands, *, out_shape, grid: tuple[int, ...], num_warps: int, num_stages: int,

@@ -57,6 +57,26 @@ def test_pallas_call_opens_the_kernel_with_the_launch_controls(monkeypatch, orde
     assert max(lines.index(line) for line in asm) < first_load, "the wait must come before the kernel reads anything"
 
 
+@pytest.mark.parametrize("selected", ["doub", "decode_projection,doubling", "moe_gemv"])
+def test_only_the_named_kernels_let_the_next_launch_early(monkeypatch, selected):
+    pytest.importorskip("jax._src.pallas.triton.lowering")
+    from triton_report import capture_kernels
+
+    monkeypatch.setattr(tiles, "PROGRAMMATIC_LAUNCH", "wait_first")
+    monkeypatch.setattr(tiles, "PROGRAMMATIC_LAUNCH_KERNELS", selected)
+    jax.clear_caches()
+    (kernel,) = capture_kernels(_doubled, jax.ShapeDtypeStruct((16,), jnp.float32))
+    asm = _asm_lines(kernel["ir"])
+    named = any("doubling".startswith(p) for p in selected.split(","))
+    assert tiles.launches_early("doubling") == named
+    # named: wait, then the trigger; left out: the wait alone, still before the first load
+    assert len(asm) == (2 if named else 1) and _PTX[1] in asm[0], asm
+    assert named == any(_PTX[0] in line for line in asm)
+    lines = kernel["ir"].splitlines()
+    first_load = next(i for i, line in enumerate(lines) if "tt.load" in line)
+    assert max(lines.index(line) for line in asm) < first_load
+
+
 def test_refuses_an_unknown_launch_order(monkeypatch):
     monkeypatch.setattr(tiles, "PROGRAMMATIC_LAUNCH", True)
     with pytest.raises(ValueError, match="PROGRAMMATIC_LAUNCH"):
