@@ -98,16 +98,20 @@ def attribute(events: list[dict], ops: dict[str, str], n_tokens: int) -> tuple[l
 
 def timeline(events: list[dict], ops: dict[str, str], dispatches: int) -> list[dict]:
     """The last traced dispatch's kernels in launch order: name, op label, start (us from the dispatch's first
-    kernel), duration and the gap since the previous kernel ended (us). The trace holds `dispatches` dispatches of
-    the same program, so each is the same number of kernels."""
+    kernel), duration, the gap since the previous kernel ended and how far the kernel moved the dispatch's end
+    (`end_gain_us`: its share of the dispatch's time where kernels overlap, as they do when one lets the next launch
+    early and the next one's span starts with a wait; the durations then count that wait). The trace holds
+    `dispatches` dispatches of the same program, so each is the same number of kernels."""
     kernels = gpu_kernels(events)
     last = kernels[len(kernels) - len(kernels) // dispatches:] if dispatches else []
     rows, end = [], 0.0  # (the first kernel starts at 0: its gap is 0)
     for e in last:
         start = e["ts"] - last[0]["ts"]
+        new_end = max(end, start + e["dur"])
         rows.append({"kernel": e["name"][:80], "op": ops.get(e["name"], ""), "start_us": round(start, 2),
-                     "dur_us": round(e["dur"], 2), "gap_us": round(start - end, 2)})
-        end = max(end, start + e["dur"])
+                     "dur_us": round(e["dur"], 2), "gap_us": round(start - end, 2),
+                     "end_gain_us": round(new_end - end, 2)})
+        end = new_end
     return rows
 
 

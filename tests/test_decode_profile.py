@@ -107,9 +107,22 @@ def test_timeline_lists_the_last_dispatch_in_launch_order():
               kernel("input_reduce_fusion_98", 113.0, 2.0), kernel("moe_front", 100.0, 5.0)]  # dispatch 2, unsorted
     rows = decode_profile.timeline(events, ops, dispatches=2)
     assert [r["kernel"] for r in rows] == ["moe_front", "input_reduce_fusion_98"]
-    assert rows[0] == {"kernel": "moe_front", "op": "", "start_us": 0.0, "dur_us": 5.0, "gap_us": 0.0}
+    assert rows[0] == {"kernel": "moe_front", "op": "", "start_us": 0.0, "dur_us": 5.0, "gap_us": 0.0,
+                       "end_gain_us": 5.0}
     assert rows[1]["op"] == ops["input_reduce_fusion_98"] and rows[1]["start_us"] == 13.0
     assert rows[1]["gap_us"] == 8.0  # from the first kernel's end (5 us) to this one's start (13 us)
+    assert rows[1]["end_gain_us"] == 10.0  # the dispatch's end 5 -> 15 us: its gap and its own 2 us
+
+
+def test_timeline_gives_overlapping_kernels_their_share_of_the_end():
+    """A kernel launched early (its span starts with a wait, inside the one before) moves the dispatch's end only by
+    the part of it past the previous end."""
+    gpu = {"ph": "M", "name": "process_name", "pid": 3, "args": {"name": "/device:GPU:0"}}
+    kernel = lambda name, ts, dur: {"ph": "X", "pid": 3, "name": name, "ts": ts, "dur": dur}
+    events = [gpu, kernel("a", 0.0, 10.0), kernel("b", 4.0, 9.0), kernel("c", 12.0, 0.5)]
+    rows = decode_profile.timeline(events, {}, dispatches=1)
+    assert [r["end_gain_us"] for r in rows] == [10.0, 3.0, 0.0]
+    assert [r["gap_us"] for r in rows] == [0.0, -6.0, -1.0]
 
 
 def test_call_host_ms_times_every_input_kind_and_leaves_the_engine_usable():
