@@ -152,15 +152,12 @@ def pallas_call(kernel, *, interpret: bool = False, **kwargs):
     if PROGRAMMATIC_LAUNCH == "off" or not dispatch.grid_dependency_ptx(interpret):
         call = pl.pallas_call(kernel, interpret=interpret, **kwargs)
     else:
-        if not launches_early(kwargs.get("name") or kernel_name):  # waits as the others do, lets none launch early
-            first, second = grid_dependency.wait, (lambda token: token)
-        elif PROGRAMMATIC_LAUNCH == "trigger_first":
-            first, second = grid_dependency.launch_dependents, grid_dependency.wait
-        else:
-            first, second = grid_dependency.wait, grid_dependency.launch_dependents
+        controls = launch_controls(kwargs.get("name") or kernel_name)
 
         def dependent(*refs):
-            second(first(0))
+            token = 0  # threaded through the instructions, so they keep their order
+            for control in controls:
+                token = control(token)
             kernel(*refs)
 
         dependent.__name__ = kernel_name  # its debug info's name
@@ -179,6 +176,17 @@ def launches_early(name: str) -> bool:
     """Whether the kernel called `name` is one that `PROGRAMMATIC_LAUNCH_KERNELS` names (every kernel when empty)."""
     prefixes = [p.strip() for p in str(PROGRAMMATIC_LAUNCH_KERNELS).split(",") if p.strip()]
     return not prefixes or any(name.startswith(p) for p in prefixes)
+
+
+def launch_controls(name: str) -> tuple:
+    """The `grid_dependency` instructions the kernel called `name` opens with, in order, where `PROGRAMMATIC_LAUNCH`
+    is on: the wait alone for a kernel `PROGRAMMATIC_LAUNCH_KERNELS` leaves out, else the wait and the trigger in
+    the order `PROGRAMMATIC_LAUNCH` names."""
+    if not launches_early(name):
+        return (grid_dependency.wait,)
+    if PROGRAMMATIC_LAUNCH == "trigger_first":
+        return grid_dependency.launch_dependents, grid_dependency.wait
+    return grid_dependency.wait, grid_dependency.launch_dependents
 
 
 def launch(kernel, kernel_args: dict, operands, *, out_shape, grid: tuple[int, ...], num_warps: int, num_stages: int,
