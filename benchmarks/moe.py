@@ -508,10 +508,10 @@ SPLIT_K_SWEEP = ((16, 4, 4), (16, 4, 8), (32, 4, 4), (32, 4, 8), (32, 2, 16), (6
 
 def measure_shapes(args, tokens: list[int], results: dict, bandwidth: float) -> None:
     """Every shape x token count of the run; fills `results` (printing a table row per case) as it goes."""
+    sweeps = set(args.sweep.split(",")) if args.sweep else set()
+    with_bf16 = bool(set(DENSE_VARIANTS) & set(args.variants) or {"dense", "dense16", "mlp"} & sweeps)
     for name in args.shapes.split(","):
         n_experts, top_k, hidden, inter = SHAPES[name]
-        sweeps = set(args.sweep.split(",")) if args.sweep else set()
-        with_bf16 = bool(set(DENSE_VARIANTS) & set(args.variants) or {"dense", "dense16", "mlp"} & sweeps)
         layer = make_layer(jax.random.key(0), n_experts, hidden, inter, "fp8" in args.variants, with_bf16)
         print(f"\n{name}: {n_experts} experts, top-{top_k}, {hidden} x {inter}")
         print("| tokens | active experts | bf16 ragged_dot us | bf16 auto us (tile rows) | bf16 pallas us (% of read bw) "

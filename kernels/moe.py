@@ -103,16 +103,15 @@ def moe_experts(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_ga
     return y.astype(x.dtype)
 
 
-def packed_decode_tiles(n_pairs: int, n_experts: int, fmt: str, workspace: Workspace | None,
-                        impl: str | None = None, experts=None) -> moe_mxfp4_gemv.GemvTiles | None:
+def packed_decode_tiles(n_pairs: int, experts: ExpertWeights, workspace: Workspace | None,
+                        impl: str | None = None) -> moe_mxfp4_gemv.GemvTiles | None:
     """The MXFP4 decode kernels' tiles (`moe_mxfp4_gemv.choose`) where `moe_experts_packed` runs them for a call of
-    `n_pairs` token-expert pairs over experts of format `fmt`: packed MXFP4, no workspace, a kernel platform, and
-    (with `experts` given: their arrays, or shape structs of them) stacks the kernels can index (`kernels_index`);
-    else None. A caller that makes their schedule or packed activations ahead (`moe_experts_packed(sched=,
-    x_words=)`) asks this first."""
-    if _packed_kind(impl, experts) == "reference" or fmt != "mxfp4" or workspace is not None:
+    `n_pairs` token-expert pairs over `experts` (arrays, or shape structs of them): packed MXFP4, no workspace, a
+    kernel platform, and stacks the kernels can index (`kernels_index`); else None. A caller that makes their
+    schedule or packed activations ahead (`moe_experts_packed(sched=, x_words=)`) asks this first."""
+    if _packed_kind(impl, experts) == "reference" or experts.fmt != "mxfp4" or workspace is not None:
         return None
-    return moe_mxfp4_gemv.choose(n_pairs, n_experts, fmt)
+    return moe_mxfp4_gemv.choose(n_pairs, experts.num_experts, experts.fmt)
 
 
 def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, experts: ExpertWeights, *,
@@ -136,7 +135,7 @@ def moe_experts_packed(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Arra
     """
     kind = _packed_kind(impl, experts, workspace)
     pallas, interpret = kind != "reference", kind == "interpret"
-    n_experts = (experts.gate_scales if experts.gate_scales is not None else experts.gate).shape[0]
+    n_experts = experts.num_experts
     source, slot_of_expert = experts, None
     if workspace is not None and experts.fmt == "mxfp4":
         if workspace.num_slots < min(n_experts, topk_ids.size):

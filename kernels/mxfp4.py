@@ -192,6 +192,12 @@ class ExpertWeights:
     def intermediate_size(self) -> int:
         return self.gate.shape[1]
 
+    @property
+    def num_experts(self) -> int:
+        """E: the scales' leading size (indexed by expert even where the data are workspace slots or padded), else
+        the data's (bfloat16, no scales)."""
+        return (self.gate_scales if self.gate_scales is not None else self.gate).shape[0]
+
     def dense(self, index: jax.Array, expert: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Stored entries `index` [S] (their experts `expert` [S], for the scales) as dense reference weights:
         w_gate, w_up [S, D, I] and w_down [S, I, D] of `dtype`."""

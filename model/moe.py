@@ -3,6 +3,7 @@ score-correction bias, renormalisation and routed scaling; routed SwiGLU experts
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -312,6 +313,13 @@ class Router(nn.Module):
 PROJECTIONS = ("w_gate", "w_up", "w_down")
 
 
+def packed_experts(params: dict, fmt: str) -> mxfp4.ExpertWeights:
+    """The routed experts' params of `packed_param_shapes` (arrays, or shape structs of them) as `ExpertWeights` in
+    format `fmt` (`packed_format`)."""
+    data = [params[f"{proj}_blocks" if fmt == "mxfp4" else f"{proj}_converted"] for proj in PROJECTIONS]
+    return mxfp4.ExpertWeights(*data, *[params.get(f"{proj}_scales") for proj in PROJECTIONS], fmt=fmt)
+
+
 def packed_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], jnp.dtype]]:
     """Param name -> (shape, dtype) of MXFP4 routed experts: `{proj}_blocks` uint8 [E, out, ceil(in/32), 16] and
     `{proj}_scales` uint8 [E, out, ceil(in/32)] ([out, in] as published); after an offline conversion
@@ -425,12 +433,7 @@ class Experts(nn.Module):
         if cfg.quant_method == "mxfp4":
             p = {name: self.param(name, _packed_init(name), shape, dtype)
                  for name, (shape, dtype) in packed_param_shapes(cfg).items()}
-            fmt = packed_format(cfg)
-
-            def packed(p):
-                data = [p[f"{proj}_blocks" if fmt == "mxfp4" else f"{proj}_converted"] for proj in PROJECTIONS]
-                return mxfp4.ExpertWeights(*data, *[p.get(f"{proj}_scales") for proj in PROJECTIONS], fmt=fmt)
-
+            packed = functools.partial(packed_experts, fmt=packed_format(cfg))
             if ep:
                 def run_local(rows, local_ids, row_weights, local):
                     return moe_kernels.moe_experts_packed(rows, local_ids, row_weights, packed(local),
@@ -492,9 +495,9 @@ class MoE(nn.Module):
         cfg = self.config
         if cfg.quant_method != "mxfp4" or self.mesh is not None:
             return None
-        experts = [jax.ShapeDtypeStruct(*spec) for spec in packed_param_shapes(cfg).values()]
-        return moe_kernels.packed_decode_tiles(n_tokens * cfg.num_experts_per_token, cfg.num_experts,
-                                               packed_format(cfg), workspace, cfg.mxfp4.impl, experts)
+        specs = {name: jax.ShapeDtypeStruct(*spec) for name, spec in packed_param_shapes(cfg).items()}
+        return moe_kernels.packed_decode_tiles(n_tokens * cfg.num_experts_per_token,
+                                               packed_experts(specs, packed_format(cfg)), workspace, cfg.mxfp4.impl)
 
     def front_packs(self, n_tokens: int, workspace: Workspace | None = None) -> bool:
         """Whether a decode call of `n_tokens` tokens takes x packed by the front kernel (`FRONT_PACKED_MIN_TOKENS`,

@@ -127,10 +127,10 @@ def test_dispatch_falls_back_rather_than_wrap(monkeypatch):
     """Where dispatch picks the kernels (as on a GPU), experts the kernels cannot index run the reference path and
     take no decode tiles; asked for explicitly (impl="pallas"), the kernels are still tried."""
     monkeypatch.setattr(moe.dispatch, "choose", lambda *args, **kwargs: "pallas")
-    tiles_small = moe.packed_decode_tiles(8, 256, "mxfp4", None, None, _packed_deepseek(256))
+    tiles_small = moe.packed_decode_tiles(8, _packed_deepseek(256), None, None)
     assert isinstance(tiles_small, moe_mxfp4_gemv.GemvTiles)
-    assert moe.packed_decode_tiles(8, 384, "mxfp4", None, None, _packed_deepseek(384)) is None
-    assert moe.packed_decode_tiles(8, 384, "mxfp4", None, "pallas", _packed_deepseek(384)) is not None
+    assert moe.packed_decode_tiles(8, _packed_deepseek(384), None, None) is None
+    assert moe.packed_decode_tiles(8, _packed_deepseek(384), None, "pallas") is not None
     assert moe.kernels_index(_packed_deepseek(256)) and not moe.kernels_index(_packed_deepseek(384))
     x, ids, w = jnp.zeros((2, 7168), jnp.bfloat16), jnp.zeros((2, 8), jnp.int32), jnp.zeros((2, 8), jnp.float32)
     taken = []
