@@ -21,13 +21,15 @@ from jax.experimental.pallas import triton as pltriton
 from . import dispatch, grid_dependency
 
 # Programmatic dependent launch for the kernels built through `pallas_call` (read when a kernel is traced): "off", or
-# the order of the two instructions each kernel starts with: "trigger_first" (let the next kernel launch, then wait
-# for the ones before) or "wait_first" (wait, then let the next one launch: one kernel ahead at most). Off: on the
+# where each kernel's two instructions go: "trigger_first" (let the next kernel launch, then wait for the ones before,
+# first thing), "wait_first" (wait, then let the next one launch: one kernel ahead at most) or "trigger_last" (wait
+# first thing, let the next one launch after the body: its programs become resident only over this one's tail). Off:
+# on the
 # H200 (jax 0.11.2) the medium hybrid's MXFP4 batch-1 decode step took 0.960 ms per token with "trigger_first"
 # against 0.869 without, same call (benchmarks/NOTES_serving.md, thirtieth session); "wait_first" 0.966 against 0.865
 # (thirty-third session).
 PROGRAMMATIC_LAUNCH = "off"
-LAUNCH_ORDERS = ("off", "trigger_first", "wait_first")
+LAUNCH_ORDERS = ("off", "trigger_first", "wait_first", "trigger_last")
 # Which kernels take `PROGRAMMATIC_LAUNCH`: comma-separated prefixes of kernel names (a `pallas_call`'s `name`, e.g.
 # "decode_projection,moe_gemv"); empty: every kernel. For finding which kernels lose by letting their successor launch
 # early (decode_profile.py --set kernels.tiles.PROGRAMMATIC_LAUNCH_KERNELS=...); the others only wait, first thing.
@@ -138,9 +140,10 @@ def mm_nt(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def pallas_call(kernel, *, interpret: bool = False, **kwargs):
     """`pl.pallas_call` for dayzero's kernels. Compiled for an sm_90+ NVIDIA GPU (`dispatch.grid_dependency_ptx`)
-    with `PROGRAMMATIC_LAUNCH` other than "off", the kernel body starts with the two `grid_dependency` instructions
-    in the order it names: XLA launches Triton kernels as programmatic dependents, so once a kernel has let the next
-    one launch, that kernel's programs are resident and waiting as it ends, where otherwise they start only then.
+    with `PROGRAMMATIC_LAUNCH` other than "off", the kernel body carries the two `grid_dependency` instructions
+    where it says (both first, or the trigger after the body): XLA launches Triton kernels as programmatic
+    dependents, so once a kernel has let the next one launch, that kernel's programs are resident and waiting as it
+    ends, where otherwise they start only then.
     Every such kernel waits before its first load, so a kernel after one that lets it launch early reads finished
     outputs; a kernel that `PROGRAMMATIC_LAUNCH_KERNELS` leaves out still waits, but lets no kernel launch early.
     Elsewhere (interpret mode, ROCm, vendor plugins) and with "off" the body is the kernel's own. Compiled (not
@@ -152,13 +155,15 @@ def pallas_call(kernel, *, interpret: bool = False, **kwargs):
     if PROGRAMMATIC_LAUNCH == "off" or not dispatch.grid_dependency_ptx(interpret):
         call = pl.pallas_call(kernel, interpret=interpret, **kwargs)
     else:
-        controls = launch_controls(kwargs.get("name") or kernel_name)
+        opening, closing = launch_controls(kwargs.get("name") or kernel_name)
 
         def dependent(*refs):
             token = 0  # threaded through the instructions, so they keep their order
-            for control in controls:
+            for control in opening:
                 token = control(token)
             kernel(*refs)
+            for control in closing:  # (not pure: kept after the body's stores)
+                token = control(token)
 
         dependent.__name__ = kernel_name  # its debug info's name
         call = pl.pallas_call(dependent, interpret=interpret, **kwargs)
@@ -178,15 +183,15 @@ def launches_early(name: str) -> bool:
     return not prefixes or any(name.startswith(p) for p in prefixes)
 
 
-def launch_controls(name: str) -> tuple:
-    """The `grid_dependency` instructions the kernel called `name` opens with, in order, where `PROGRAMMATIC_LAUNCH`
-    is on: the wait alone for a kernel `PROGRAMMATIC_LAUNCH_KERNELS` leaves out, else the wait and the trigger in
-    the order `PROGRAMMATIC_LAUNCH` names."""
+def launch_controls(name: str) -> tuple[tuple, tuple]:
+    """The `grid_dependency` instructions the kernel called `name` opens with and closes with, in order, where
+    `PROGRAMMATIC_LAUNCH` is on: the wait alone, opening, for a kernel `PROGRAMMATIC_LAUNCH_KERNELS` leaves out;
+    else the wait and the trigger where `PROGRAMMATIC_LAUNCH` puts them."""
+    wait, trigger = grid_dependency.wait, grid_dependency.launch_dependents
     if not launches_early(name):
-        return (grid_dependency.wait,)
-    if PROGRAMMATIC_LAUNCH == "trigger_first":
-        return grid_dependency.launch_dependents, grid_dependency.wait
-    return grid_dependency.wait, grid_dependency.launch_dependents
+        return (wait,), ()
+    return {"trigger_first": ((trigger, wait), ()), "wait_first": ((wait, trigger), ()),
+            "trigger_last": ((wait,), (trigger,))}[PROGRAMMATIC_LAUNCH]
 
 
 def launch(kernel, kernel_args: dict, operands, *, out_shape, grid: tuple[int, ...], num_warps: int, num_stages: int,

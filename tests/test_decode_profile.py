@@ -141,3 +141,18 @@ def test_call_host_ms_times_every_input_kind_and_leaves_the_engine_usable():
     tokens, logprobs = engine.runner.run(rows, True)
     assert tokens.shape == (1, decode_profile.STEPS) and ((tokens >= 0) & (tokens < model.config.vocab_size)).all()
     assert (logprobs <= 0).all()
+
+
+def test_dump_diff_folds_copies_and_compares_shares():
+    import dump_diff
+    assert [dump_diff.kernel_family(n) for n in ("moe_front__3", "loop_add_fusion_3", "gemm_fusion_dot.20",
+                                                 "decode_projection_one_weight", "wrapped_iota")] == [
+        "moe_front", "loop_add_fusion", "gemm_fusion_dot", "decode_projection_one_weight", "wrapped_iota"]
+    base = [{"kernel": "MemcpyH2D", "end_gain_us": 0.8}, {"kernel": "moe_front", "end_gain_us": 9.0, "gap_us": 4.0},
+            {"kernel": "moe_front__1", "end_gain_us": 6.0}, {"kernel": "loop_add_fusion_2", "end_gain_us": 1.0}]
+    other = [{"kernel": "moe_front", "end_gain_us": 4.0}, {"kernel": "moe_front__1", "end_gain_us": 4.0}]
+    shares = [dump_diff.shares(t, tokens=2) for t in (base, other)]
+    assert shares[0] == {"moe_front": (5.5, 1.0), "loop_add_fusion": (0.5, 0.5)}
+    rows = dump_diff.table(shares, top=5)
+    assert rows[0] == ("moe_front", 1.0, [5.5, 4.0])  # the largest change first
+    assert rows[1] == ("loop_add_fusion", 0.5, [0.5, 0.0])  # missing from the second dump: 0 there

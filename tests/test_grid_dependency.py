@@ -54,7 +54,11 @@ def test_pallas_call_opens_the_kernel_with_the_launch_controls(monkeypatch, orde
     assert expected[0] in asm[0] and expected[1] in asm[1], f"{order}: {asm}"
     lines = kernel["ir"].splitlines()
     first_load = next(i for i, line in enumerate(lines) if "tt.load" in line)
-    assert max(lines.index(line) for line in asm) < first_load, "the wait must come before the kernel reads anything"
+    last_store = max(i for i, line in enumerate(lines) if "tt.store" in line)
+    wait_at, trigger_at = (lines.index(line) for line in (asm if order == "trigger_last" else sorted(
+        asm, key=lambda line: _PTX[0] in line)))
+    assert wait_at < first_load, "the wait must come before the kernel reads anything"
+    assert (trigger_at > last_store) if order == "trigger_last" else (trigger_at < first_load), f"{order}: trigger"
 
 
 @pytest.mark.parametrize("selected, named", [("doub", True), ("decode_projection, doubling", True),
