@@ -23,11 +23,10 @@ from . import dispatch, grid_dependency
 # Programmatic dependent launch for the kernels built through `pallas_call` (read when a kernel is traced): "off", or
 # where each kernel's two instructions go: "trigger_first" (let the next kernel launch, then wait for the ones before,
 # first thing), "wait_first" (wait, then let the next one launch: one kernel ahead at most) or "trigger_last" (wait
-# first thing, let the next one launch after the body: its programs become resident only over this one's tail). Off:
-# on the
-# H200 (jax 0.11.2) the medium hybrid's MXFP4 batch-1 decode step took 0.960 ms per token with "trigger_first"
-# against 0.869 without, same call (benchmarks/NOTES_serving.md, thirtieth session); "wait_first" 0.966 against 0.865
-# (thirty-third session).
+# first thing, let the next one launch after the body: its programs become resident only over this one's tail).
+# Off: on the H200 (jax 0.11.2) the medium hybrid's MXFP4 batch-1 decode step took 0.960 ms per token with
+# "trigger_first" against 0.869 without, same call (benchmarks/NOTES_serving.md, thirtieth session); "wait_first"
+# 0.966 against 0.865 (thirty-third session); "trigger_last" not yet measured.
 PROGRAMMATIC_LAUNCH = "off"
 LAUNCH_ORDERS = ("off", "trigger_first", "wait_first", "trigger_last")
 # Which kernels take `PROGRAMMATIC_LAUNCH`: comma-separated prefixes of kernel names (a `pallas_call`'s `name`, e.g.

@@ -37,7 +37,7 @@ def _asm_lines(ir: str) -> list[str]:
 
 
 @pytest.mark.parametrize("order", tiles.LAUNCH_ORDERS)
-def test_pallas_call_opens_the_kernel_with_the_launch_controls(monkeypatch, order):
+def test_pallas_call_places_the_launch_controls(monkeypatch, order):
     pytest.importorskip("jax._src.pallas.triton.lowering")
     from triton_report import capture_kernels
 
@@ -55,8 +55,8 @@ def test_pallas_call_opens_the_kernel_with_the_launch_controls(monkeypatch, orde
     lines = kernel["ir"].splitlines()
     first_load = next(i for i, line in enumerate(lines) if "tt.load" in line)
     last_store = max(i for i, line in enumerate(lines) if "tt.store" in line)
-    wait_at, trigger_at = (lines.index(line) for line in (asm if order == "trigger_last" else sorted(
-        asm, key=lambda line: _PTX[0] in line)))
+    trigger_at, wait_at = (next(i for i, line in enumerate(lines) if "elementwise_inline_asm" in line and ptx in line)
+                           for ptx in _PTX)
     assert wait_at < first_load, "the wait must come before the kernel reads anything"
     assert (trigger_at > last_store) if order == "trigger_last" else (trigger_at < first_load), f"{order}: trigger"
 

@@ -241,8 +241,10 @@ def test_decode_layer_matches_reference(seed, lower_bound, batch, heads, width):
     np.testing.assert_allclose(np.asarray(got[2]), np.asarray(same[2]), rtol=1e-5, atol=1e-6)
     assert _rel_err(got[0], same[0]) < 1e-2  # bf16 outputs: an occasional one-step rounding difference
     # the model's conv rounds every product and sum to bf16: where its taps nearly cancel, a conv output moves by
-    # more than a bf16 step, and 16-channel heads feel it (a loose bound; the kernel's own arithmetic is checked above)
-    assert _rel_err(got[0], model[0]) < 1e-1 and _rel_err(got[2], model[2]) < 5e-2
+    # more than a bf16 step, and a 16-channel head's normed output feels it (a loose bound against gross errors: the
+    # kernel's own arithmetic is checked above). Over 600 seeds the outputs differed by at most 0.042; seed
+    # 4052919476 (2 rows, 1 head, width 2) by 0.165, with the kernel equal to the float32-conv reference bit for bit.
+    assert _rel_err(got[0], model[0]) < 0.3 and _rel_err(got[2], model[2]) < 5e-2
     untouched = np.ones(pool.shape[:2], bool)
     untouched[1, np.asarray(slots[1:])] = False
     assert np.array_equal(np.asarray(got[2])[untouched], np.asarray(pool)[untouched])

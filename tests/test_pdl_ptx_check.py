@@ -1,0 +1,22 @@
+"""benchmarks/pdl_ptx_check.py's count of programmatic-launch instructions in XLA's dumped files (no GPU needed)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+
+import pdl_ptx_check  # noqa: E402
+
+
+def test_counts_each_instruction_in_the_files_that_hold_one(tmp_path):
+    (tmp_path / "module.ptx").write_text("griddepcontrol.wait;\n ld.global\n griddepcontrol.wait;\n"
+                                         "griddepcontrol.launch_dependents;\n")
+    (tmp_path / "module.hlo.txt").write_text("custom-call(...)\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "kernel.ll").write_text("call void asm sideeffect \"griddepcontrol.launch_dependents;\"")
+    assert pdl_ptx_check.counts(str(tmp_path)) == {
+        "module.ptx": {"griddepcontrol.wait": 2, "griddepcontrol.launch_dependents": 1},
+        os.path.join("sub", "kernel.ll"): {"griddepcontrol.wait": 0, "griddepcontrol.launch_dependents": 1}}
+
