@@ -40,12 +40,11 @@ from dayzero.model.presets import get_preset
 from dayzero.serving import Engine, EngineConfig
 from dayzero.serving.runner import StepRows, unrolled_by_default
 
-from gpu_trace import gpu_kernels, traced_events  # benchmarks/gpu_trace.py
+from gpu_trace import gpu_kernels, kernel_family, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit, xla_environment  # benchmarks/results.py (the script folder)
 
 STEPS = 4
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%([\w.\-]+) = \(?(\w+\[[\d,]*\])?.*?metadata=\{op_name="([^"]*)"')
-_NUMBERED = re.compile(r"(_\d+)+$")  # a kernel name's instance numbers: `gemm_fusion_dot_255` -> `gemm_fusion_dot`
 _DEDUPLICATED = re.compile(r'deduplicated_name="([\w.\-]+)"')
 _PREFIXES = ("jit(_decode)/while/body/eval_jaxpr/", "jit(_decode)/while/body/closed_call/", "jit(_decode)/closed_call/",
              "jit(_decode)/")  # the third: an unrolled dispatch's steps
@@ -89,7 +88,7 @@ def attribute(events: list[dict], ops: dict[str, str], n_tokens: int) -> tuple[l
     time_us, count = collections.Counter(), collections.Counter()
     for e in gpu_kernels(events):
         label = ops.get(e["name"])
-        label = e["name"] if label is None else f"{label} [{_NUMBERED.sub('', e['name'])}]"
+        label = e["name"] if label is None else f"{label} [{kernel_family(e['name'])}]"
         time_us[label] += e["dur"]
         count[label] += 1
     rows = [(label, us / n_tokens / 1e3, count[label] / n_tokens) for label, us in time_us.most_common()]

@@ -4,8 +4,8 @@ the dispatch), the first dump the baseline, with each other dump's difference fr
 
     python3 benchmarks/dump_diff.py BASE.B1.json OTHER.B1.json [MORE.B1.json ...] [--tokens 4] [--top 30]
 
-Kernel names are folded over layers: a Pallas kernel's `__N` suffix (the Nth compiled copy) and an XLA fusion's
-`_N` / `.N` suffix go. Names the trace cut to 80 characters stay as they are. Reads only the dumps (no GPU).
+Kernel names are folded over layers (`gpu_trace.kernel_family`: a Pallas kernel's `__N`, an XLA fusion's `_N`).
+Reads only the dumps (no GPU).
 """
 
 from __future__ import annotations
@@ -13,20 +13,9 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import re
 import sys
 
-_COPY = re.compile(r"(__\d+)$")
-_FUSION_NUMBER = re.compile(r"([._]\d+)$")
-
-
-def kernel_family(name: str) -> str:
-    """`name` with its per-copy suffix dropped: "moe_front__3" -> "moe_front", "loop_add_fusion_3" ->
-    "loop_add_fusion", "gemm_fusion_dot.20" -> "gemm_fusion_dot"; other names unchanged."""
-    name = _COPY.sub("", name)
-    if "fusion" in name or name.startswith("wrapped_"):
-        name = _FUSION_NUMBER.sub("", name)
-    return name
+from gpu_trace import kernel_family  # benchmarks/gpu_trace.py: a script's own folder is on sys.path
 
 
 def shares(timeline: list[dict], tokens: int) -> dict[str, tuple[float, float]]:

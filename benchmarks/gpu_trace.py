@@ -6,6 +6,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import tempfile
 from typing import Callable
 
@@ -23,6 +24,15 @@ def traced_events(run: Callable[[], object]) -> list[dict]:
             jax.profiler.stop_trace()
         files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
         return json.load(gzip.open(files[0]))["traceEvents"] if files else []
+
+
+_COPY_NUMBERS = re.compile(r"([._]+\d+)+$")
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name with the numbers of its copies dropped, so every layer's copy shares it: "moe_front__3" ->
+    "moe_front", "gemm_fusion_dot_255" -> "gemm_fusion_dot", "gemm_fusion_dot.20" -> "gemm_fusion_dot"."""
+    return _COPY_NUMBERS.sub("", name)
 
 
 def gpu_kernels(events: list[dict]) -> list[dict]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import sys
 
 import jax
@@ -32,7 +31,7 @@ from dayzero.model.kda import KimiDeltaAttention
 from dayzero.model.norms import RMSNorm
 from dayzero.model.presets import get_preset
 
-from gpu_trace import gpu_kernels, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
+from gpu_trace import gpu_kernels, kernel_family, per_kernel_us, traced_events  # benchmarks/gpu_trace.py
 from results import append_line, git_commit  # benchmarks/results.py: a script's own folder is on sys.path
 from timing import hbm_copy_bandwidth  # benchmarks/timing.py
 
@@ -72,7 +71,7 @@ def time_variant(fn, params, x, valid, slots, conv, pool):
     _, conv, pool = result["out"]
     us = sum(e["dur"] for e in kernels) / LAYERS
     # each layer's kernels carry their own instance numbers (`kda_decode_layer__3`, `gemm_fusion_dot_27`): fold them
-    folded = [dict(e, name=re.sub(r"(_+\d+)+$", "", e["name"])) for e in kernels]
+    folded = [dict(e, name=kernel_family(e["name"])) for e in kernels]
     return us, len(kernels) / LAYERS, per_kernel_us(folded, LAYERS, top=6), conv, pool
 
 
