@@ -20,3 +20,10 @@ def test_counts_each_instruction_in_the_files_that_hold_one(tmp_path):
         "module.ptx": {"griddepcontrol.wait": 2, "griddepcontrol.launch_dependents": 1},
         os.path.join("sub", "kernel.ll"): {"griddepcontrol.wait": 0, "griddepcontrol.launch_dependents": 1}}
 
+
+
+def test_compiled_files_are_ptx_or_llvm_ir_naming_the_kernel(tmp_path):
+    (tmp_path / "a.ptx").write_text(".entry pdl_probe(\n griddepcontrol.wait;")
+    (tmp_path / "b.ll").write_text("define void @other_kernel()")
+    (tmp_path / "c.txt").write_text("custom_call_target=pdl_probe")  # HLO text: not compiled code
+    assert pdl_ptx_check.compiled_files(str(tmp_path), "pdl_probe") == ["a.ptx"]

@@ -1,0 +1,157 @@
+"""How long one read-only kernel takes to stream a given number of bytes, when it is one link of a dependent chain.
+
+    python3 benchmarks/read_floor.py [--sizes-mb 0.004,1,5,8.4,10,26.4,131] [--results PATH]
+
+A batch-1 decode step is a chain of ~120 kernels, each reading 0.3-30 MB (a layer's weights) and each waiting on
+the one before. Past a few hundred megabytes a read runs at the HBM roofline; a few megabytes cannot, because every
+kernel pays its launch, its programs' start, the first loads' DRAM latency and its drain before the next one may
+start. This script measures that floor with XLA's own reductions, the simplest kernels that only stream bytes in:
+for each size S, a jitted chain of K reductions of K distinct bf16 buffers of S bytes ([S / 4 KB, 2048] summed
+over the rows or over the columns, the faster of the two), K large enough that the buffers (~`--chain-mb` in all)
+far outsize the 50 MB L2, each reduction adding the previous one's first sum times 0 to its input so it depends on
+it as a layer's kernel depends on the last. Per size it reports the median kernel duration in the profiler's trace
+and the chain's wall time per kernel (calls back to back), the bytes over those times, and their share of the
+1 GiB read roofline (`timing.hbm_read_bandwidth`) measured in the same run.
+
+A kernel in the model that reads S bytes cannot be expected to beat the floor at S, so the sum of the floors over a
+step's kernels bounds what any tiling of the same kernels can reach, and what only fewer kernels can. The script
+also fits time = fixed + S / stream over the sizes up to `FIT_MAX_MB` (`linear_fit`): a chain of N kernels reading
+B bytes in all then takes at least about N * fixed + B / stream. Appends one line to RESULTS.md (the per-size
+figures and the fit as JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_trace  # noqa: E402  (benchmarks/)
+import results  # noqa: E402
+import timing  # noqa: E402
+
+ROW = 2048  # bf16 elements per row: one 4 KB row
+DEFAULT_SIZES_MB = (0.004, 1, 2, 5, 8.4, 10, 16, 26.4, 50, 131, 1024)
+FIT_MAX_MB = 200.0  # the sizes a decode step's kernels read
+
+
+def buffer_shape(size_bytes: float) -> tuple[int, int]:
+    """[rows, ROW] bf16 of about `size_bytes` (at least one row)."""
+    return max(1, round(size_bytes / (2 * ROW))), ROW
+
+
+def chain_length(size_bytes: float, chain_bytes: float, min_kernels: int = 8, max_kernels: int = 256) -> int:
+    """How many distinct buffers of `size_bytes` the chain reads: enough for `chain_bytes` in all, within bounds."""
+    return int(min(max_kernels, max(min_kernels, math.ceil(chain_bytes / size_bytes))))
+
+
+def reduction_chain(axis: int):
+    """A jitted function of a list of [R, C] bf16 buffers: each summed over `axis` in float32 after adding 0 times
+    the previous sum's first element (a dependency, no extra bytes); returns the last sums."""
+
+    @jax.jit
+    def chain(buffers):
+        carry = jnp.zeros((), jnp.float32)
+        sums = None
+        for buf in buffers:
+            sums = jnp.sum(buf.astype(jnp.float32) + carry, axis=axis)
+            carry = sums[0] * 0.0
+        return sums
+
+    return chain
+
+
+def measure_size(size_mb: float, chain_mb: float, key: jax.Array) -> dict:
+    """One size's figures: bytes per buffer, kernels in the chain, and for the faster axis the median kernel
+    duration (us, from the trace; absent where the trace holds no GPU kernels) and the wall time per kernel (us)."""
+    shape = buffer_shape(size_mb * 1e6)
+    nbytes = shape[0] * shape[1] * 2
+    count = chain_length(nbytes, chain_mb * 1e6)
+    keys = jax.random.split(key, count)
+    buffers = [jax.random.normal(k, shape, jnp.bfloat16) for k in keys]
+    best = None
+    for axis in (1, 0):
+        chain = reduction_chain(axis)
+        wall_us = timing.pipelined_seconds(chain, buffers, n=3, reps=3) * 1e6 / count
+        kernels = gpu_trace.gpu_kernels(gpu_trace.traced_events(lambda: jax.block_until_ready(chain(buffers))))
+        durations = sorted(e["dur"] for e in kernels if "reduce" in e["name"])
+        figure = {"axis": axis, "wall_us_per_kernel": round(wall_us, 2)}
+        if durations:  # (any other kernel, e.g. the carry's product unfused, is counted apart)
+            figure["kernel_us"] = round(statistics.median(durations), 2)
+            figure["reductions_traced"] = len(durations)
+            figure["other_kernels"] = len(kernels) - len(durations)
+        if best is None or figure.get("kernel_us", wall_us) < best.get("kernel_us", best["wall_us_per_kernel"]):
+            best = figure
+    del buffers
+    return {"size_mb": round(nbytes / 1e6, 3), "chain": count, **best}
+
+
+def with_shares(figure: dict, read_bandwidth: float) -> dict:
+    """`figure` plus its bandwidth over the kernel time (or the wall time without a trace) and that as a share of
+    the roofline `read_bandwidth` (bytes / s)."""
+    seconds = figure.get("kernel_us", figure["wall_us_per_kernel"]) * 1e-6
+    rate = figure["size_mb"] * 1e6 / seconds
+    return {**figure, "tb_s": round(rate / 1e12, 3), "share_of_roofline": round(rate / read_bandwidth, 3)}
+
+
+def linear_fit(figures: list[dict]) -> dict | None:
+    """Least squares of time (kernel_us, else wall_us_per_kernel) = fixed_us + size / stream over the figures up to
+    `FIT_MAX_MB`: {"fixed_us", "stream_tb_s", "sizes"}; None with fewer than two such sizes."""
+    points = [(f["size_mb"] * 1e6, f.get("kernel_us", f["wall_us_per_kernel"]) * 1e-6) for f in figures
+              if f["size_mb"] <= FIT_MAX_MB]
+    if len({size for size, _ in points}) < 2:
+        return None
+    n = len(points)
+    mean_size = sum(size for size, _ in points) / n
+    mean_time = sum(t for _, t in points) / n
+    slope = (sum((size - mean_size) * (t - mean_time) for size, t in points)
+             / sum((size - mean_size) ** 2 for size, _ in points))
+    return {"fixed_us": round((mean_time - slope * mean_size) * 1e6, 2),
+            "stream_tb_s": round(1 / slope / 1e12, 3) if slope > 0 else None, "sizes": n}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes-mb", default=",".join(map(str, DEFAULT_SIZES_MB)))
+    parser.add_argument("--chain-mb", type=float, default=400.0, help="bytes the chain of one size reads in all")
+    parser.add_argument("--results", default="benchmarks/RESULTS.md")
+    args = parser.parse_args(argv)
+    try:
+        sizes = [float(s) for s in args.sizes_mb.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--sizes-mb takes comma-separated numbers, got {args.sizes_mb!r}")
+    if not sizes or min(sizes) <= 0:
+        parser.error("--sizes-mb needs positive sizes")
+    environment = results.xla_environment()
+    device = jax.devices()[0]
+    read_bandwidth = timing.hbm_read_bandwidth()
+    print(f"{device.device_kind}, jax {jax.__version__}: 1 GiB read roofline {read_bandwidth / 1e12:.3f} TB/s")
+    figures = []
+    for i, size in enumerate(sizes):
+        figure = with_shares(measure_size(size, args.chain_mb, jax.random.key(i)), read_bandwidth)
+        figures.append(figure)
+        print(f"{figure['size_mb']:>9.3f} MB: kernel {figure.get('kernel_us', '-')} us, "
+              f"wall {figure['wall_us_per_kernel']} us per kernel, {figure['tb_s']} TB/s "
+              f"({100 * figure['share_of_roofline']:.1f}% of the roofline; chain of {figure['chain']})")
+    fit = linear_fit(figures)
+    if fit:
+        print(f"fit over {fit['sizes']} sizes up to {FIT_MAX_MB:g} MB: {fit['fixed_us']} us + bytes at "
+              f"{fit['stream_tb_s']} TB/s per kernel")
+    results.append_line(args.results, (
+        f"- {datetime.date.today()} read_floor.py, {device.device_kind}, commit {results.git_commit()}, "
+        f"jax {jax.__version__}, XLA environment {environment}: one XLA reduction per size in a dependent chain of "
+        f"distinct buffers, 1 GiB read roofline {read_bandwidth / 1e12:.3f} TB/s: {json.dumps(figures)}; fit "
+        f"{json.dumps(fit)}\n"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
