@@ -90,7 +90,6 @@ def measure_size(size_mb: float, chain_mb: float, key: jax.Array) -> dict:
             figure["other_kernels"] = len(kernels) - len(durations)
         if best is None or figure.get("kernel_us", wall_us) < best.get("kernel_us", best["wall_us_per_kernel"]):
             best = figure
-    del buffers
     return {"size_mb": round(nbytes / 1e6, 3), "chain": count, **best}
 
 
