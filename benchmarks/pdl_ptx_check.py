@@ -13,8 +13,8 @@ totals, and exits 1 where nothing was dumped.
 
 The counts say something only where the dump holds the probe kernel's compiled code (`compiled_files`: PTX or LLVM
 IR naming the kernel). On an H100 with jax 0.11.2 (2026-12-07) it did not: 108 files, the instructions of
-`--launch trigger_last` found only in HLO and MLIR text, so XLA compiles a Pallas custom call's Triton module apart
-from the dumped ones. The script then says the check is inconclusive and exits 2.
+`--launch trigger_last` found only in HLO and MLIR text (XLA seems to compile a Pallas call's Triton module apart
+from the code it dumps). The script then says the check is inconclusive and exits 2.
 """
 
 from __future__ import annotations
