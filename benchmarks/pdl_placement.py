@@ -25,7 +25,6 @@ NVIDIA GPU (the special registers are read through inline PTX; elsewhere the rea
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -34,48 +33,21 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core
-from jax._src.interpreters import partial_eval as pe
 from jax.experimental import pallas as pl
-from jax.interpreters import mlir
 
-from dayzero.kernels import grid_dependency, tiles
+from dayzero.kernels import grid_dependency, inline_asm, tiles
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import results  # noqa: E402  (benchmarks/)
 
 _PTX = {"timer": "mov.u32 $0, %globaltimer_lo;", "sm": "mov.u32 $0, %smid;"}
-
-special_register_p = jax_core.Primitive("dayzero_special_register")
-special_register_p.def_impl(lambda value, *, name: value)
-special_register_p.def_abstract_eval(lambda value, *, name: jax_core.ShapedArray(value.shape, value.dtype))
-pe.dce_rules[special_register_p] = lambda used_outs, eqn: ([True] * len(eqn.invars), eqn)
-mlir.register_lowering(special_register_p, lambda ctx, value, *, name: [value])
-
-
-def _register_triton_lowering() -> bool:
-    try:
-        from jax._src.lib.triton import dialect as tt_dialect
-        from jax._src.pallas.triton import lowering
-    except ImportError:
-        return False
-
-    @lowering.register_lowering(special_register_p)
-    def _lower(ctx, value, *, name):
-        value = lowering._ensure_ir_value(value, ctx.avals_in[0])
-        return tt_dialect.elementwise_inline_asm([value.type], _PTX[name], constraints="=r,r", pure=False,
-                                                 packed_element=1, args=[value])
-
-    return True
-
-
-_LOWERING = _register_triton_lowering()
+special_register_p, _LOWERING = inline_asm.scalar_asm_primitive("dayzero_special_register", _PTX)
 
 
 def read(name: str, after) -> jax.Array:
     """Inside a kernel: the special register `name` ("timer": %globaltimer_lo, ns; "sm": %smid) as an int32 scalar,
     read after whatever produced `after` (an int32 scalar threaded through, as `grid_dependency` does)."""
-    return special_register_p.bind(jnp.asarray(after, jnp.int32), name=name)
+    return special_register_p.bind(jnp.asarray(after, jnp.int32), kind=name)
 
 
 def _busy_kernel(out_ref, *, busy_ns: int, early: bool):
@@ -145,10 +117,9 @@ def main(argv=None) -> int:
         print(f"{mode}: {figures[mode]}")
     device = jax.devices()[0].device_kind
     results.append_line(args.results, (
-        f"- {datetime.date.today()} pdl_placement.py, {device}, commit {results.git_commit()}, jax {jax.__version__}, "
-        f"XLA environment {environment}: a {args.busy_us:g} us busy kernel of {args.busy_programs} programs of "
-        f"{args.busy_warps} warps, then "
-        f"a probe of {args.probe_programs} reading the timer and its SM before its wait: {json.dumps(figures)}\n"))
+        f"{results.line_head('pdl_placement.py', device, environment)}: a {args.busy_us:g} us busy kernel of "
+        f"{args.busy_programs} programs of {args.busy_warps} warps, then a probe of {args.probe_programs} reading "
+        f"the timer and its SM before its wait: {json.dumps(figures)}\n"))
     return 0
 
 

@@ -23,7 +23,6 @@ figures and the fit as JSON).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -145,10 +144,9 @@ def main(argv=None) -> int:
         print(f"fit over {fit['sizes']} sizes up to {FIT_MAX_MB:g} MB: {fit['fixed_us']} us + bytes at "
               f"{fit['stream_tb_s']} TB/s per kernel")
     results.append_line(args.results, (
-        f"- {datetime.date.today()} read_floor.py, {device.device_kind}, commit {results.git_commit()}, "
-        f"jax {jax.__version__}, XLA environment {environment}: one XLA reduction per size in a dependent chain of "
-        f"distinct buffers, 1 GiB read roofline {read_bandwidth / 1e12:.3f} TB/s: {json.dumps(figures)}; fit "
-        f"{json.dumps(fit)}\n"))
+        f"{results.line_head('read_floor.py', device.device_kind, environment)}: one XLA reduction per size in a "
+        f"dependent chain of distinct buffers, 1 GiB read roofline {read_bandwidth / 1e12:.3f} TB/s: "
+        f"{json.dumps(figures)}; fit {json.dumps(fit)}\n"))
     return 0
 
 

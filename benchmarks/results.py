@@ -30,6 +30,17 @@ def xla_environment() -> str:
     return ", ".join(given) or "none"
 
 
+def line_head(script: str, device_kind: str, environment: str) -> str:
+    """The start every result line shares: "- DATE SCRIPT, DEVICE, commit C, jax V, XLA environment E"
+    (`environment` as `xla_environment` gave it before the script set its own)."""
+    import datetime
+
+    import jax
+
+    return (f"- {datetime.date.today()} {script}, {device_kind}, commit {git_commit()}, jax {jax.__version__}, "
+            f"XLA environment {environment}")
+
+
 def append_line(path: str, line: str) -> None:
     """Appends one result line (newline-terminated) to `path` and prints it."""
     with open(path, "a") as f:

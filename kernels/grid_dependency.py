@@ -13,8 +13,8 @@ gives Pallas kernels no early trigger, so a kernel's successor launches when it 
 launch is there: a kernel that triggers early has the next kernel's span cover its own (`benchmarks/
 launch_overlap.py`). These two functions let a kernel say both itself (`kernels.tiles.pallas_call`).
 Both are threaded through an int32 scalar (`wait(v)` returns `v`), so a load whose address uses the result is ordered
-after the instruction. The primitive lowers through JAX's private Pallas Triton lowering API (as `l2_prefetch`
-does), not pure, kept out of dead-code elimination; in interpret mode and every other lowering it is the identity.
+after the instruction. The primitive is one of `inline_asm.scalar_asm_primitive`'s: not pure, kept out of dead-code
+elimination; in interpret mode and every other lowering it is the identity.
 The instructions need sm_90 (`dispatch.grid_dependency_ptx` says where a kernel may carry them).
 """
 
@@ -22,46 +22,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax._src import core as jax_core
-from jax._src.interpreters import partial_eval as pe
-from jax.interpreters import mlir
+
+from .inline_asm import scalar_asm_primitive
 
 _PTX = {"wait": "griddepcontrol.wait;\n\tmov.u32 $0, $1;",
         "launch_dependents": "griddepcontrol.launch_dependents;\n\tmov.u32 $0, $1;"}
 
-grid_dependency_p = jax_core.Primitive("dayzero_grid_dependency")
-grid_dependency_p.def_impl(lambda value, *, kind: value)
-
-
-@grid_dependency_p.def_abstract_eval
-def _abstract_eval(value, *, kind):
-    if kind not in _PTX:
-        raise ValueError(f"grid_dependency: unknown kind {kind!r} (one of {sorted(_PTX)})")
-    return jax_core.ShapedArray(value.shape, value.dtype)
-
-
-pe.dce_rules[grid_dependency_p] = lambda used_outs, eqn: ([True] * len(eqn.invars), eqn)  # the instruction is the point
-mlir.register_lowering(grid_dependency_p, lambda ctx, value, *, kind: [value])  # no Triton: the identity
-
-
-def _register_triton_lowering() -> bool:
-    """Registers the Triton lowering rule; False where this JAX has no Pallas Triton lowering."""
-    try:
-        from jax._src.lib.triton import dialect as tt_dialect
-        from jax._src.pallas.triton import lowering
-    except ImportError:
-        return False
-
-    @lowering.register_lowering(grid_dependency_p)
-    def _lower(ctx, value, *, kind):
-        value = lowering._ensure_ir_value(value, ctx.avals_in[0])  # a literal operand arrives as a constant
-        return tt_dialect.elementwise_inline_asm([value.type], _PTX[kind], constraints="=r,r", pure=False,
-                                                 packed_element=1, args=[value])
-
-    return True
-
-
-_LOWERING = _register_triton_lowering()
+grid_dependency_p, _LOWERING = scalar_asm_primitive("dayzero_grid_dependency", _PTX)
 
 
 def _bind(value, kind: str) -> jax.Array:
