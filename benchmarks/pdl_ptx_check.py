@@ -28,29 +28,27 @@ import tempfile
 INSTRUCTIONS = ("griddepcontrol.wait", "griddepcontrol.launch_dependents")
 
 
+def dumped_texts(folder: str):
+    """(path relative to `folder`, text) of every file under `folder`, in path order."""
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*"), recursive=True)):
+        if os.path.isfile(path):
+            with open(path, errors="replace") as f:
+                yield os.path.relpath(path, folder), f.read()
+
+
 def counts(folder: str) -> dict[str, dict[str, int]]:
     """{file name: {instruction: occurrences}} for the files under `folder` that hold any of `INSTRUCTIONS`."""
     found = {}
-    for path in sorted(glob.glob(os.path.join(folder, "**", "*"), recursive=True)):
-        if not os.path.isfile(path):
-            continue
-        with open(path, errors="replace") as f:
-            text = f.read()
-        hits = {name: text.count(name) for name in INSTRUCTIONS}
+    for name, text in dumped_texts(folder):
+        hits = {instruction: text.count(instruction) for instruction in INSTRUCTIONS}
         if any(hits.values()):
-            found[os.path.relpath(path, folder)] = hits
+            found[name] = hits
     return found
 
 
 def compiled_files(folder: str, kernel: str) -> list[str]:
     """The dumped PTX / LLVM IR files under `folder` (paths relative to it) whose text names `kernel`."""
-    found = []
-    for path in sorted(glob.glob(os.path.join(folder, "**", "*"), recursive=True)):
-        if os.path.isfile(path) and path.endswith((".ptx", ".ll")):
-            with open(path, errors="replace") as f:
-                if kernel in f.read():
-                    found.append(os.path.relpath(path, folder))
-    return found
+    return [name for name, text in dumped_texts(folder) if name.endswith((".ptx", ".ll")) and kernel in text]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     if not bool(jnp.allclose(out, expected)):
         print("the probe computed wrong values")
         return 1
-    dumped = glob.glob(os.path.join(folder, "**", "*"), recursive=True)
+    dumped = sum(1 for _ in dumped_texts(folder))
     found = counts(folder)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, PROGRAMMATIC_LAUNCH={args.launch!r}: "
-          f"{len(dumped)} files dumped into {folder}")
+          f"{dumped} files dumped into {folder}")
     for name, hits in found.items():
         print(f"  {name}: " + ", ".join(f"{k} x{v}" for k, v in hits.items()))
     totals = {name: sum(h[name] for h in found.values()) for name in INSTRUCTIONS}

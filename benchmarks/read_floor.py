@@ -87,15 +87,20 @@ def measure_size(size_mb: float, chain_mb: float, key: jax.Array) -> dict:
             figure["kernel_us"] = round(statistics.median(durations), 2)
             figure["reductions_traced"] = len(durations)
             figure["other_kernels"] = len(kernels) - len(durations)
-        if best is None or figure.get("kernel_us", wall_us) < best.get("kernel_us", best["wall_us_per_kernel"]):
+        if best is None or time_us(figure) < time_us(best):
             best = figure
     return {"size_mb": round(nbytes / 1e6, 3), "chain": count, **best}
+
+
+def time_us(figure: dict) -> float:
+    """A size's time per kernel: the traced kernel duration where the trace had one, else the wall time."""
+    return figure.get("kernel_us", figure["wall_us_per_kernel"])
 
 
 def with_shares(figure: dict, read_bandwidth: float) -> dict:
     """`figure` plus its bandwidth over the kernel time (or the wall time without a trace) and that as a share of
     the roofline `read_bandwidth` (bytes / s)."""
-    seconds = figure.get("kernel_us", figure["wall_us_per_kernel"]) * 1e-6
+    seconds = time_us(figure) * 1e-6
     rate = figure["size_mb"] * 1e6 / seconds
     return {**figure, "tb_s": round(rate / 1e12, 3), "share_of_roofline": round(rate / read_bandwidth, 3)}
 
@@ -103,7 +108,7 @@ def with_shares(figure: dict, read_bandwidth: float) -> dict:
 def linear_fit(figures: list[dict]) -> dict | None:
     """Least squares of time (kernel_us, else wall_us_per_kernel) = fixed_us + size / stream over the figures up to
     `FIT_MAX_MB`: {"fixed_us", "stream_tb_s", "sizes"}; None with fewer than two such sizes."""
-    points = [(f["size_mb"] * 1e6, f.get("kernel_us", f["wall_us_per_kernel"]) * 1e-6) for f in figures
+    points = [(f["size_mb"] * 1e6, time_us(f) * 1e-6) for f in figures
               if f["size_mb"] <= FIT_MAX_MB]
     if len({size for size, _ in points}) < 2:
         return None

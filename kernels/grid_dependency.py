@@ -28,7 +28,7 @@ from .inline_asm import scalar_asm_primitive
 _PTX = {"wait": "griddepcontrol.wait;\n\tmov.u32 $0, $1;",
         "launch_dependents": "griddepcontrol.launch_dependents;\n\tmov.u32 $0, $1;"}
 
-grid_dependency_p, _LOWERING = scalar_asm_primitive("dayzero_grid_dependency", _PTX)
+grid_dependency_p, _ = scalar_asm_primitive("dayzero_grid_dependency", _PTX)
 
 
 def _bind(value, kind: str) -> jax.Array:

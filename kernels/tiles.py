@@ -26,7 +26,7 @@ from . import dispatch, grid_dependency
 # first thing, let the next one launch after the body: its programs become resident only over this one's tail).
 # Off: on the H200 (jax 0.11.2) the medium hybrid's MXFP4 batch-1 decode step took 0.960 ms per token with
 # "trigger_first" against 0.869 without, same call (benchmarks/NOTES_serving.md, thirtieth session); "wait_first"
-# 0.966 against 0.865 (thirty-third session); "trigger_last" not yet measured.
+# 0.966 against 0.865 (thirty-third session); "trigger_last" 0.821 against 0.823 on an H100 (fifty-fifth session).
 PROGRAMMATIC_LAUNCH = "off"
 LAUNCH_ORDERS = ("off", "trigger_first", "wait_first", "trigger_last")
 # Which kernels take `PROGRAMMATIC_LAUNCH`: comma-separated prefixes of kernel names (a `pallas_call`'s `name`, e.g.

@@ -21,7 +21,6 @@ def test_counts_each_instruction_in_the_files_that_hold_one(tmp_path):
         os.path.join("sub", "kernel.ll"): {"griddepcontrol.wait": 0, "griddepcontrol.launch_dependents": 1}}
 
 
-
 def test_compiled_files_are_ptx_or_llvm_ir_naming_the_kernel(tmp_path):
     (tmp_path / "a.ptx").write_text(".entry pdl_probe(\n griddepcontrol.wait;")
     (tmp_path / "b.ll").write_text("define void @other_kernel()")
