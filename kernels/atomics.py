@@ -15,12 +15,18 @@ missing, `add_relaxed` falls back to `pallas.triton.atomic_add`.
 step's conv shift, the MoE front's router choice): each adds 1 to an int32 counter after its own loads and stores,
 and the one that sees N - 1 does the work and sets the counter back to zero, so the counters (kept in the serving
 cache) are zero between calls.
+
+`arrive` and `wait_until` make a grid-wide barrier of the same counter: every program arrives (its stores released),
+may issue loads that do not depend on the others' stores (the next phase's weights), then spins until the count
+reaches its target. Every program of the grid must be resident at once (a grid of at most one program per SM), and
+interpret mode, which runs programs one after another, supports only a grid of one program there.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pltriton
 
@@ -92,3 +98,20 @@ def take_turn(counters_ref, idx, *, interpret: bool):
     another: no barrier there.)"""
     tiling.cta_barrier(interpret)
     return pltriton.atomic_add(counters_ref, idx, jnp.int32(1))
+
+
+def arrive(counter_ref, idx, *, interpret: bool) -> jax.Array:
+    """A program's arrival at a grid barrier on int32 counter_ref[idx]: `take_turn` (its earlier stores released to
+    the programs that see the count). Returns the count before it."""
+    return take_turn(counter_ref, idx, interpret=interpret)
+
+
+def wait_until(counter_ref, idx, target, *, interpret: bool) -> jax.Array:
+    """Spins until int32 counter_ref[idx] >= target, each read an acquire-release atomic (so the other programs'
+    stores released by their `arrive` are visible to this program's later loads). Returns the count it saw. In
+    interpret mode the count is read once: programs run one after another there, so only a grid of one program
+    (whose own arrivals are the whole count) can use a barrier."""
+    read = lambda: pltriton.atomic_add(counter_ref, idx, jnp.int32(0))
+    if interpret:
+        return read()
+    return jax.lax.while_loop(lambda count: count < target, lambda _: read(), read())

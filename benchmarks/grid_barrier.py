@@ -1,0 +1,185 @@
+"""Whether a chain of decode-sized gemvs runs faster as one kernel with a grid barrier between its phases than as one
+kernel per phase.
+
+    python3 benchmarks/grid_barrier.py [--phases 16] [--dim 2048] [--programs 0] [--num-warps 8]
+                                       [--modes kernels,fused,fused_late,project,xla] [--results benchmarks/RESULTS.md]
+
+The batch-1 decode step is ~120 latency-bound kernels, each ~3 us over its bytes at the read bandwidth (the
+fifty-third session's H200 dump); programmatic launch did not take it out (the fifty-fifth session). This measures
+the other way to fewer kernel boundaries: `--phases` products y_l = tanh(W_l @ y_(l-1)) of one row (W_l [dim, dim]
+bf16: 8.4 MB at 2048, the size of an o_proj), with
+
+- kernels: one Pallas kernel per phase, `--programs` programs of dim / programs weight rows each, every program
+  loading its rows in one piece;
+- fused: one Pallas kernel for the whole chain, the same programs and loads, a grid barrier
+  (`kernels.atomics.arrive` / `wait_until`) between phases, each program issuing its next phase's weight loads
+  between its arrival and its wait (the weights do not depend on the other programs' outputs);
+- fused_late: the same with the weights loaded after the wait (what the barrier alone gains);
+- project: the model's projection kernel per phase (`kernels.projection.project`, o_proj's tiles) and XLA's tanh;
+- xla: XLA's dot and tanh per phase.
+
+Per mode: microseconds per phase with the calls back to back (`timing.pipelined_seconds`), the GPU kernel time per
+phase (one traced call), the share of the read roofline that the wall time gives (weights only), and the largest
+difference from the first mode's output. `--programs 0` takes the largest power of two dividing `--dim` that is at
+most the GPU's SM count (every program of a barrier kernel must be resident at once). Needs a GPU: with fewer SMs
+than programs the fused kernel would never finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from dayzero.kernels import atomics, projection, tiles
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import results  # noqa: E402  (benchmarks/)
+from gpu_trace import device_us_per_call  # noqa: E402
+from timing import hbm_read_bandwidth, pipelined_seconds  # noqa: E402
+
+MODES = ("kernels", "fused", "fused_late", "project", "xla")
+
+
+def product(w: jax.Array, x: jax.Array) -> jax.Array:
+    """w [R, K] bf16, x [K] float32 -> tanh(w @ x) [R] float32 (tanh keeps a long chain bounded)."""
+    return jnp.tanh(jnp.sum(w.astype(jnp.float32) * x[None, :], axis=1))
+
+
+def phase_kernel(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, interpret: bool) -> jax.Array:
+    """One phase: w [N, K] bf16, x [K] float32 -> tanh(w @ x) [N] float32, program p computing rows
+    [p * N / programs, (p + 1) * N / programs)."""
+    n, k = w.shape
+    rows = n // programs
+
+    def kernel(w_ref, x_ref, y_ref):
+        r0 = pl.program_id(0) * rows
+        y_ref[pl.ds(r0, rows)] = product(w_ref[pl.ds(r0, rows), pl.ds(0, k)], x_ref[pl.ds(0, k)])
+
+    return tiles.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((n,), jnp.float32), grid=(programs,),
+                             compiler_params=tiles.compiler_params(num_warps, 1), interpret=interpret,
+                             name="gemv_phase")(w, x)
+
+
+def fused_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, prefetch: bool,
+                interpret: bool) -> jax.Array:
+    """The whole chain in one kernel: w [L, N, N] bf16, x [N] float32 -> every phase's output [L, N] float32
+    (phase l reads phase l - 1's row, the first x). Between phases a grid barrier on a counter that starts at 0 each
+    call (phase l's wait ends once all programs arrived l + 1 times); with `prefetch` each program loads its next
+    phase's weight rows between its arrival and its wait. Interpret mode: one program only (see `atomics`)."""
+    phases, n, k = w.shape
+    rows = n // programs
+    if interpret and programs != 1:
+        raise ValueError("fused_chain: interpret mode runs programs one after another; a grid barrier there needs "
+                         f"programs=1, got {programs}")
+
+    def kernel(w_ref, x_ref, counter_in_ref, y_ref, counter_ref):
+        del counter_in_ref  # the same buffer as counter_ref (aliased)
+        r0 = pl.program_id(0) * rows
+        weights = lambda phase: w_ref[phase, pl.ds(r0, rows), pl.ds(0, k)]
+        w_next = weights(0)
+        x = x_ref[pl.ds(0, k)]
+        for phase in range(phases):
+            y_ref[phase, pl.ds(r0, rows)] = product(w_next, x)
+            if phase + 1 == phases:
+                break
+            atomics.arrive(counter_ref, (jnp.int32(0),), interpret=interpret)
+            if prefetch:
+                w_next = weights(phase + 1)
+            atomics.wait_until(counter_ref, (jnp.int32(0),), (phase + 1) * programs, interpret=interpret)
+            if not prefetch:
+                w_next = weights(phase + 1)
+            x = y_ref[phase, pl.ds(0, k)]
+
+    counter = jnp.zeros((1,), jnp.int32)
+    out, _ = tiles.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((phases, n), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32)),
+        grid=(programs,), input_output_aliases={2: 1}, compiler_params=tiles.compiler_params(num_warps, 1),
+        interpret=interpret, name="gemv_chain_fused")(w, x, counter)
+    return out
+
+
+def run_mode(mode: str, stacked: jax.Array, per_phase: list, transposed: list, x: jax.Array, *, programs: int,
+             num_warps: int, interpret: bool = False) -> jax.Array:
+    """The chain's last output [N] float32 under `mode` (see the module docstring)."""
+    if mode in ("fused", "fused_late"):
+        return fused_chain(stacked, x, programs=programs, num_warps=num_warps, prefetch=mode == "fused",
+                           interpret=interpret)[-1]
+    for w, wt in zip(per_phase, transposed):
+        if mode == "kernels":
+            x = phase_kernel(w, x, programs=programs, num_warps=num_warps, interpret=interpret)
+        elif mode == "project":
+            y = projection.project(x[None, :].astype(jnp.bfloat16), ((wt,),), interpret=interpret)[0]
+            x = jnp.tanh(y[0].astype(jnp.float32))
+        else:
+            x = jnp.tanh(jnp.dot(w, x.astype(jnp.bfloat16), preferred_element_type=jnp.float32))
+    return x
+
+
+def default_programs(dim: int, sm_count: int) -> int:
+    """The largest power of two dividing `dim` and at most `sm_count`."""
+    p = 1
+    while p * 2 <= sm_count and dim % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--phases", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--programs", type=int, default=0, help="0: from the GPU's SM count")
+    parser.add_argument("--num-warps", type=int, default=8)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--results", default="benchmarks/RESULTS.md")
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    if unknown := sorted(set(modes) - set(MODES)):
+        raise SystemExit(f"--modes: unknown {unknown} (known: {', '.join(MODES)})")
+    if jax.default_backend() != "gpu":
+        raise SystemExit("grid_barrier.py measures a GPU; no GPU backend here")
+    environment = results.xla_environment()
+    device = jax.devices()[0]
+    sm_count = getattr(device, "core_count", None)
+    if not sm_count:
+        raise SystemExit("grid_barrier.py: this jax does not give the GPU's SM count (device.core_count)")
+    programs = args.programs or default_programs(args.dim, sm_count)
+    if programs > sm_count or args.dim % programs:
+        raise SystemExit(f"--programs {programs}: must divide --dim {args.dim} and be at most the {sm_count} SMs")
+    scale = float(1.0 / np.sqrt(args.dim))  # a Python float keeps the weights bf16
+    per_phase = [jax.random.normal(jax.random.key(i), (args.dim, args.dim), jnp.bfloat16) * scale
+                 for i in range(args.phases)]
+    stacked = jnp.stack(per_phase)
+    transposed = [jnp.asarray(w.T) for w in per_phase]
+    x = jax.random.normal(jax.random.key(args.phases), (args.dim,), jnp.float32)
+    weight_bytes = args.dim * args.dim * 2
+    read_bw = hbm_read_bandwidth()
+    figures: dict[str, dict] = {}
+    reference = None
+    for mode in modes:
+        fn = jax.jit(lambda s, ws, wts, x, mode=mode: run_mode(mode, s, ws, wts, x, programs=programs,
+                                                               num_warps=args.num_warps))
+        out = np.asarray(fn(stacked, per_phase, transposed, x))
+        reference = out if reference is None else reference
+        gpu_us, _ = device_us_per_call(fn, stacked, per_phase, transposed, x, calls=1)
+        wall_us = pipelined_seconds(fn, stacked, per_phase, transposed, x, n=50, reps=7) * 1e6 / args.phases
+        figures[mode] = {"us_per_phase": round(wall_us, 2), "gpu_us_per_phase": round(gpu_us / args.phases, 2),
+                         "share_of_read_roofline": round(weight_bytes / read_bw / (wall_us * 1e-6), 3),
+                         "max_diff_vs_first_mode": float(np.max(np.abs(out - reference)))}
+        print(mode, figures[mode], flush=True)
+    line = (f"{results.line_head('grid_barrier.py', device.device_kind, environment)}, {args.phases} phases of a "
+            f"1-row gemv [{args.dim} x {args.dim}] bf16 ({weight_bytes / 1e6:.1f} MB each), {programs} programs "
+            f"of {args.num_warps} warps ({sm_count} SMs), read roofline {read_bw / 1e12:.2f} TB/s, per phase: "
+            f"{json.dumps(figures)}\n")
+    results.append_line(args.results, line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
