@@ -14,7 +14,9 @@ bf16: 8.4 MB at 2048, the size of an o_proj), with
 - fused: one Pallas kernel for the whole chain, the same programs and loads, a grid barrier
   (`kernels.atomics.arrive` / `wait_until`) between phases, each program issuing its next phase's weight loads
   between its arrival and its wait (the weights do not depend on the other programs' outputs);
-- fused_late: the same with the weights loaded after the wait (what the barrier alone gains);
+- fused_volatile: fused, the wait polling the count with volatile loads (one atomic read after the loop) where
+  fused polls with atomics (each a fence and an L1 invalidate on sm_90);
+- fused_late: fused with the weights loaded after the wait (what the barrier alone gains);
 - project: the model's projection kernel per phase (`kernels.projection.project`, o_proj's tiles) and XLA's tanh;
 - xla: XLA's dot and tanh per phase.
 
@@ -44,7 +46,7 @@ import results  # noqa: E402  (benchmarks/)
 from gpu_trace import device_us_per_call  # noqa: E402
 from timing import hbm_read_bandwidth, pipelined_seconds  # noqa: E402
 
-MODES = ("kernels", "fused", "fused_late", "project", "xla")
+MODES = ("kernels", "fused", "fused_volatile", "fused_late", "project", "xla")
 
 
 def product(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -68,11 +70,12 @@ def phase_kernel(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, i
 
 
 def fused_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, prefetch: bool,
-                interpret: bool) -> jax.Array:
+                interpret: bool, poll: str = "atomic") -> jax.Array:
     """The whole chain in one kernel: w [L, N, N] bf16, x [N] float32 -> every phase's output [L, N] float32
     (phase l reads phase l - 1's row, the first x). Between phases a grid barrier on a counter that starts at 0 each
     call (phase l's wait ends once all programs arrived l + 1 times); with `prefetch` each program loads its next
-    phase's weight rows between its arrival and its wait. Interpret mode: one program only (see `atomics`)."""
+    phase's weight rows between its arrival and its wait; `poll` as `atomics.wait_until` takes it. Interpret mode:
+    one program only (see `atomics`)."""
     phases, n, k = w.shape
     rows = n // programs
     if interpret and programs != 1:
@@ -92,7 +95,8 @@ def fused_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, pr
             atomics.arrive(counter_ref, (jnp.int32(0),), interpret=interpret)
             if prefetch:
                 w_next = weights(phase + 1)
-            atomics.wait_until(counter_ref, (jnp.int32(0),), (phase + 1) * programs, interpret=interpret)
+            atomics.wait_until(counter_ref, (jnp.int32(0),), (phase + 1) * programs, interpret=interpret,
+                               poll=poll)
             if not prefetch:
                 w_next = weights(phase + 1)
             x = y_ref[phase, pl.ds(0, k)]
@@ -108,9 +112,9 @@ def fused_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, pr
 def run_mode(mode: str, stacked: jax.Array, per_phase: list, transposed: list, x: jax.Array, *, programs: int,
              num_warps: int, interpret: bool = False) -> jax.Array:
     """The chain's last output [N] float32 under `mode` (see the module docstring)."""
-    if mode in ("fused", "fused_late"):
-        return fused_chain(stacked, x, programs=programs, num_warps=num_warps, prefetch=mode == "fused",
-                           interpret=interpret)[-1]
+    if mode.startswith("fused"):
+        return fused_chain(stacked, x, programs=programs, num_warps=num_warps, prefetch=mode != "fused_late",
+                           poll="volatile" if mode == "fused_volatile" else "atomic", interpret=interpret)[-1]
     for w, wt in zip(per_phase, transposed):
         if mode == "kernels":
             x = phase_kernel(w, x, programs=programs, num_warps=num_warps, interpret=interpret)

@@ -106,12 +106,21 @@ def arrive(counter_ref, idx, *, interpret: bool) -> jax.Array:
     return take_turn(counter_ref, idx, interpret=interpret)
 
 
-def wait_until(counter_ref, idx, target, *, interpret: bool) -> jax.Array:
-    """Spins until int32 counter_ref[idx] >= target, each read an acquire-release atomic (so the other programs'
-    stores released by their `arrive` are visible to this program's later loads). Returns the count it saw. In
-    interpret mode the count is read once: programs run one after another there, so only a grid of one program
-    (whose own arrivals are the whole count) can use a barrier."""
+def wait_until(counter_ref, idx, target, *, interpret: bool, poll: str = "atomic") -> jax.Array:
+    """Spins until int32 counter_ref[idx] >= target, then returns the count after an acquire-release atomic read (so
+    the other programs' stores released by their `arrive` are visible to this program's later loads). `poll`: how
+    the loop reads the count, "atomic" (each read such an atomic: on sm_90 a full fence and an L1 invalidate per
+    read) or "volatile" (plain volatile loads from L2, the one atomic read after the loop). `idx`: a tuple of int32
+    scalars. In interpret mode the count is read once: programs run one after another there, so only a grid of one
+    program (whose own arrivals are the whole count) can use a barrier."""
+    if poll not in ("atomic", "volatile"):
+        raise ValueError(f"wait_until: poll must be 'atomic' or 'volatile', got {poll!r}")
     read = lambda: pltriton.atomic_add(counter_ref, idx, jnp.int32(0))
     if interpret:
         return read()
-    return jax.lax.while_loop(lambda count: count < target, lambda _: read(), read())
+    if poll == "atomic":
+        return jax.lax.while_loop(lambda count: count < target, lambda _: read(), read())
+    peek = lambda: pltriton.load(counter_ref.at[idx], volatile=True)
+    count = jax.lax.while_loop(lambda count: count < target, lambda _: peek(), peek())
+    # the atomic adds 0 (count >= target here) through the loop's result: JAX keeps the loop only for an effect
+    return pltriton.atomic_add(counter_ref, idx, jnp.minimum(count - target, 0))

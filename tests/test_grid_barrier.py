@@ -28,8 +28,8 @@ def _chain():
     return per_phase, x, expected
 
 
-@pytest.mark.parametrize("mode,programs", [("kernels", 4), ("fused", 1), ("fused_late", 1), ("xla", 1),
-                                           ("project", 1)])
+@pytest.mark.parametrize("mode,programs", [("kernels", 4), ("fused", 1), ("fused_volatile", 1), ("fused_late", 1),
+                                           ("xla", 1), ("project", 1)])
 def test_every_mode_computes_the_chain(mode, programs):
     per_phase, x, expected = _chain()
     out = grid_barrier.run_mode(mode, jnp.stack(per_phase), per_phase, [w.T for w in per_phase], x,
@@ -57,3 +57,10 @@ def test_default_programs_is_a_power_of_two_dividing_dim_within_the_sms():
     assert grid_barrier.default_programs(2048, 132) == 128
     assert grid_barrier.default_programs(2048, 78) == 64
     assert grid_barrier.default_programs(96, 132) == 32
+
+
+def test_wait_until_names_a_bad_poll():
+    from dayzero.kernels import atomics
+
+    with pytest.raises(ValueError, match="poll"):
+        atomics.wait_until(None, (jnp.int32(0),), 1, interpret=False, poll="spin")
