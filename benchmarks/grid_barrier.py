@@ -17,13 +17,19 @@ bf16: 8.4 MB at 2048, the size of an o_proj), with
 - fused_volatile: fused, the wait polling the count with volatile loads (one atomic read after the loop) where
   fused polls with atomics (each a fence and an L1 invalidate on sm_90);
 - fused_late: fused with the weights loaded after the wait (what the barrier alone gains);
+- ordered: one kernel of phases x programs programs, in phase order, each one phase's rows: it loads its weight
+  rows, then (past phase 0) waits until every program of the phases before it has finished (a count that each
+  program adds 1 to after its store), then reads the previous row. No program is persistent: the GPU places them as
+  any grid's, many per SM, and a waiting program's weights are in flight while the phase before it ends. It relies
+  on the GPU starting a grid's programs in order (a program waits only on programs started before it, which hold
+  their SMs until they finish: no deadlock however few fit at once);
 - project: the model's projection kernel per phase (`kernels.projection.project`, o_proj's tiles) and XLA's tanh;
 - xla: XLA's dot and tanh per phase.
 
 Per mode: microseconds per phase with the calls back to back (`timing.pipelined_seconds`), the GPU kernel time per
 phase (one traced call), the share of the read roofline that the wall time gives (weights only), and the largest
 difference from the first mode's output. `--programs 0` takes the largest power of two dividing `--dim` that is at
-most the GPU's SM count (every program of a barrier kernel must be resident at once). Needs a GPU: with fewer SMs
+most the GPU's SM count (every program of a fused kernel must be resident at once; the other modes take more). Needs a GPU: with fewer SMs
 than programs the fused kernel would never finish.
 """
 
@@ -46,7 +52,7 @@ import results  # noqa: E402  (benchmarks/)
 from gpu_trace import device_us_per_call  # noqa: E402
 from timing import hbm_read_bandwidth, pipelined_seconds  # noqa: E402
 
-MODES = ("kernels", "fused", "fused_volatile", "fused_late", "project", "xla")
+MODES = ("kernels", "fused", "fused_volatile", "fused_late", "ordered", "project", "xla")
 
 
 def product(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -109,12 +115,48 @@ def fused_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, pr
     return out
 
 
+def ordered_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, interpret: bool) -> jax.Array:
+    """The whole chain in one grid of phases x programs programs: w [L, N, N] bf16, x [N] float32 -> every phase's
+    output [L, N] float32. Program v computes phase v // programs's rows of block v % programs: weights loaded first,
+    then (phase > 0) a wait until the count of finished programs reaches phase x programs (volatile polls), the
+    previous phase's row, the product; then it adds 1 to the count. Interpret mode runs the programs in order, so
+    every wait there is already met."""
+    phases, n, k = w.shape
+    rows = n // programs
+
+    def kernel(w_ref, x_ref, counter_in_ref, y_ref, counter_ref):
+        del counter_in_ref  # the same buffer as counter_ref (aliased)
+        v = pl.program_id(0)
+        phase, r0 = v // programs, (v % programs) * rows
+        weights = w_ref[phase, pl.ds(r0, rows), pl.ds(0, k)]
+
+        @pl.when(phase == 0)
+        def _():
+            y_ref[0, pl.ds(r0, rows)] = product(weights, x_ref[pl.ds(0, k)])
+
+        @pl.when(phase > 0)
+        def _():
+            atomics.wait_until(counter_ref, (jnp.int32(0),), phase * programs, interpret=interpret, poll="volatile")
+            y_ref[phase, pl.ds(r0, rows)] = product(weights, y_ref[phase - 1, pl.ds(0, k)])
+
+        atomics.arrive(counter_ref, (jnp.int32(0),), interpret=interpret)
+
+    counter = jnp.zeros((1,), jnp.int32)
+    out, _ = tiles.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((phases, n), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32)),
+        grid=(phases * programs,), input_output_aliases={2: 1}, compiler_params=tiles.compiler_params(num_warps, 1),
+        interpret=interpret, name="gemv_chain_ordered")(w, x, counter)
+    return out
+
+
 def run_mode(mode: str, stacked: jax.Array, per_phase: list, transposed: list, x: jax.Array, *, programs: int,
              num_warps: int, interpret: bool = False) -> jax.Array:
     """The chain's last output [N] float32 under `mode` (see the module docstring)."""
     if mode.startswith("fused"):
         return fused_chain(stacked, x, programs=programs, num_warps=num_warps, prefetch=mode != "fused_late",
                            poll="volatile" if mode == "fused_volatile" else "atomic", interpret=interpret)[-1]
+    if mode == "ordered":
+        return ordered_chain(stacked, x, programs=programs, num_warps=num_warps, interpret=interpret)[-1]
     for w, wt in zip(per_phase, transposed):
         if mode == "kernels":
             x = phase_kernel(w, x, programs=programs, num_warps=num_warps, interpret=interpret)
@@ -154,8 +196,9 @@ def main(argv=None) -> int:
     if not sm_count:
         raise SystemExit("grid_barrier.py: this jax does not give the GPU's SM count (device.core_count)")
     programs = args.programs or default_programs(args.dim, sm_count)
-    if programs > sm_count or args.dim % programs:
-        raise SystemExit(f"--programs {programs}: must divide --dim {args.dim} and be at most the {sm_count} SMs")
+    if args.dim % programs or (programs > sm_count and any(m.startswith("fused") for m in modes)):
+        raise SystemExit(f"--programs {programs}: must divide --dim {args.dim}, and for the fused modes be at most "
+                         f"the {sm_count} SMs")
     scale = float(1.0 / np.sqrt(args.dim))  # a Python float keeps the weights bf16
     per_phase = [jax.random.normal(jax.random.key(i), (args.dim, args.dim), jnp.bfloat16) * scale
                  for i in range(args.phases)]

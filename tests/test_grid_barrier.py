@@ -29,7 +29,7 @@ def _chain():
 
 
 @pytest.mark.parametrize("mode,programs", [("kernels", 4), ("fused", 1), ("fused_volatile", 1), ("fused_late", 1),
-                                           ("xla", 1), ("project", 1)])
+                                           ("ordered", 4), ("xla", 1), ("project", 1)])
 def test_every_mode_computes_the_chain(mode, programs):
     per_phase, x, expected = _chain()
     out = grid_barrier.run_mode(mode, jnp.stack(per_phase), per_phase, [w.T for w in per_phase], x,
@@ -64,3 +64,12 @@ def test_wait_until_names_a_bad_poll():
 
     with pytest.raises(ValueError, match="poll"):
         atomics.wait_until(None, (jnp.int32(0),), 1, interpret=False, poll="spin")
+
+
+def test_ordered_chain_keeps_every_phase_over_several_programs():
+    per_phase, x, expected = _chain()
+    out = grid_barrier.ordered_chain(jnp.stack(per_phase), x, programs=4, num_warps=4, interpret=True)
+    assert out.shape == (PHASES, DIM)
+    np.testing.assert_allclose(np.asarray(out[-1]), expected, atol=1e-5, rtol=1e-5)
+    second = np.tanh(np.asarray(per_phase[1], np.float32) @ np.asarray(out[0]))
+    np.testing.assert_allclose(np.asarray(out[1]), second, atol=1e-5, rtol=1e-5)
