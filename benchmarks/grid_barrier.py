@@ -29,8 +29,8 @@ bf16: 8.4 MB at 2048, the size of an o_proj), with
 Per mode: microseconds per phase with the calls back to back (`timing.pipelined_seconds`), the GPU kernel time per
 phase (one traced call), the share of the read roofline that the wall time gives (weights only), and the largest
 difference from the first mode's output. `--programs 0` takes the largest power of two dividing `--dim` that is at
-most the GPU's SM count (every program of a fused kernel must be resident at once; the other modes take more). Needs a GPU: with fewer SMs
-than programs the fused kernel would never finish.
+most the GPU's SM count: every program of a fused kernel must be resident at once (with more programs than SMs it
+would never finish; the other modes take more). Needs a GPU.
 """
 
 from __future__ import annotations
