@@ -23,6 +23,8 @@ bf16: 8.4 MB at 2048, the size of an o_proj), with
   any grid's, many per SM, and a waiting program's weights are in flight while the phase before it ends. It relies
   on the GPU starting a grid's programs in order (a program waits only on programs started before it, which hold
   their SMs until they finish: no deadlock however few fit at once);
+- ordered_pairs: ordered grids of two phases each, one kernel boundary per two phases (what the model's MXFP4
+  gate/up and down kernels would get as one grid);
 - project: the model's projection kernel per phase (`kernels.projection.project`, o_proj's tiles) and XLA's tanh;
 - xla: XLA's dot and tanh per phase.
 
@@ -52,7 +54,7 @@ import results  # noqa: E402  (benchmarks/)
 from gpu_trace import device_us_per_call  # noqa: E402
 from timing import hbm_read_bandwidth, pipelined_seconds  # noqa: E402
 
-MODES = ("kernels", "fused", "fused_volatile", "fused_late", "ordered", "project", "xla")
+MODES = ("kernels", "fused", "fused_volatile", "fused_late", "ordered", "ordered_pairs", "project", "xla")
 
 
 def product(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -115,20 +117,22 @@ def fused_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, pr
     return out
 
 
-def ordered_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, interpret: bool) -> jax.Array:
-    """The whole chain in one grid of phases x programs programs: w [L, N, N] bf16, x [N] float32 -> every phase's
-    output [L, N] float32. Program v computes phase v // programs's rows of block v % programs: weights loaded first,
-    then (phase > 0) a wait until the count of finished programs reaches phase x programs (volatile polls), the
-    previous phase's row, the product; then it adds 1 to the count. Interpret mode runs the programs in order, so
-    every wait there is already met."""
-    phases, n, k = w.shape
+def ordered_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, interpret: bool, first: int = 0,
+                  phases: int | None = None) -> jax.Array:
+    """Phases first .. first + phases - 1 of the chain (default: all) in one grid of phases x programs programs:
+    w [L, N, N] bf16, x [N] float32 -> those phases' outputs [phases, N] float32. Program v computes phase
+    v // programs's rows of block v % programs: weights loaded first, then (past the grid's first phase) a wait
+    until the count of finished programs reaches phase x programs (volatile polls), the previous phase's row, the
+    product; then it adds 1 to the count. Interpret mode runs the programs in order, so every wait there is met."""
+    n, k = w.shape[1:]
+    phases = w.shape[0] - first if phases is None else phases
     rows = n // programs
 
     def kernel(w_ref, x_ref, counter_in_ref, y_ref, counter_ref):
         del counter_in_ref  # the same buffer as counter_ref (aliased)
         v = pl.program_id(0)
         phase, r0 = v // programs, (v % programs) * rows
-        weights = w_ref[phase, pl.ds(r0, rows), pl.ds(0, k)]
+        weights = w_ref[first + phase, pl.ds(r0, rows), pl.ds(0, k)]
 
         @pl.when(phase == 0)
         def _():
@@ -157,6 +161,11 @@ def run_mode(mode: str, stacked: jax.Array, per_phase: list, transposed: list, x
                            poll="volatile" if mode == "fused_volatile" else "atomic", interpret=interpret)[-1]
     if mode == "ordered":
         return ordered_chain(stacked, x, programs=programs, num_warps=num_warps, interpret=interpret)[-1]
+    if mode == "ordered_pairs":
+        for first in range(0, stacked.shape[0], 2):
+            x = ordered_chain(stacked, x, programs=programs, num_warps=num_warps, interpret=interpret, first=first,
+                              phases=min(2, stacked.shape[0] - first))[-1]
+        return x
     for w, wt in zip(per_phase, transposed):
         if mode == "kernels":
             x = phase_kernel(w, x, programs=programs, num_warps=num_warps, interpret=interpret)
