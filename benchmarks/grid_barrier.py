@@ -23,6 +23,8 @@ bf16: 8.4 MB at 2048, the size of an o_proj), with
   any grid's, many per SM, and a waiting program's weights are in flight while the phase before it ends. It relies
   on the GPU starting a grid's programs in order (a program waits only on programs started before it, which hold
   their SMs until they finish: no deadlock however few fit at once);
+- ordered_ticket: ordered, each program's place in the chain taken from a count of started programs (an atomic,
+  its first instruction) instead of its grid index, so no order of starting is assumed (what that atomic costs);
 - ordered_pairs: ordered grids of two phases each, one kernel boundary per two phases (what the model's MXFP4
   gate/up and down kernels would get as one grid);
 - project: the model's projection kernel per phase (`kernels.projection.project`, o_proj's tiles) and XLA's tanh;
@@ -46,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from dayzero.kernels import atomics, projection, tiles
 
@@ -54,7 +57,8 @@ import results  # noqa: E402  (benchmarks/)
 from gpu_trace import device_us_per_call  # noqa: E402
 from timing import hbm_read_bandwidth, pipelined_seconds  # noqa: E402
 
-MODES = ("kernels", "fused", "fused_volatile", "fused_late", "ordered", "ordered_pairs", "project", "xla")
+MODES = ("kernels", "fused", "fused_volatile", "fused_late", "ordered", "ordered_ticket", "ordered_pairs", "project",
+         "xla")
 
 
 def product(w: jax.Array, x: jax.Array) -> jax.Array:
@@ -118,19 +122,22 @@ def fused_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, pr
 
 
 def ordered_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, interpret: bool, first: int = 0,
-                  phases: int | None = None) -> jax.Array:
+                  phases: int | None = None, ticket: bool = False) -> jax.Array:
     """Phases first .. first + phases - 1 of the chain (default: all) in one grid of phases x programs programs:
     w [L, N, N] bf16, x [N] float32 -> those phases' outputs [phases, N] float32. Program v computes phase
     v // programs's rows of block v % programs: weights loaded first, then (past the grid's first phase) a wait
     until the count of finished programs reaches phase x programs (volatile polls), the previous phase's row, the
-    product; then it adds 1 to the count. Interpret mode runs the programs in order, so every wait there is met."""
+    product; then it adds 1 to the count. With `ticket` a program's v is not its grid index but the count of programs
+    that started before it (an atomic on a second counter, its first instruction): a program then waits only on
+    programs that started earlier, in whatever order the GPU starts them. Interpret mode runs the programs in order,
+    so every wait there is met."""
     n, k = w.shape[1:]
     phases = w.shape[0] - first if phases is None else phases
     rows = n // programs
 
     def kernel(w_ref, x_ref, counter_in_ref, y_ref, counter_ref):
         del counter_in_ref  # the same buffer as counter_ref (aliased)
-        v = pl.program_id(0)
+        v = pltriton.atomic_add(counter_ref, (jnp.int32(1),), jnp.int32(1)) if ticket else pl.program_id(0)
         phase, r0 = v // programs, (v % programs) * rows
         weights = w_ref[first + phase, pl.ds(r0, rows), pl.ds(0, k)]
 
@@ -145,9 +152,9 @@ def ordered_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, 
 
         atomics.arrive(counter_ref, (jnp.int32(0),), interpret=interpret)
 
-    counter = jnp.zeros((1,), jnp.int32)
+    counter = jnp.zeros((2,), jnp.int32)  # (finished programs, started programs)
     out, _ = tiles.pallas_call(
-        kernel, out_shape=(jax.ShapeDtypeStruct((phases, n), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32)),
+        kernel, out_shape=(jax.ShapeDtypeStruct((phases, n), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32)),
         grid=(phases * programs,), input_output_aliases={2: 1}, compiler_params=tiles.compiler_params(num_warps, 1),
         interpret=interpret, name="gemv_chain_ordered")(w, x, counter)
     return out
@@ -159,8 +166,9 @@ def run_mode(mode: str, stacked: jax.Array, per_phase: list, transposed: list, x
     if mode.startswith("fused"):
         return fused_chain(stacked, x, programs=programs, num_warps=num_warps, prefetch=mode != "fused_late",
                            poll="volatile" if mode == "fused_volatile" else "atomic", interpret=interpret)[-1]
-    if mode == "ordered":
-        return ordered_chain(stacked, x, programs=programs, num_warps=num_warps, interpret=interpret)[-1]
+    if mode in ("ordered", "ordered_ticket"):
+        return ordered_chain(stacked, x, programs=programs, num_warps=num_warps, interpret=interpret,
+                             ticket=mode == "ordered_ticket")[-1]
     if mode == "ordered_pairs":
         for first in range(0, stacked.shape[0], 2):
             x = ordered_chain(stacked, x, programs=programs, num_warps=num_warps, interpret=interpret, first=first,

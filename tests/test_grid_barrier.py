@@ -29,8 +29,8 @@ def _chain():
 
 
 @pytest.mark.parametrize("mode,programs", [("kernels", 4), ("fused", 1), ("fused_volatile", 1), ("fused_late", 1),
-                                           ("ordered", 4), ("ordered_pairs", 4), ("xla", 1),
-                                           ("project", 1)])
+                                           ("ordered", 4), ("ordered_ticket", 4), ("ordered_pairs", 4),
+                                           ("xla", 1), ("project", 1)])
 def test_every_mode_computes_the_chain(mode, programs):
     per_phase, x, expected = _chain()
     out = grid_barrier.run_mode(mode, jnp.stack(per_phase), per_phase, [w.T for w in per_phase], x,
