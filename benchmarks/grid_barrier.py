@@ -2,7 +2,7 @@
 kernel per phase.
 
     python3 benchmarks/grid_barrier.py [--phases 16] [--dim 2048] [--programs 0] [--num-warps 8]
-                                       [--modes kernels,fused,fused_late,project,xla] [--results benchmarks/RESULTS.md]
+                                       [--modes kernels,ordered,...] [--results benchmarks/RESULTS.md]
 
 The batch-1 decode step is ~120 latency-bound kernels, each ~3 us over its bytes at the read bandwidth (the
 fifty-third session's H200 dump); programmatic launch did not take it out (the fifty-fifth session). This measures
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--programs", type=int, default=0, help="0: from the GPU's SM count")
     parser.add_argument("--num-warps", type=int, default=8)
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES), help="default: all of " + ", ".join(MODES))
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")

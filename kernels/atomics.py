@@ -16,10 +16,12 @@ step's conv shift, the MoE front's router choice): each adds 1 to an int32 count
 and the one that sees N - 1 does the work and sets the counter back to zero, so the counters (kept in the serving
 cache) are zero between calls.
 
-`arrive` and `wait_until` make a grid-wide barrier of the same counter: every program arrives (its stores released),
+`arrive` and `wait_until` make waits across programs of the same counter: a program arrives (its stores released),
 may issue loads that do not depend on the others' stores (the next phase's weights), then spins until the count
-reaches its target. Every program of the grid must be resident at once (a grid of at most one program per SM), and
-interpret mode, which runs programs one after another, supports only a grid of one program there.
+reaches its target. As a grid-wide barrier every program of the grid must be resident at once (at most one program
+per SM), and interpret mode, which runs programs one after another, supports only a grid of one program there; a
+program that waits only on programs started before it (a grid in phase order: benchmarks/grid_barrier.py's ordered
+chain) needs neither.
 """
 
 from __future__ import annotations
@@ -111,8 +113,8 @@ def wait_until(counter_ref, idx, target, *, interpret: bool, poll: str = "atomic
     the other programs' stores released by their `arrive` are visible to this program's later loads). `poll`: how
     the loop reads the count, "atomic" (each read such an atomic: on sm_90 a full fence and an L1 invalidate per
     read) or "volatile" (plain volatile loads from L2, the one atomic read after the loop). `idx`: a tuple of int32
-    scalars. In interpret mode the count is read once: programs run one after another there, so only a grid of one
-    program (whose own arrivals are the whole count) can use a barrier."""
+    scalars. In interpret mode the count is read once: programs run one after another there, so a barrier needs a
+    grid of one program (whose own arrivals are the whole count), and a wait on earlier programs is met already."""
     if poll not in ("atomic", "volatile"):
         raise ValueError(f"wait_until: poll must be 'atomic' or 'volatile', got {poll!r}")
     read = lambda: pltriton.atomic_add(counter_ref, idx, jnp.int32(0))
