@@ -202,9 +202,7 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="default: all of " + ", ".join(MODES))
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
-    modes = args.modes.split(",")
-    if unknown := sorted(set(modes) - set(MODES)):
-        raise SystemExit(f"--modes: unknown {unknown} (known: {', '.join(MODES)})")
+    modes = results.chosen_modes(args.modes, MODES)
     if jax.default_backend() != "gpu":
         raise SystemExit("grid_barrier.py measures a GPU; no GPU backend here")
     environment = results.xla_environment()

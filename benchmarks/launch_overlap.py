@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as pltriton
 from dayzero.kernels import grid_dependency
 
 from gpu_trace import device_us_per_call  # benchmarks/: a script's own folder is on sys.path
-from results import append_line, git_commit
+from results import append_line, chosen_modes, git_commit
 from timing import pipelined_seconds
 
 K, N, BLOCK_N, STEP_K, ROWS = 2048, 4096, 16, 512, 16
@@ -88,9 +88,7 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--results", default="benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
-    modes = args.modes.split(",")
-    if unknown := sorted(set(modes) - set(MODES)):
-        raise SystemExit(f"--modes: unknown {unknown} (known: {', '.join(MODES)})")
+    modes = chosen_modes(args.modes, MODES)
     if jax.default_backend() != "gpu":
         raise SystemExit("launch_overlap.py measures a GPU; no GPU backend here")
     weights = [jax.random.normal(jax.random.key(i), (K, N), jnp.bfloat16) * 0.02 for i in range(args.layers)]

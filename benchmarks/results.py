@@ -41,6 +41,14 @@ def line_head(script: str, device_kind: str, environment: str) -> str:
             f"XLA environment {environment}")
 
 
+def chosen_modes(text: str, known: tuple[str, ...]) -> list[str]:
+    """A benchmark's comma-separated `--modes` -> the list; exits naming the unknown ones."""
+    modes = text.split(",")
+    if unknown := sorted(set(modes) - set(known)):
+        raise SystemExit(f"--modes: unknown {unknown} (known: {', '.join(known)})")
+    return modes
+
+
 def append_line(path: str, line: str) -> None:
     """Appends one result line (newline-terminated) to `path` and prints it."""
     with open(path, "a") as f:

@@ -74,3 +74,11 @@ def test_ordered_chain_keeps_every_phase_over_several_programs():
     np.testing.assert_allclose(np.asarray(out[-1]), expected, atol=1e-5, rtol=1e-5)
     second = np.tanh(np.asarray(per_phase[1], np.float32) @ np.asarray(out[0]))
     np.testing.assert_allclose(np.asarray(out[1]), second, atol=1e-5, rtol=1e-5)
+
+
+def test_modes_are_checked_by_name():
+    import results
+
+    assert results.chosen_modes("kernels,ordered", grid_barrier.MODES) == ["kernels", "ordered"]
+    with pytest.raises(SystemExit, match="unknown \\['bogus'\\]"):
+        results.chosen_modes("kernels,bogus", grid_barrier.MODES)
