@@ -11,9 +11,9 @@ bf16: 8.4 MB at 2048, the size of an o_proj), with
 
 - kernels: one Pallas kernel per phase, `--programs` programs of dim / programs weight rows each, every program
   loading its rows in one piece;
-- fused: one Pallas kernel for the whole chain, the same programs and loads, a grid barrier
-  (`kernels.atomics.arrive` / `wait_until`) between phases, each program issuing its next phase's weight loads
-  between its arrival and its wait (the weights do not depend on the other programs' outputs);
+- fused: one Pallas kernel for the whole chain, the same programs and loads, a grid barrier between phases (each
+  program arrives with `kernels.atomics.take_turn` and waits with `wait_until`), each program issuing its next
+  phase's weight loads between its arrival and its wait (the weights do not depend on the other programs' outputs);
 - fused_volatile: fused, the wait polling the count with volatile loads (one atomic read after the loop) where
   fused polls with atomics (each a fence and an L1 invalidate on sm_90);
 - fused_late: fused with the weights loaded after the wait (what the barrier alone gains);
@@ -81,6 +81,18 @@ def phase_kernel(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, i
                              name="gemv_phase")(w, x)
 
 
+def _chain_call(kernel, w: jax.Array, x: jax.Array, phases: int, *, counters: int, grid: int, num_warps: int,
+                interpret: bool, name: str) -> jax.Array:
+    """`kernel(w_ref, x_ref, counter_in_ref, y_ref, counter_ref)` over a 1-D grid, its int32 counters zeros at each
+    call (aliased: counter_in_ref is counter_ref's buffer) -> y [phases, N] float32."""
+    out, _ = tiles.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((phases, w.shape[1]), jnp.float32),
+                           jax.ShapeDtypeStruct((counters,), jnp.int32)),
+        grid=(grid,), input_output_aliases={2: 1}, compiler_params=tiles.compiler_params(num_warps, 1),
+        interpret=interpret, name=name)(w, x, jnp.zeros((counters,), jnp.int32))
+    return out
+
+
 def fused_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, prefetch: bool,
                 interpret: bool, poll: str = "atomic") -> jax.Array:
     """The whole chain in one kernel: w [L, N, N] bf16, x [N] float32 -> every phase's output [L, N] float32
@@ -104,7 +116,7 @@ def fused_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, pr
             y_ref[phase, pl.ds(r0, rows)] = product(w_next, x)
             if phase + 1 == phases:
                 break
-            atomics.arrive(counter_ref, (jnp.int32(0),), interpret=interpret)
+            atomics.take_turn(counter_ref, (jnp.int32(0),), interpret=interpret)
             if prefetch:
                 w_next = weights(phase + 1)
             atomics.wait_until(counter_ref, (jnp.int32(0),), (phase + 1) * programs, interpret=interpret,
@@ -113,12 +125,8 @@ def fused_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, pr
                 w_next = weights(phase + 1)
             x = y_ref[phase, pl.ds(0, k)]
 
-    counter = jnp.zeros((1,), jnp.int32)
-    out, _ = tiles.pallas_call(
-        kernel, out_shape=(jax.ShapeDtypeStruct((phases, n), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.int32)),
-        grid=(programs,), input_output_aliases={2: 1}, compiler_params=tiles.compiler_params(num_warps, 1),
-        interpret=interpret, name="gemv_chain_fused")(w, x, counter)
-    return out
+    return _chain_call(kernel, w, x, phases, counters=1, grid=programs, num_warps=num_warps, interpret=interpret,
+                       name="gemv_chain_fused")
 
 
 def ordered_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, interpret: bool, first: int = 0,
@@ -150,14 +158,10 @@ def ordered_chain(w: jax.Array, x: jax.Array, *, programs: int, num_warps: int, 
             atomics.wait_until(counter_ref, (jnp.int32(0),), phase * programs, interpret=interpret, poll="volatile")
             y_ref[phase, pl.ds(r0, rows)] = product(weights, y_ref[phase - 1, pl.ds(0, k)])
 
-        atomics.arrive(counter_ref, (jnp.int32(0),), interpret=interpret)
+        atomics.take_turn(counter_ref, (jnp.int32(0),), interpret=interpret)
 
-    counter = jnp.zeros((2,), jnp.int32)  # (finished programs, started programs)
-    out, _ = tiles.pallas_call(
-        kernel, out_shape=(jax.ShapeDtypeStruct((phases, n), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32)),
-        grid=(phases * programs,), input_output_aliases={2: 1}, compiler_params=tiles.compiler_params(num_warps, 1),
-        interpret=interpret, name="gemv_chain_ordered")(w, x, counter)
-    return out
+    return _chain_call(kernel, w, x, phases, counters=2, grid=phases * programs, num_warps=num_warps,
+                       interpret=interpret, name="gemv_chain_ordered")  # counters: (finished, started) programs
 
 
 def run_mode(mode: str, stacked: jax.Array, per_phase: list, transposed: list, x: jax.Array, *, programs: int,
@@ -185,14 +189,6 @@ def run_mode(mode: str, stacked: jax.Array, per_phase: list, transposed: list, x
     return x
 
 
-def default_programs(dim: int, sm_count: int) -> int:
-    """The largest power of two dividing `dim` and at most `sm_count`."""
-    p = 1
-    while p * 2 <= sm_count and dim % (p * 2) == 0:
-        p *= 2
-    return p
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phases", type=int, default=16)
@@ -210,7 +206,7 @@ def main(argv=None) -> int:
     sm_count = getattr(device, "core_count", None)
     if not sm_count:
         raise SystemExit("grid_barrier.py: this jax does not give the GPU's SM count (device.core_count)")
-    programs = args.programs or default_programs(args.dim, sm_count)
+    programs = args.programs or tiles.pow2_divisor(args.dim, sm_count)
     if args.dim % programs or (programs > sm_count and any(m.startswith("fused") for m in modes)):
         raise SystemExit(f"--programs {programs}: must divide --dim {args.dim}, and for the fused modes be at most "
                          f"the {sm_count} SMs")

@@ -36,19 +36,20 @@ def dumped_texts(folder: str):
                 yield os.path.relpath(path, folder), f.read()
 
 
-def counts(folder: str) -> dict[str, dict[str, int]]:
-    """{file name: {instruction: occurrences}} for the files under `folder` that hold any of `INSTRUCTIONS`."""
+def counts(texts: dict[str, str]) -> dict[str, dict[str, int]]:
+    """{file name: {instruction: occurrences}} for the dumped files (`dumped_texts`) that hold any of
+    `INSTRUCTIONS`."""
     found = {}
-    for name, text in dumped_texts(folder):
+    for name, text in texts.items():
         hits = {instruction: text.count(instruction) for instruction in INSTRUCTIONS}
         if any(hits.values()):
             found[name] = hits
     return found
 
 
-def compiled_files(folder: str, kernel: str) -> list[str]:
-    """The dumped PTX / LLVM IR files under `folder` (paths relative to it) whose text names `kernel`."""
-    return [name for name, text in dumped_texts(folder) if name.endswith((".ptx", ".ll")) and kernel in text]
+def compiled_files(texts: dict[str, str], kernel: str) -> list[str]:
+    """The dumped PTX / LLVM IR files (`dumped_texts`) whose text names `kernel`."""
+    return [name for name, text in texts.items() if name.endswith((".ptx", ".ll")) and kernel in text]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     if not bool(jnp.allclose(out, expected)):
         print("the probe computed wrong values")
         return 1
-    dumped = sum(1 for _ in dumped_texts(folder))
-    found = counts(folder)
+    texts = dict(dumped_texts(folder))
+    dumped = len(texts)
+    found = counts(texts)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, PROGRAMMATIC_LAUNCH={args.launch!r}: "
           f"{dumped} files dumped into {folder}")
     for name, hits in found.items():
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     print("totals: " + ", ".join(f"{k} x{v}" for k, v in totals.items()))
     if not dumped:
         return 1
-    code = compiled_files(folder, "pdl_probe")
+    code = compiled_files(texts, "pdl_probe")
     if not code:
         print("inconclusive: no dumped PTX or LLVM IR holds the probe kernel's code, so a wait of XLA's own would not "
               "show in these counts")

@@ -16,12 +16,12 @@ step's conv shift, the MoE front's router choice): each adds 1 to an int32 count
 and the one that sees N - 1 does the work and sets the counter back to zero, so the counters (kept in the serving
 cache) are zero between calls.
 
-`arrive` and `wait_until` make waits across programs of the same counter: a program arrives (its stores released),
-may issue loads that do not depend on the others' stores (the next phase's weights), then spins until the count
-reaches its target. As a grid-wide barrier every program of the grid must be resident at once (at most one program
-per SM), and interpret mode, which runs programs one after another, supports only a grid of one program there; a
-program that waits only on programs started before it (a grid in phase order: benchmarks/grid_barrier.py's ordered
-chain) needs neither.
+`take_turn` and `wait_until` also make waits across programs of one counter: a program arrives (`take_turn`, its
+stores released), may issue loads that do not depend on the others' stores (the next phase's weights), then spins
+until the count reaches its target. As a grid-wide barrier every program of the grid must be resident at once (at
+most one program per SM), and interpret mode, which runs programs one after another, supports only a grid of one
+program there; a program that waits only on programs started before it (a grid in phase order:
+benchmarks/grid_barrier.py's ordered chain) needs neither.
 """
 
 from __future__ import annotations
@@ -102,15 +102,9 @@ def take_turn(counters_ref, idx, *, interpret: bool):
     return pltriton.atomic_add(counters_ref, idx, jnp.int32(1))
 
 
-def arrive(counter_ref, idx, *, interpret: bool) -> jax.Array:
-    """A program's arrival at a grid barrier on int32 counter_ref[idx]: `take_turn` (its earlier stores released to
-    the programs that see the count). Returns the count before it."""
-    return take_turn(counter_ref, idx, interpret=interpret)
-
-
 def wait_until(counter_ref, idx, target, *, interpret: bool, poll: str = "atomic") -> jax.Array:
     """Spins until int32 counter_ref[idx] >= target, then returns the count after an acquire-release atomic read (so
-    the other programs' stores released by their `arrive` are visible to this program's later loads). `poll`: how
+    the other programs' stores released by their `take_turn` are visible to this program's later loads). `poll`: how
     the loop reads the count, "atomic" (each read such an atomic: on sm_90 a full fence and an L1 invalidate per
     read) or "volatile" (plain volatile loads from L2, the one atomic read after the loop). `idx`: a tuple of int32
     scalars. In interpret mode the count is read once: programs run one after another there, so a barrier needs a

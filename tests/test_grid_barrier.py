@@ -55,9 +55,11 @@ def test_interpret_mode_refuses_a_barrier_over_several_programs():
 
 
 def test_default_programs_is_a_power_of_two_dividing_dim_within_the_sms():
-    assert grid_barrier.default_programs(2048, 132) == 128
-    assert grid_barrier.default_programs(2048, 78) == 64
-    assert grid_barrier.default_programs(96, 132) == 32
+    from dayzero.kernels import tiles
+
+    assert tiles.pow2_divisor(2048, 132) == 128
+    assert tiles.pow2_divisor(2048, 78) == 64
+    assert tiles.pow2_divisor(96, 132) == 32
 
 
 def test_wait_until_names_a_bad_poll():

@@ -16,7 +16,7 @@ def test_counts_each_instruction_in_the_files_that_hold_one(tmp_path):
     (tmp_path / "module.hlo.txt").write_text("custom-call(...)\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "kernel.ll").write_text("call void asm sideeffect \"griddepcontrol.launch_dependents;\"")
-    assert pdl_ptx_check.counts(str(tmp_path)) == {
+    assert pdl_ptx_check.counts(dict(pdl_ptx_check.dumped_texts(str(tmp_path)))) == {
         "module.ptx": {"griddepcontrol.wait": 2, "griddepcontrol.launch_dependents": 1},
         os.path.join("sub", "kernel.ll"): {"griddepcontrol.wait": 0, "griddepcontrol.launch_dependents": 1}}
 
@@ -25,4 +25,5 @@ def test_compiled_files_are_ptx_or_llvm_ir_naming_the_kernel(tmp_path):
     (tmp_path / "a.ptx").write_text(".entry pdl_probe(\n griddepcontrol.wait;")
     (tmp_path / "b.ll").write_text("define void @other_kernel()")
     (tmp_path / "c.txt").write_text("custom_call_target=pdl_probe")  # HLO text: not compiled code
-    assert pdl_ptx_check.compiled_files(str(tmp_path), "pdl_probe") == ["a.ptx"]
+    assert pdl_ptx_check.compiled_files(dict(pdl_ptx_check.dumped_texts(str(tmp_path))),
+                                        "pdl_probe") == ["a.ptx"]
