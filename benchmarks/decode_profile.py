@@ -6,7 +6,8 @@ with `jax.profiler`, each GPU kernel attributed to the op that XLA's optimized H
                                          [--xla-option NAME=VALUE] [--pallas router] [--dump PREFIX]
                                          [--dense-fused-prologues] [--shared-apart] [--dense-epilogue-min-pairs N]
                                          [--router-dot] [--dense-pair-partials] [--dense-tiles FIELD=VALUE]
-                                         [--set MODULE.CONSTANT=VALUE] [--projection-tiles [one.]FIELD=VALUE]
+                                         [--set MODULE.CONSTANT=VALUE]
+                                         [--projection-tiles [one.|row.|rowone.]FIELD=VALUE]
 
 `--engine serving` builds the engine with benchmarks/serving.py's options (64 rows, 33K tokens, its block pool);
 `small` sizes everything for the profiled rows only. Each batch size: the dispatch time pipelined (many dispatches,
@@ -350,16 +351,23 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="MODULE.CONSTANT=VALUE",
                         help="set a dayzero module constant for this run (repeatable; true/false/ints parsed), "
                              "e.g. model.mla.DECODE_PROJECTIONS=false or kernels.projection.CHOOSE_MAX_ROWS=16")
-    parser.add_argument("--projection-tiles", action="append", default=[], metavar="[one.]FIELD=VALUE",
+    parser.add_argument("--projection-tiles", action="append", default=[],
+                        metavar="[one.|row.|rowone.]FIELD=VALUE",
                         help="the projection kernel's default ProjectionTiles field for calls of several weights "
                              "(kernels.projection.TILES), or with 'one.' of one weight (ONE_WEIGHT_TILES: o_proj), "
+                             "or with 'row.' / 'rowone.' of one-row calls of several weights / one weight on the "
+                             "CUDA cores (ONE_ROW_TILES / ONE_ROW_ONE_WEIGHT_TILES, with "
+                             "kernels.projection.ONE_ROW_ON_CUDA_CORES), "
                              "e.g. one.k_slices=16 (repeatable)")
     args = parser.parse_args(argv)
     if args.unrolled_decode is None:  # the engine's default, resolved here so the results line names it
         args.unrolled_decode = unrolled_by_default(jax.default_backend())
     extra = use_xla_options(args.xla_option)
     for target, _, text in (pair.partition("=") for pair in args.projection_tiles):
-        constant, field = ("ONE_WEIGHT_TILES", target[4:]) if target.startswith("one.") else ("TILES", target)
+        prefix, _, rest = target.partition(".")
+        constant, field = {"one": ("ONE_WEIGHT_TILES", rest), "row": ("ONE_ROW_TILES", rest),
+                                       "rowone": ("ONE_ROW_ONE_WEIGHT_TILES", rest)}.get(
+            prefix, ("TILES", target)) if rest else ("TILES", target)
         extra[f"projection_{target}"] = value = parse_value(text)
         setattr(projection, constant, dataclasses.replace(getattr(projection, constant), **{field: value}))
     if args.pallas:

@@ -5,13 +5,22 @@
 A batch-1 decode step is a chain of ~120 kernels, each reading 0.3-30 MB (a layer's weights) and each waiting on
 the one before. Past a few hundred megabytes a read runs at the HBM roofline; a few megabytes cannot, because every
 kernel pays its launch, its programs' start, the first loads' DRAM latency and its drain before the next one may
-start. This script measures that floor with XLA's own reductions, the simplest kernels that only stream bytes in:
-for each size S, a jitted chain of K reductions of K distinct bf16 buffers of S bytes ([S / 4 KB, 2048] summed
-over the rows or over the columns, the faster of the two), K large enough that the buffers (~`--chain-mb` in all)
-far outsize the 50 MB L2, each reduction adding the previous one's first sum times 0 to its input so it depends on
-it as a layer's kernel depends on the last. Per size it reports the median kernel duration in the profiler's trace
-and the chain's wall time per kernel (calls back to back), the bytes over those times, and their share of the
-1 GiB read roofline (`timing.hbm_read_bandwidth`) measured in the same run.
+start. This script measures that floor with the simplest kernels that only stream bytes in: for each size S, a
+jitted chain of K links over K distinct bf16 buffers of S bytes ([S / 4 KB, 2048]), K large enough that the buffers
+(~`--chain-mb` in all) far outsize the 50 MB L2, each link depending on the one before as a layer's kernel depends
+on the last. Three kinds of link, the fastest kept per size:
+
+- XLA's reduction of the buffer over its rows or over its columns (adding the previous sums' first element times 0
+  to its input; XLA may run one reduction as two kernels);
+- a Pallas gemv (`grid_barrier.phase_kernel`: one weight row per program, 4 warps, the fastest launch of that
+  benchmark's sweep on the H100) of the buffer times a vector that takes the previous product's first element
+  times 0.
+
+Per size it reports the GPU time per link (all of the chain's kernels in the profiler's trace over its links) and
+the chain's wall time per link (calls back to back), the bytes over the GPU time, and their share of the 1 GiB read
+roofline (`timing.hbm_read_bandwidth`) measured in the same run. (Until the fifty-seventh session the kernel figure
+was the median of the trace's reduction kernels, which undercounted links that XLA splits into two kernels: 1 GiB
+"read" at 6.1 TB/s on an H100.)
 
 A kernel in the model that reads S bytes cannot be expected to beat the floor at S, so the sum of the floors over a
 step's kernels bounds what any tiling of the same kernels can reach, and what only fewer kernels can. The script
@@ -26,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 import jax
@@ -35,6 +43,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_trace  # noqa: E402  (benchmarks/)
 import results  # noqa: E402
+from grid_barrier import phase_kernel  # noqa: E402
 import timing  # noqa: E402
 
 ROW = 2048  # bf16 elements per row: one 4 KB row
@@ -68,28 +77,54 @@ def reduction_chain(axis: int):
     return chain
 
 
-def measure_size(size_mb: float, chain_mb: float, key: jax.Array) -> dict:
-    """One size's figures: bytes per buffer, kernels in the chain, and for the faster axis the median kernel
-    duration (us, from the trace; absent where the trace holds no GPU kernels) and the wall time per kernel (us)."""
+def gemv_chain(interpret: bool = False):
+    """A jitted function of a list of [R, C] bf16 buffers: each times a float32 vector [C] in a Pallas gemv (one row
+    per program), the vector taking the previous product's first element times 0; returns the last product [R]."""
+
+    @jax.jit
+    def chain(buffers):
+        x = jnp.ones((buffers[0].shape[1],), jnp.float32)
+        y = None
+        for buf in buffers:
+            y = phase_kernel(buf, x, programs=buf.shape[0], num_warps=4, interpret=interpret)
+            x = x + y[0] * 0.0
+        return y
+
+    return chain
+
+
+LINKS = {"reduce_rows": lambda: reduction_chain(1), "reduce_columns": lambda: reduction_chain(0),
+         "pallas_gemv": gemv_chain}
+
+
+def link_figures(chain, buffers: list[jax.Array]) -> dict:
+    """One chain's wall time per link (us, calls back to back) and, where the trace holds GPU kernels, its GPU
+    time per link (us: every kernel of one traced call over the links) and kernels per link."""
+    count = len(buffers)
+    wall_us = timing.pipelined_seconds(chain, buffers, n=3, reps=3) * 1e6 / count
+    kernels = gpu_trace.gpu_kernels(gpu_trace.traced_events(lambda: jax.block_until_ready(chain(buffers))))
+    figure = {"wall_us_per_kernel": round(wall_us, 2)}
+    if kernels:
+        figure["kernel_us"] = round(sum(e["dur"] for e in kernels) / count, 2)
+        figure["kernels_per_link"] = round(len(kernels) / count, 2)
+    return figure
+
+
+def measure_size(size_mb: float, chain_mb: float, key: jax.Array, links=tuple(LINKS)) -> dict:
+    """One size's figures: bytes per buffer, links in the chain, and for the fastest kind of link (`LINKS`, by GPU
+    time where traced, else wall time) its `link_figures` and name; every kind's time under "by_link"."""
     shape = buffer_shape(size_mb * 1e6)
     nbytes = shape[0] * shape[1] * 2
     count = chain_length(nbytes, chain_mb * 1e6)
     keys = jax.random.split(key, count)
     buffers = [jax.random.normal(k, shape, jnp.bfloat16) for k in keys]
-    best = None
-    for axis in (1, 0):
-        chain = reduction_chain(axis)
-        wall_us = timing.pipelined_seconds(chain, buffers, n=3, reps=3) * 1e6 / count
-        kernels = gpu_trace.gpu_kernels(gpu_trace.traced_events(lambda: jax.block_until_ready(chain(buffers))))
-        durations = sorted(e["dur"] for e in kernels if "reduce" in e["name"])
-        figure = {"axis": axis, "wall_us_per_kernel": round(wall_us, 2)}
-        if durations:  # (any other kernel, e.g. the carry's product unfused, is counted apart)
-            figure["kernel_us"] = round(statistics.median(durations), 2)
-            figure["reductions_traced"] = len(durations)
-            figure["other_kernels"] = len(kernels) - len(durations)
+    best, by_link = None, {}
+    for name in links:
+        figure = {"link": name, **link_figures(LINKS[name](), buffers)}
+        by_link[name] = time_us(figure)
         if best is None or time_us(figure) < time_us(best):
             best = figure
-    return {"size_mb": round(nbytes / 1e6, 3), "chain": count, **best}
+    return {"size_mb": round(nbytes / 1e6, 3), "chain": count, **best, "by_link": by_link}
 
 
 def time_us(figure: dict) -> float:
@@ -141,16 +176,17 @@ def main(argv=None) -> int:
     for i, size in enumerate(sizes):
         figure = with_shares(measure_size(size, args.chain_mb, jax.random.key(i)), read_bandwidth)
         figures.append(figure)
-        print(f"{figure['size_mb']:>9.3f} MB: kernel {figure.get('kernel_us', '-')} us, "
-              f"wall {figure['wall_us_per_kernel']} us per kernel, {figure['tb_s']} TB/s "
+        print(f"{figure['size_mb']:>9.3f} MB: GPU {figure.get('kernel_us', '-')} us per link ({figure['link']}; "
+              f"each kind {figure['by_link']}), wall {figure['wall_us_per_kernel']} us per link, {figure['tb_s']} TB/s "
               f"({100 * figure['share_of_roofline']:.1f}% of the roofline; chain of {figure['chain']})")
     fit = linear_fit(figures)
     if fit:
         print(f"fit over {fit['sizes']} sizes up to {FIT_MAX_MB:g} MB: {fit['fixed_us']} us + bytes at "
               f"{fit['stream_tb_s']} TB/s per kernel")
     results.append_line(args.results, (
-        f"{results.line_head('read_floor.py', device.device_kind, environment)}: one XLA reduction per size in a "
-        f"dependent chain of distinct buffers, 1 GiB read roofline {read_bandwidth / 1e12:.3f} TB/s: "
+        f"{results.line_head('read_floor.py', device.device_kind, environment)}: the fastest of XLA's reductions and "
+        f"a Pallas gemv per size in a dependent chain of distinct buffers (GPU time per link), 1 GiB read roofline "
+        f"{read_bandwidth / 1e12:.3f} TB/s: "
         f"{json.dumps(figures)}; fit {json.dumps(fit)}\n"))
     return 0
 

@@ -27,6 +27,10 @@ over it) and XLA adds them up, scales, rounds and adds the residual (`finished`)
 sums come back as they are (`Partials`), for a consumer kernel that adds up the columns it reads itself (the KDA
 decode step with `model.kda.PROJECTION_PARTIALS`; off: no gain measured).
 
+One-row calls (batch-1 decode) run on the CUDA cores instead (`ProjectionTiles.cuda_cores`, the default tiles
+with `ONE_ROW_ON_CUDA_CORES`): no 16-row MMA tile padded around one token; each program loads its whole K slice
+first, multiplies elementwise in float32 and sums over K once (`_vector_products`), with the same roundings.
+
 x may also come as `HeadScaled` (the KDA decode step split over value blocks: float32 values and per-head sums of
 squares): each loaded block is then scaled by its head's 1 / rms and rounded to the weights' dtype before the dot,
 the gated RMSNorm's last step done where o_proj reads its input.
@@ -73,6 +77,7 @@ class ProjectionTiles:
     num_stages: int = 3
     min_programs: int = 1024
     k_slices: int = 8
+    cuda_cores: bool = False  # one-row calls multiply on the CUDA cores (`_vector_products`); more rows ignore it
 
 
 # `project`'s tiles when the call names none: calls of several weights (a layer's input projections) and calls of
@@ -83,10 +88,28 @@ class ProjectionTiles:
 # decode's o_proj calls 0.0868 -> 0.0735 ms per token, batch 1 unchanged (0.060).
 TILES = ProjectionTiles()
 ONE_WEIGHT_TILES = ProjectionTiles(block_n=64)
+# One-row calls on the CUDA cores instead of the MMA (`ONE_ROW_ON_CUDA_CORES`): a 16-row MMA tile pads one token
+# fifteen times over, while the bytes are the same. Each program issues all of its K slice's loads first
+# (`_vector_products`), multiplies them elementwise into a float32 tile and sums over K once at the end. Why:
+# benchmarks/read_floor.py on an H100 (fifty-seventh session) streams 26.4 / 8.4 MB in one dependent kernel in
+# 10.3 / 4.5 us (XLA's row reduction), where the KDA layer's input projections / o_proj took 12.9 / 5.3 us. Measured
+# (decode_profile.py --experts mxfp4 --batches 1, H100, five pairs, each on one machine): 0.814 / 0.815 / 0.818 /
+# 0.809 / 0.817 ms per token pipelined with the MMA tiles against 0.792 / 0.796 / 0.797 / 0.791 / 0.797 on the CUDA
+# cores (the projections 277 -> 254 us per token; the KDA step and the MoE front, which read twice the partial
+# slices, +9 us). serving.py's batch-1 ITL spreads too wide to show it (RESULTS.md). Of the tiles tried, 64 columns
+# x 16 K slices at 4 warps (below) was best: 8 slices 0.816, 32 columns 0.855, 128 columns 0.808, 2 warps 0.798;
+# o_proj apart (ONE_ROW_ONE_WEIGHT_TILES) at 32 columns x 8 slices 0.801, K steps of 32 0.797.
+# tests/gpu/test_projection_gpu.py -k "cuda_cores or one_token" passes on the H100.
+ONE_ROW_ON_CUDA_CORES = True
+ONE_ROW_TILES = ProjectionTiles(block_n=64, step_k=64, num_warps=4, num_stages=1, min_programs=1024, k_slices=16,
+                                cuda_cores=True)
+ONE_ROW_ONE_WEIGHT_TILES = ONE_ROW_TILES  # one-row calls of one weight (o_proj), tunable apart
 
 
-def default_tiles(weights: int) -> ProjectionTiles:
-    """The tiles `project` takes for a call of this many weights when it is given none."""
+def default_tiles(weights: int, rows: int = MAX_ROWS) -> ProjectionTiles:
+    """The tiles `project` takes for a call of this many weights and rows when it is given none."""
+    if rows == 1 and ONE_ROW_ON_CUDA_CORES:
+        return ONE_ROW_ONE_WEIGHT_TILES if weights == 1 else ONE_ROW_TILES
     return ONE_WEIGHT_TILES if weights == 1 else TILES
 
 
@@ -308,7 +331,35 @@ def reference(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_w
     return outs
 
 
-def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm, has_residual, eps, head_scaled):
+def _vector_products(x_ref, heads_ref, norm_ref, w_ref, *, k_starts, sk, n0, width, dtype, head_scaled):
+    """One row's products on the CUDA cores: ([width] float32 sums of x's row 0 (rounded to `dtype` as the MMA path
+    rounds it: normed, or head-scaled) times w [K, N] at columns n0.., over the K steps starting at `k_starts`; the
+    row's float32 sum of squares over them, 0.0 without a norm). Every load (each step's weight block, x, the norm
+    weight or the heads' squares) is issued before any arithmetic, so the program's whole slice is in flight at
+    once; the products add up elementwise in a [sk, width] tile, and the only sums across threads (over K, and the
+    squares) come at the end, after the loads."""
+    blocks = [w_ref[pl.ds(k0, sk), pl.ds(n0, width)] for k0 in k_starts]
+    xs = [x_ref[0, pl.ds(k0, sk)] for k0 in k_starts]
+    if head_scaled:
+        head_dim, parts, head_eps = head_scaled
+        heads = [heads_ref[0, pl.ds(pl.multiple_of(k0 // head_dim * parts, parts), parts)] for k0 in k_starts]
+    norms = [norm_ref[pl.ds(k0, sk)] for k0 in k_starts] if norm_ref is not None else None
+    tile, squares = jnp.zeros((sk, width), jnp.float32), jnp.zeros((sk,), jnp.float32)
+    for i, (block, xv) in enumerate(zip(blocks, xs)):
+        if head_scaled:  # float32 values times their head's 1 / rms (a step lies within one head)
+            xv = xv * jax.lax.rsqrt(jnp.sum(heads[i]) / head_dim + head_eps)
+        else:
+            xv = xv.astype(dtype).astype(jnp.float32)  # float32 rows of 16-bit weights: rounded as they load
+            if norms is not None:
+                squares = squares + xv * xv
+                xv = norms[i].astype(jnp.float32) * xv
+        xv = xv.astype(dtype).astype(jnp.float32)
+        tile = tile + block.astype(jnp.float32) * xv[:, None]
+    return jnp.sum(tile, axis=0), (jnp.sum(squares) if norms is not None else 0.0)
+
+
+def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm, has_residual, eps, head_scaled,
+            vector=False):
     x_ref, refs = refs[0], refs[1:]
     heads_ref, refs = (refs[0], refs[1:]) if head_scaled else (None, refs)  # [M, G * P] the heads' squares
     norm_ref = refs[0] if has_norm else None
@@ -343,7 +394,30 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
     else:
         load = lambda k0: (x_block(k0), 0.0)
 
+    def run_vector(block: _Block):  # one row on the CUDA cores (`_vector_products`), then `run`'s epilogue
+        n0 = pl.multiple_of((pid - block.start) * block.width, block.width)
+        k_starts = [pl.multiple_of((part * steps + i) * sk, sk) for i in range(steps)]
+        acc, squares = _vector_products(x_ref, heads_ref, norm_ref, w_refs[block.weight], k_starts=k_starts, sk=sk,
+                                        n0=n0, width=block.width, dtype=dtype, head_scaled=head_scaled)
+        column = pl.multiple_of(block.column + n0, block.width)
+        if partial:
+            out_refs[block.group][part, 0, pl.ds(column, block.width)] = acc
+            if has_norm:
+                @pl.when(pid == 0)
+                def _():
+                    squares_ref[part, pl.ds(0, 1)] = jnp.full((1,), squares, jnp.float32)
+            return
+        if has_norm:
+            acc = acc * jax.lax.rsqrt(squares / k_dim + eps)
+        out = acc.astype(dtype)
+        if has_residual:
+            out = (res_ref[0, pl.ds(n0, block.width)].astype(dtype).astype(jnp.float32)
+                   + out.astype(jnp.float32)).astype(dtype)
+        out_refs[block.group][0, pl.ds(column, block.width)] = out
+
     def run(block: _Block):
+        if vector:
+            return run_vector(block)
         n0 = pl.multiple_of((pid - block.start) * block.width, block.width)
         w_ref = w_refs[block.weight]
 
@@ -398,13 +472,15 @@ def project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...]
         raise ValueError(f"projection kernel: {rows} rows x {k_dim} features into widths "
                          f"{[n for _, _, n in widths]} not supported (rows a power of two <= {MAX_ROWS}, "
                          "K and widths multiples of 16)")
-    tiles = tiles or default_tiles(len(widths))
+    tiles = tiles or default_tiles(len(widths), rows)
+    vector = tiles.cuda_cores and rows == 1
     sk = tiling.pow2_divisor(k_dim if head_scaled is None else head_scaled[0], tiles.step_k)
     blocks, slices = _plan(widths, k_dim // sk, tiles)
     residual_in_kernel = residual is not None and slices == 1  # else XLA adds it after the partial sums
     kernel = functools.partial(_kernel, n_weights=len(widths), n_groups=len(groups), blocks=blocks, rows=rows,
                                k_dim=k_dim, sk=sk, steps=k_dim // sk // slices, has_norm=norm_weight is not None,
-                               has_residual=residual_in_kernel, eps=float(eps), head_scaled=head_scaled)
+                               has_residual=residual_in_kernel, eps=float(eps), head_scaled=head_scaled,
+                               vector=vector)
     operands = [x, *([] if head_scaled is None else [head_squares]),
                 *([norm_weight] if norm_weight is not None else []), *([residual] if residual_in_kernel else []),
                 *(w for group in groups for w in group)]

@@ -371,3 +371,71 @@ def test_model_decode_with_the_dense_mlp_in_projection_kernels(seed, monkeypatch
     for name in plain_cache:
         c, d = np.asarray(fused_cache[name], np.float32), np.asarray(plain_cache[name], np.float32)
         assert np.abs(c - d).max() <= 2e-2 * max(np.abs(d).max(), 1e-6), name
+
+
+VECTOR = projection.ProjectionTiles(block_n=64, step_k=32, num_warps=4, num_stages=1, min_programs=1, k_slices=1,
+                                    cuda_cores=True)
+
+
+@pytest.mark.parametrize("slices", [1, 4])
+@pytest.mark.parametrize("norm", [True, False])
+def test_one_row_on_cuda_cores(seed, slices, norm):
+    """`ProjectionTiles.cuda_cores` (one row, no MMA): two groups with the norm on or off, K split or not, float32
+    rows rounded as they load, o_proj with the residual, and `HeadScaled` rows: each within rounding of the float64
+    oracle and of the MMA path; finished from `Partials` as the MMA path's are."""
+    rng = np.random.default_rng(seed)
+    tiles = dataclasses.replace(VECTOR, k_slices=slices, min_programs=10 ** 6)
+    x, w, norm_weight = _case(rng, 1, 256, (128, 64, 32, 16, 48), jnp.bfloat16)
+    groups = ((w[0], w[1], w[2]), (w[3], w[4]))
+    nw = norm_weight if norm else None
+    mma = dataclasses.replace(tiles, cuda_cores=False, num_stages=3)
+    for rows in (x, x.astype(jnp.float32) + jnp.asarray(rng.standard_normal((1, 256)) * 1e-3, jnp.float32)):
+        got = projection.project(rows, groups, norm_weight=nw, eps=1e-5, tiles=tiles, interpret=True)
+        want = projection.project(rows, groups, norm_weight=nw, eps=1e-5, tiles=mma, interpret=True)
+        for g, m, o in zip(got, want, _oracle(rows.astype(jnp.bfloat16), groups, nw, 1e-5, None)):
+            assert g.shape == m.shape == o.shape and g.dtype == jnp.bfloat16
+            scale = np.max(np.abs(o))
+            assert np.max(np.abs(np.asarray(g, np.float64) - o)) <= 1e-2 * scale
+            assert np.max(np.abs(np.asarray(g, np.float64) - np.asarray(m, np.float64))) <= 1e-2 * scale
+    parts = projection.project(x, groups, norm_weight=nw, eps=1e-5, tiles=tiles, interpret=True, finish=False)
+    if slices > 1:
+        assert all(isinstance(p, projection.Partials) and p.sums.shape[:2] == (slices, 1) for p in parts)
+        assert (parts[0].squares is not None) == norm
+    residual = jnp.asarray(rng.standard_normal((1, 128)), jnp.bfloat16)
+    (got,) = projection.project(x, ((w[0],),), residual=residual, tiles=tiles, interpret=True)
+    (oracle,) = _oracle(x, ((w[0],),), None, 0.0, residual)
+    assert np.max(np.abs(np.asarray(got, np.float64) - oracle)) <= 1e-2 * np.max(np.abs(oracle))
+    values = jnp.asarray(rng.standard_normal((1, 256)) * 4, jnp.float32)
+    squares = jnp.asarray(rng.uniform(0.5, 2.0, (1, 16)) * 16, jnp.float32)  # 8 heads of 32, 2 parts each
+    scaled = projection.HeadScaled(values, squares, 32, 1e-5, "bfloat16")
+    (got,) = projection.project(scaled, ((w[0],),), residual=residual, tiles=tiles, interpret=True)
+    (oracle,) = _oracle(projection.finished(scaled), ((w[0],),), None, 0.0, residual)
+    assert np.max(np.abs(np.asarray(got, np.float64) - oracle)) <= 1e-2 * np.max(np.abs(oracle))
+
+
+def test_one_row_calls_take_the_cuda_cores_only_when_switched_on(monkeypatch):
+    """`ONE_ROW_ON_CUDA_CORES` gives one-row calls `ONE_ROW_TILES` (CUDA cores); other calls keep their tiles."""
+    monkeypatch.setattr(projection, "ONE_ROW_ON_CUDA_CORES", False)
+    assert projection.default_tiles(3, 1) is projection.TILES
+    assert projection.default_tiles(1, 1) is projection.ONE_WEIGHT_TILES
+    monkeypatch.setattr(projection, "ONE_ROW_ON_CUDA_CORES", True)
+    assert projection.default_tiles(3, 1).cuda_cores and projection.default_tiles(1, 1).cuda_cores
+    assert projection.default_tiles(3, 2) is projection.TILES
+    assert projection.default_tiles(1, 16) is projection.ONE_WEIGHT_TILES
+
+
+def test_one_row_on_cuda_cores_lowers_to_triton(monkeypatch):
+    """With the switch on, the medium hybrid's one-row KDA input projections, o_proj with the residual and o_proj of
+    head-scaled rows each lower to one Triton kernel."""
+    monkeypatch.setattr(projection, "ONE_ROW_ON_CUDA_CORES", True)
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    x, norm = spec(1, 2048), spec(2048, dtype=jnp.float32)
+    ws = (spec(2048, 2048),) * 3 + (spec(2048, 128), spec(2048, 128), spec(2048, 16))
+    fn = lambda x, n, *w: projection.project(x, (w[:3], w[3:]), norm_weight=n, eps=1e-5, finish=False)
+    assert count_triton_kernels(fn, x, norm, *ws) == 1
+    out = lambda o, r, w: projection.project(o, ((w,),), residual=r)
+    assert count_triton_kernels(out, x, x, spec(2048, 2048)) == 1
+    scaled = lambda v, sq, r, w: projection.project(projection.HeadScaled(v, sq, 128, 1e-5, "bfloat16"), ((w,),),
+                                                    residual=r)
+    assert count_triton_kernels(scaled, spec(1, 2048, dtype=jnp.float32), spec(1, 64, dtype=jnp.float32), x,
+                                spec(2048, 2048)) == 1

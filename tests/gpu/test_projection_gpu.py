@@ -17,7 +17,9 @@ pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") fo
 
 TILES = {"default": None, "bn32": projection.ProjectionTiles(block_n=32), "k128s3":
          projection.ProjectionTiles(step_k=128, num_stages=3), "w4": projection.ProjectionTiles(num_warps=4),
-         "unsplit": projection.ProjectionTiles(k_slices=1)}
+         "unsplit": projection.ProjectionTiles(k_slices=1), "cuda_cores": projection.ONE_ROW_TILES,
+         "cuda_cores_unsplit": projection.ProjectionTiles(block_n=64, num_warps=4, num_stages=1, k_slices=1,
+                                                          cuda_cores=True)}
 
 
 def _want(x, groups, norm_weight, eps, residual):
@@ -182,4 +184,22 @@ def test_decode_step_with_the_dense_mlp_in_projection_kernels_on_gpu(monkeypatch
     assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
     for name in plain_cache:
         c, d = np.asarray(fused_cache[name], np.float32), np.asarray(plain_cache[name], np.float32)
+        assert np.abs(c - d).max() <= 2e-2 * max(np.abs(d).max(), 1e-6), name
+
+
+def test_one_token_decode_with_projections_on_cuda_cores_on_gpu(monkeypatch):
+    """The medium hybrid's first four layers (three KDA, one MLA; MXFP4 routed experts), a one-token decode step with
+    `projection.ONE_ROW_ON_CUDA_CORES` (every one-row projection on the CUDA cores) against the MMA tiles: the
+    next-token logits and the caches to bf16 rounding."""
+    from medium_prefix_cases import prefilled_medium_prefix
+
+    run, args = prefilled_medium_prefix(9, num_blocks=2, num_layers=4, batch=1, mxfp4=True)
+    monkeypatch.setattr(projection, "ONE_ROW_ON_CUDA_CORES", False)
+    plain, plain_cache = run(*args, decode=True)
+    monkeypatch.setattr(projection, "ONE_ROW_ON_CUDA_CORES", True)
+    vector, vector_cache = run(*args, decode=True)
+    a, b = np.asarray(vector, np.float64), np.asarray(plain, np.float64)
+    assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+    for name in plain_cache:
+        c, d = np.asarray(vector_cache[name], np.float32), np.asarray(plain_cache[name], np.float32)
         assert np.abs(c - d).max() <= 2e-2 * max(np.abs(d).max(), 1e-6), name
