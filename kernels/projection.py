@@ -82,7 +82,8 @@ class ProjectionTiles:
 
 # `project`'s tiles when the call names none: calls of several weights (a layer's input projections) and calls of
 # one weight (o_proj) apart, so each can be tuned (benchmarks/projection.py takes a pair, decode_profile.py
-# --projection-tiles sets either; read when `project` first traces a shape, so set them before the model runs).
+# --projection-tiles sets either; read when `project` is called, outside its jitted kernel call, so a change takes
+# effect at the caller's next trace).
 # o_proj (2048 -> 2048) in 64-column blocks: 32 x 8 = 256 programs where 128-column blocks made 128, fewer than the
 # H200's SMs; on the H200 (twenty-first session) 5.29 -> 4.45 us per call at 16 rows (projection.py), the batch-16
 # decode's o_proj calls 0.0868 -> 0.0735 ms per token, batch 1 unchanged (0.060).
@@ -449,14 +450,26 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
         pl.when((pid >= block.start) & (pid < block.start + block.count))(functools.partial(run, block))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret", "finish"))
 def project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...], *,
             norm_weight: jax.Array | None = None, eps: float = 1e-6, residual: jax.Array | None = None,
             tiles: ProjectionTiles | None = None, interpret: bool = False,
             finish: bool = True) -> tuple[Projected, ...]:
     """x [M, K] (or `HeadScaled` rows) -> one array [M, sum of the group's N] of the weights' dtype per group (see
     the module docstring). Needs `supported(M, K, widths)`. `finish` False (no residual): where K is split, each
-    group comes back as its `Partials` (`finished` makes the array of them)."""
+    group comes back as its `Partials` (`finished` makes the array of them). Without `tiles`, `default_tiles` picks
+    them here, outside the jitted kernel call, so a change of the module's tiles or switches takes effect at the next
+    trace of the caller (inside the jit they would stay as its cache first saw them)."""
+    rows = (x.values if isinstance(x, HeadScaled) else x).shape[0]
+    tiles = tiles or default_tiles(sum(len(group) for group in groups), rows)
+    return _project(x, groups, norm_weight=norm_weight, eps=eps, residual=residual, tiles=tiles,
+                    interpret=interpret, finish=finish)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret", "finish"))
+def _project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...], *, norm_weight: jax.Array | None,
+             eps: float, residual: jax.Array | None, tiles: ProjectionTiles, interpret: bool,
+             finish: bool) -> tuple[Projected, ...]:
+    """`project` with its tiles chosen."""
     _check(x, groups, norm_weight, residual)
     if residual is not None and not finish:
         raise ValueError("projection: a residual is added by finished; project(finish=False) takes none")
@@ -472,7 +485,6 @@ def project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...]
         raise ValueError(f"projection kernel: {rows} rows x {k_dim} features into widths "
                          f"{[n for _, _, n in widths]} not supported (rows a power of two <= {MAX_ROWS}, "
                          "K and widths multiples of 16)")
-    tiles = tiles or default_tiles(len(widths), rows)
     vector = tiles.cuda_cores and rows == 1
     sk = tiling.pow2_divisor(k_dim if head_scaled is None else head_scaled[0], tiles.step_k)
     blocks, slices = _plan(widths, k_dim // sk, tiles)

@@ -203,7 +203,8 @@ class KimiDeltaAttention(nn.Module):
             lower_bound=cfg.kda_gate_lower_bound, num_warps=decode_layer.NUM_WARPS,
             value_split=split, turns=turns if fits else None, low_rank_ups=ups,
             o_weight=o_weight if o_in_step else None, hoist_loads=decode_layer.HOIST_LOADS,
-            low_rank_dot=decode_layer.LOW_RANK_DOT, interpret=self.decode_layer_kind(x) == "interpret")
+            low_rank_dot=decode_layer.LOW_RANK_DOT, o_prefetch=decode_layer.O_PROJ_PREFETCH,
+            interpret=self.decode_layer_kind(x) == "interpret")
         turns = tuple(counters) if fits else (() if turns is None else (turns,))
         if o_in_step:  # o is o_proj's output already, one partial sum per head
             update = o

@@ -424,6 +424,22 @@ def test_one_row_calls_take_the_cuda_cores_only_when_switched_on(monkeypatch):
     assert projection.default_tiles(1, 16) is projection.ONE_WEIGHT_TILES
 
 
+def test_a_switch_change_takes_effect_at_the_next_trace(monkeypatch):
+    """`project` picks its default tiles outside its jit: a caller traced again after `ONE_ROW_ON_CUDA_CORES`
+    changes runs the path the switch now names (inside the jit the cached trace would have kept the first)."""
+    traced, products = [], projection._vector_products
+    monkeypatch.setattr(projection, "_vector_products", lambda *a, **k: traced.append(1) or products(*a, **k))
+    x = jnp.ones((1, 64), jnp.bfloat16)
+    w = jnp.ones((64, 32), jnp.bfloat16)
+    call = lambda: jax.jit(lambda x, w: projection.project(x, ((w,),), interpret=True))(x, w)
+    monkeypatch.setattr(projection, "ONE_ROW_ON_CUDA_CORES", False)
+    mma = call()
+    assert not traced
+    monkeypatch.setattr(projection, "ONE_ROW_ON_CUDA_CORES", True)
+    vector = call()
+    assert traced and np.array_equal(np.asarray(mma[0], np.float32), np.asarray(vector[0], np.float32))
+
+
 def test_one_row_on_cuda_cores_lowers_to_triton(monkeypatch):
     """With the switch on, the medium hybrid's one-row KDA input projections, o_proj with the residual and o_proj of
     head-scaled rows each lower to one Triton kernel."""

@@ -68,7 +68,8 @@ NUM_WARPS = 4
 VALUE_SPLIT = 8
 VALUE_SPLIT_MAX_ROWS = 2
 # `decode_step(o_weight=)`: columns of o_proj's output per step of a block's product (a power-of-two divisor of the
-# hidden size at most this), and whether each block asks its rows of the weight into L2 as it starts.
+# hidden size at most this), and whether each block asks its rows of the weight into L2 as it starts (the model
+# passes it as `decode_step(o_prefetch=)`, a static argument, so a change takes effect at its next trace).
 O_PROJ_CHUNK = 512
 O_PROJ_PREFETCH = True
 # Decode calls of at least this many rows hand the kernel f_a @ f_b and g_a @ g_b made by XLA over all rows
@@ -302,12 +303,13 @@ def _operands(projected: projection.Projected) -> tuple[list[jax.Array], tuple |
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "eps", "lower_bound", "num_warps", "value_split",
-                                             "hoist_loads", "low_rank_dot", "interpret"))
+                                             "hoist_loads", "low_rank_dot", "o_prefetch", "interpret"))
 def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, conv_cache, state_pool, slots,
                 lengths, *, layer: int, eps: float, lower_bound: float | None, num_warps: int = NUM_WARPS,
                 value_split: int = 1, turns: jax.Array | None = None,
                 low_rank_ups: tuple[jax.Array, jax.Array] | None = None, o_weight: jax.Array | None = None,
-                hoist_loads: bool = True, low_rank_dot: bool = False, interpret: bool = False):
+                hoist_loads: bool = True, low_rank_dot: bool = False, o_prefetch: bool = True,
+                interpret: bool = False):
     """One decode token per row through the KDA layer's conv, gates, recurrence and gated norm.
 
     qkv [B, 3 * H * K] (the q, k, v projections, concatenated), fgb [B, 2R + H] (the f_a and g_a projections and
@@ -342,7 +344,7 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
     kernel runs o_proj too, and o comes back as its output unfinished, a `projection.Partials` of one slice per head
     (sums [H, B, D] float32, no squares; `finished` adds them up and rounds). Each block multiplies its float32
     weight * o * gate by its K / P rows of the weight (`O_PROJ_CHUNK` columns at a time, the rows asked into L2 as
-    the program starts with `O_PROJ_PREFETCH`), and the head's last block adds its blocks' products and scales them
+    the program starts with `o_prefetch`), and the head's last block adds its blocks' products and scales them
     by the head's 1 / rms. The values go into the product unrounded: where o_proj's own kernel rounds each scaled
     value to the activations' dtype first (`projection.HeadScaled`), so the two agree to that rounding.
     """
@@ -404,7 +406,7 @@ def decode_step(qkv, fgb, conv_weights, f_b, a_log, dt_bias, g_b, norm_weight, c
                           scale=head_dim ** -0.5, eps=eps, lower_bound=lower_bound, act=act, qkv_layout=qkv_layout,
                           fgb_layout=fgb_layout, value_split=value_split, last_block_shifts=last_block_shifts,
                           ups_given=low_rank_ups is not None, o_chunk=o_chunk,
-                          prefetch=O_PROJ_PREFETCH and l2_prefetch.available(interpret), hoist_loads=hoist_loads,
+                          prefetch=o_prefetch and l2_prefetch.available(interpret), hoist_loads=hoist_loads,
                           low_rank_dot=low_rank_dot, interpret=interpret),
         grid=(batch, heads, value_split),
         in_specs=[any_spec] * len(inputs),

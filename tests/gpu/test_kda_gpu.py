@@ -257,7 +257,7 @@ def test_decode_layer_load_order_and_low_rank_dots_on_gpu(hoist_loads, low_rank_
 
 @pytest.mark.parametrize("prefetch", [True, False])
 @pytest.mark.parametrize("split,batch", [(8, 1), (4, 2)])
-def test_decode_layer_runs_o_proj_on_gpu(monkeypatch, prefetch, split, batch):
+def test_decode_layer_runs_o_proj_on_gpu(prefetch, split, batch):
     """o_proj in the split decode step (`decode_step(o_weight=)`, medium hybrid's layer, the rows asked into L2 or
     not): the caches of the step without it bit for bit, call after call with the counters back at zero, and its
     per-head partial sums adding up to o_proj of the finished `HeadScaled` rows (float64 product) to float32
@@ -266,10 +266,9 @@ def test_decode_layer_runs_o_proj_on_gpu(monkeypatch, prefetch, split, batch):
     from dayzero.kernels.kda import decode_layer
     from test_kda_kernels import decode_layer_inputs, head_scaled_o_proj
 
-    monkeypatch.setattr(decode_layer, "O_PROJ_PREFETCH", prefetch)
     seed = _seed()
     args = decode_layer_inputs(seed, batch, 16, 128, slots_total=40, padding_row=batch > 1)
-    options = dict(layer=1, eps=1e-5, lower_bound=None, value_split=split)
+    options = dict(layer=1, eps=1e-5, lower_bound=None, value_split=split, o_prefetch=prefetch)
     w = (jax.random.normal(jax.random.key(seed), (2048, 2048)) * 0.02).astype(jnp.bfloat16)
     plain = jax.jit(lambda t, *a: decode_layer.decode_step(*a, **options, turns=t))
     fused = jax.jit(lambda t, w, *a: decode_layer.decode_step(*a, **options, turns=t, o_weight=w))
