@@ -117,6 +117,12 @@ def rows_per_active_expert(n_pairs: int, n_experts: int) -> float:
     return n_pairs / max(1.0, active)
 
 
+# Programs a one- or two-token call's kernels are split over K for (`tiles_for`; the medium hybrid's gate/up kernel
+# runs 2 splits of 2 K steps, each row block finished by its last program behind a fence and a counter; a smaller
+# number leaves it unsplit, 4 K steps in a row per program). A module constant so decode_profile.py --set tries others.
+ONE_TOKEN_MIN_PROGRAMS = 512
+
+
 def tiles_for(n_pairs: int, n_experts: int) -> GemvTiles:
     """Tiles for a layer call of `n_pairs` token-expert pairs: 1-row tiles where active experts have about one row
     (`rows_per_active_expert`), else 2-row tiles that multiply a single-row tile's blocks once (`adaptive`); 32
@@ -140,7 +146,8 @@ def tiles_for(n_pairs: int, n_experts: int) -> GemvTiles:
     (1-row); adaptive 4-row tiles slower (1613 / 2462)."""
     if rows_per_active_expert(n_pairs, n_experts) <= 1.1:
         if n_pairs <= 16:  # K split only where fewer than 512 programs would run (under one wave)
-            return GemvTiles(rows=1, block_n=32, max_groups=16, min_programs=512, pack_in_kernel=True)
+            return GemvTiles(rows=1, block_n=32, max_groups=16, min_programs=ONE_TOKEN_MIN_PROGRAMS,
+                             pack_in_kernel=True)
         return GemvTiles(rows=1, block_n=32, max_groups=16)
     return GemvTiles(rows=2, block_n=32, max_groups=16, adaptive=True)
 
