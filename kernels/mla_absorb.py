@@ -60,6 +60,21 @@ class AbsorbTiles:
     step_elements: int = 4096
     num_warps: int = 4
     num_stages: int = 2
+    cuda_cores: bool = False  # one-row `absorb_queries` calls multiply without the MMA; more rows ignore it
+
+
+# One-row `absorb_queries` calls on the CUDA cores (`default_tiles`; off until measured on a GPU): the MMA pads the
+# row to 16, while each program's [block_r, nope] piece of W_UK is read once either way. Why try it: the one-row
+# projections gained that way (`projection.ONE_ROW_ON_CUDA_CORES`, fifty-seventh session), and the absorb kernel
+# takes ~5 us per MLA layer on the H100 for 2 MB of W_UK, about twice one kernel's read floor at that size
+# (benchmarks/read_floor.py). A/B: decode_profile.py --set kernels.mla_absorb.ONE_ROW_ON_CUDA_CORES=true.
+ONE_ROW_ON_CUDA_CORES = False
+
+
+def default_tiles(rows: int) -> AbsorbTiles:
+    """The tiles the model passes `absorb_queries` for `rows` query rows (read outside the kernel's jit, so a
+    change of the switch takes effect at the caller's next trace)."""
+    return AbsorbTiles(cuda_cores=rows == 1 and ONE_ROW_ON_CUDA_CORES)
 
 
 def _dims(w_kv: jax.Array, heads: int, nope: int, v_dim: int) -> int:
@@ -100,10 +115,11 @@ def absorb_reference(q: jax.Array, w_kv: jax.Array, *, heads: int, nope: int, ro
     return jnp.einsum("mhn,rhn->mhr", q[..., :nope], w), q[..., nope:]
 
 
-def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials, write):
+def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials, write, vector=False):
     """`partials`: q comes as a `projection.Partials` layout (its sums and squares refs first), finished as loaded.
     `write`: a `paged_pallas.DecodeWrite` whose operands come after w_kv (then the cache, aliased, not read), the
-    cache rows' output after q_rope's."""
+    cache rows' output after q_rope's. `vector` (one row): the products on the CUDA cores, W_UK's rows times the
+    query elementwise in float32 and summed over nope, instead of the 16-row MMA."""
     n_q = projection.operand_count(partials)
     q_refs, (w_ref, *refs) = refs[:n_q], refs[n_q:]
     if write is not None:
@@ -126,7 +142,7 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials, writ
     r0 = pl.multiple_of(j * block_r, block_r)
     w = w_ref[pl.ds(r0, block_r), pl.ds(pl.multiple_of(h * (nope + v_dim), math.gcd(nope + v_dim, nope)), nope)]
     q_nope = q_nope()
-    if rows == 1:
+    if rows == 1 and not vector:
         q_nope = jnp.broadcast_to(q_nope[None, :], (BLOCK_ROWS, nope))
     if write is not None:  # the block's row p by its program p (`writes_latents`), while W_UK's loads are in flight
         p = h * pl.num_programs(1) + j
@@ -136,8 +152,12 @@ def _absorb_kernel(*refs, rows, nope, rope, v_dim, rank, block_r, partials, writ
         def _():
             paged_pallas.store_decode_row(row, write_refs, write, cache_out[0])
 
-    out = tiling.mm_nt(q_nope, w.astype(q_nope.dtype))
-    ql_ref[index, pl.ds(pl.multiple_of(h * rank + r0, block_r), block_r)] = out.astype(ql_ref.dtype)
+    columns = pl.ds(pl.multiple_of(h * rank + r0, block_r), block_r)
+    if vector:  # [block_r, nope] weights times the row, summed over nope (bf16 products exact in float32)
+        products = w.astype(q_nope.dtype).astype(jnp.float32) * q_nope.astype(jnp.float32)[None, :]
+        ql_ref[0, columns] = jnp.sum(products, axis=1).astype(ql_ref.dtype)
+    else:
+        ql_ref[index, columns] = tiling.mm_nt(q_nope, w.astype(q_nope.dtype)).astype(ql_ref.dtype)
 
     @pl.when(j == 0)
     def _():
@@ -190,7 +210,7 @@ def absorb_queries(q: jax.Array | projection.Partials, w_kv: jax.Array, *, heads
         aliases = {len(inputs) - 1: 2}
         out_shape.append(jax.ShapeDtypeStruct(inputs[-1].shape, cache.dtype))
     kernel = functools.partial(_absorb_kernel, rows=rows, nope=nope, rope=rope, v_dim=v_dim, rank=rank,
-                               block_r=block_r, partials=partials, write=write)
+                               block_r=block_r, partials=partials, write=write, vector=tiles.cuda_cores and rows == 1)
     q_latent, q_rope, *written = tiling.pallas_call(
         kernel,
         out_shape=tuple(out_shape),

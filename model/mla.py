@@ -243,8 +243,8 @@ class MLAttention(nn.Module):
         interpret = kind == "interpret"
         written = {} if latent_write is None else dict(cache=latent_cache, latent_write=latent_write)
         q_absorbed, q_rope, *latent_cache_out = mla_absorb.absorb_queries(
-            q if unfinished else q[:, 0], w_kv, heads=heads, nope=nope, rope=rope, v_dim=v_dim, interpret=interpret,
-            **written)
+            q if unfinished else q[:, 0], w_kv, heads=heads, nope=nope, rope=rope, v_dim=v_dim,
+            tiles=mla_absorb.default_tiles(batch), interpret=interpret, **written)
         latent_cache = latent_cache_out[0] if latent_cache_out else latent_cache
         q_rope = q_rope[:, None]
         if cfg.mla_use_rope:

@@ -289,3 +289,91 @@ def test_mla_decode_writes_latents_in_the_absorb_kernel(seed, monkeypatch, q_lor
                                   np.asarray(plain_cache["latent"], np.float32))
     assert not np.array_equal(np.asarray(fused_cache["latent"], np.float32),
                               np.asarray(args[3]["latent"], np.float32))  # the step wrote its rows
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_row_absorb_on_cuda_cores(seed, dtype):
+    """`AbsorbTiles.cuda_cores` (one row, no MMA): q_nope . W_UK^T against float64 and the MMA path, the rope
+    columns copied exactly, from finished queries or the query projection's partial sums, with the latent rows
+    written as the MMA path writes them; calls of more rows ignore it."""
+    from dayzero.kernels import paged, paged_pallas, projection
+
+    rng = np.random.default_rng(seed)
+    vector = mla_absorb.AbsorbTiles(block_r=16, cuda_cores=True)
+    kw = dict(heads=HEADS, nope=NOPE, rope=ROPE, v_dim=V, interpret=True)
+    q = jnp.asarray(rng.standard_normal((1, HEADS * (NOPE + ROPE))), dtype)
+    w = _weights(rng, dtype)
+    got = mla_absorb.absorb_queries(q, w, tiles=vector, **kw)
+    mma = mla_absorb.absorb_queries(q, w, tiles=mla_absorb.AbsorbTiles(block_r=16), **kw)
+    q64 = np.asarray(q, np.float64).reshape(1, HEADS, NOPE + ROPE)
+    want = np.einsum("mhn,rhn->mhr", q64[..., :NOPE], np.asarray(w, np.float64).reshape(RANK, HEADS, NOPE + V)[
+        ..., :NOPE])
+    for lat in (got[0], mma[0]):
+        assert np.max(np.abs(np.asarray(lat, np.float64) - want)) <= _tol(dtype) * np.max(np.abs(want))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(mma[1]))
+    sums = jnp.asarray(rng.standard_normal((4, 1, HEADS * (NOPE + ROPE))), jnp.float32)
+    parts = projection.Partials(sums, jnp.asarray(rng.uniform(1, 3, (4, 1)), jnp.float32), 256, 1e-6, "bfloat16")
+    finished = projection.finished(parts)
+    w16 = w.astype(jnp.bfloat16)
+    for g, r in zip(mla_absorb.absorb_queries(parts, w16, tiles=vector, **kw),
+                    mla_absorb.absorb_queries(finished, w16, tiles=vector, **kw)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+    cache = jnp.asarray(rng.standard_normal((2, 8, 8, 48)), jnp.bfloat16)
+    rows_in = jnp.asarray(rng.standard_normal((1, 1, 48)), jnp.bfloat16)
+    write = paged_pallas.DecodeRows(1, jnp.ones((1, 4), jnp.int32), jnp.asarray([[5]], jnp.int32),
+                                    jnp.ones((1, 1), bool), rows_in, paged.LeadingNorm(jnp.ones(32, jnp.bfloat16), 32,
+                                                                                       1e-6))
+    *_, got_cache = mla_absorb.absorb_queries(finished, w16, tiles=vector, cache=cache, latent_write=write, **kw)
+    *_, mma_cache = mla_absorb.absorb_queries(finished, w16, tiles=mla_absorb.AbsorbTiles(block_r=16), cache=cache,
+                                              latent_write=write, **kw)
+    np.testing.assert_array_equal(np.asarray(got_cache, np.float32), np.asarray(mma_cache, np.float32))
+    q3 = jnp.asarray(rng.standard_normal((3, HEADS * (NOPE + ROPE))), dtype)
+    for g, r in zip(mla_absorb.absorb_queries(q3, w, tiles=vector, **kw),
+                    mla_absorb.absorb_queries(q3, w, tiles=mla_absorb.AbsorbTiles(block_r=16), **kw)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+
+
+def test_one_row_absorb_tiles_follow_the_switch(monkeypatch):
+    """`default_tiles` (what the model passes): the CUDA-core tiles for one row only where the switch is on."""
+    monkeypatch.setattr(mla_absorb, "ONE_ROW_ON_CUDA_CORES", False)
+    assert not mla_absorb.default_tiles(1).cuda_cores
+    monkeypatch.setattr(mla_absorb, "ONE_ROW_ON_CUDA_CORES", True)
+    assert mla_absorb.default_tiles(1).cuda_cores and not mla_absorb.default_tiles(2).cuda_cores
+    assert mla_absorb.default_tiles(2) == mla_absorb.AbsorbTiles()
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_one_row_absorb_on_cuda_cores_lowers_to_triton(heads):
+    """The one-row CUDA-core absorb at the medium hybrid's and DeepSeek-V3.2's head sizes, from finished queries and
+    from the query projection's partial sums: one Triton kernel each."""
+    from dayzero.kernels import projection
+
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    tiles = mla_absorb.AbsorbTiles(cuda_cores=True)
+    absorb = lambda q, w: mla_absorb.absorb_queries(q, w, heads=heads, nope=128, rope=64, v_dim=128, tiles=tiles)
+    w = spec(512, heads * 256)
+    assert count_triton_kernels(absorb, spec(1, heads * 192), w) == 1
+    split = lambda s, sq, w: absorb(projection.Partials(s, sq, 2048, 1e-5, "bfloat16"), w)
+    assert count_triton_kernels(split, spec(16, 1, heads * 192, dtype=jnp.float32), spec(16, 1, dtype=jnp.float32),
+                                w) == 1
+
+
+def test_mla_decode_with_the_one_row_absorb_on_cuda_cores(seed, monkeypatch):
+    """A one-MLA-layer model's one-row decode step through the kernels (interpret mode) with
+    `ONE_ROW_ON_CUDA_CORES`: the logits of the einsum path to bf16 rounding, the CUDA-core tiles taken."""
+    from dayzero.kernels import attention
+
+    step, (ids, positions, valid, cache, tables, slots) = prefilled_mla_layer(seed, q_lora_rank=None, kv_lora_rank=32,
+                                                                              mla_use_rope=False)
+    args = (ids[:1], positions[:1], valid[:1], cache, tables[:1], slots[:1])  # the first sequence alone: one row
+    plain, _ = step(*args, decode=True)
+    sparse = attention.sparse_mla
+    monkeypatch.setattr(attention, "sparse_mla", lambda *a, **k: sparse(*a, impl="interpret", **k))
+    monkeypatch.setattr(mla_absorb, "choose", lambda *a, impl=None: "interpret")
+    monkeypatch.setattr(mla_absorb, "ONE_ROW_ON_CUDA_CORES", True)
+    tiles, absorb = [], mla_absorb.absorb_queries
+    monkeypatch.setattr(mla_absorb, "absorb_queries", lambda *a, **k: tiles.append(k["tiles"]) or absorb(*a, **k))
+    fused, _ = step(*args, decode=True)
+    assert tiles and all(t.cuda_cores for t in tiles)
+    err = np.max(np.abs(np.asarray(fused, np.float32) - np.asarray(plain, np.float32)))
+    assert err <= 3e-2 * np.max(np.abs(np.asarray(plain, np.float32)))

@@ -153,3 +153,23 @@ def test_model_decode_writes_latents_in_the_absorb_kernel_on_gpu(monkeypatch):
     fused, _ = run(*args, decode=True)
     a, b = np.asarray(fused, np.float64), np.asarray(plain, np.float64)
     assert np.all(np.isfinite(a)) and np.linalg.norm(a - b) / np.linalg.norm(b) < 2e-2
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_one_row_absorb_on_cuda_cores_on_gpu(heads):
+    """`AbsorbTiles.cuda_cores` for one query row, compiled for real: q_nope . W_UK^T against float64 and against
+    the MMA path to bf16 rounding, the rope columns copied exactly."""
+    rng = np.random.default_rng(heads)
+    q = jnp.asarray(rng.standard_normal((1, heads * (NOPE + ROPE))), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((RANK, heads * (NOPE + V))) / np.sqrt(RANK), jnp.bfloat16)
+    absorb = jax.jit(lambda q, w, cuda: mla_absorb.absorb_queries(
+        q, w, heads=heads, nope=NOPE, rope=ROPE, v_dim=V, tiles=mla_absorb.AbsorbTiles(cuda_cores=cuda)),
+        static_argnums=2)
+    (q_lat, q_rope), (mma_lat, mma_rope) = absorb(q, w, True), absorb(q, w, False)
+    q64 = np.asarray(q, np.float64).reshape(1, heads, NOPE + ROPE)
+    want = np.einsum("mhn,rhn->mhr", q64[..., :NOPE], np.asarray(w, np.float64).reshape(RANK, heads, NOPE + V)[
+        ..., :NOPE])
+    scale = np.max(np.abs(want))
+    assert np.max(np.abs(np.asarray(q_lat, np.float64) - want)) <= 1e-2 * scale
+    assert np.max(np.abs(np.asarray(q_lat, np.float64) - np.asarray(mma_lat, np.float64))) <= 1e-2 * scale
+    np.testing.assert_array_equal(np.asarray(q_rope), np.asarray(mma_rope))
