@@ -8,13 +8,14 @@ kernel pays its launch, its programs' start, the first loads' DRAM latency and i
 start. This script measures that floor with the simplest kernels that only stream bytes in: for each size S, a
 jitted chain of K links over K distinct bf16 buffers of S bytes ([S / 4 KB, 2048]), K large enough that the buffers
 (~`--chain-mb` in all) far outsize the 50 MB L2, each link depending on the one before as a layer's kernel depends
-on the last. Three kinds of link, the fastest kept per size:
+on the last. The kinds of link (`LINKS`), the fastest kept per size:
 
 - XLA's reduction of the buffer over its rows or over its columns (adding the previous sums' first element times 0
   to its input; XLA may run one reduction as two kernels);
 - a Pallas gemv (`grid_barrier.phase_kernel`: one weight row per program, 4 warps, the fastest launch of that
   benchmark's sweep on the H100) of the buffer times a vector that takes the previous product's first element
-  times 0.
+  times 0 (an XLA kernel of its own between the gemvs: ~1 us of each link on the H100, so this kind shows the
+  Pallas launch's cost beside XLA's rather than a lower floor).
 
 Per size it reports the GPU time per link (all of the chain's kernels in the profiler's trace over its links) and
 the chain's wall time per link (calls back to back), the bytes over the GPU time, and their share of the 1 GiB read
