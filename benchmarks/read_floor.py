@@ -111,7 +111,7 @@ def link_figures(chain, buffers: list[jax.Array]) -> dict:
     return figure
 
 
-def measure_size(size_mb: float, chain_mb: float, key: jax.Array, links=tuple(LINKS)) -> dict:
+def measure_size(size_mb: float, chain_mb: float, key: jax.Array) -> dict:
     """One size's figures: bytes per buffer, links in the chain, and for the fastest kind of link (`LINKS`, by GPU
     time where traced, else wall time) its `link_figures` and name; every kind's time under "by_link"."""
     shape = buffer_shape(size_mb * 1e6)
@@ -120,7 +120,7 @@ def measure_size(size_mb: float, chain_mb: float, key: jax.Array, links=tuple(LI
     keys = jax.random.split(key, count)
     buffers = [jax.random.normal(k, shape, jnp.bfloat16) for k in keys]
     best, by_link = None, {}
-    for name in links:
+    for name in LINKS:
         figure = {"link": name, **link_figures(LINKS[name](), buffers)}
         by_link[name] = time_us(figure)
         if best is None or time_us(figure) < time_us(best):

@@ -107,7 +107,7 @@ ONE_ROW_TILES = ProjectionTiles(block_n=64, step_k=64, num_warps=4, num_stages=1
 ONE_ROW_ONE_WEIGHT_TILES = ONE_ROW_TILES  # one-row calls of one weight (o_proj), tunable apart
 
 
-def default_tiles(weights: int, rows: int = MAX_ROWS) -> ProjectionTiles:
+def default_tiles(weights: int, rows: int) -> ProjectionTiles:
     """The tiles `project` takes for a call of this many weights and rows when it is given none."""
     if rows == 1 and ONE_ROW_ON_CUDA_CORES:
         return ONE_ROW_ONE_WEIGHT_TILES if weights == 1 else ONE_ROW_TILES
@@ -395,32 +395,15 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
     else:
         load = lambda k0: (x_block(k0), 0.0)
 
-    def run_vector(block: _Block):  # one row on the CUDA cores (`_vector_products`), then `run`'s epilogue
-        n0 = pl.multiple_of((pid - block.start) * block.width, block.width)
-        k_starts = [pl.multiple_of((part * steps + i) * sk, sk) for i in range(steps)]
-        acc, squares = _vector_products(x_ref, heads_ref, norm_ref, w_refs[block.weight], k_starts=k_starts, sk=sk,
-                                        n0=n0, width=block.width, dtype=dtype, head_scaled=head_scaled)
-        column = pl.multiple_of(block.column + n0, block.width)
-        if partial:
-            out_refs[block.group][part, 0, pl.ds(column, block.width)] = acc
-            if has_norm:
-                @pl.when(pid == 0)
-                def _():
-                    squares_ref[part, pl.ds(0, 1)] = jnp.full((1,), squares, jnp.float32)
-            return
-        if has_norm:
-            acc = acc * jax.lax.rsqrt(squares / k_dim + eps)
-        out = acc.astype(dtype)
-        if has_residual:
-            out = (res_ref[0, pl.ds(n0, block.width)].astype(dtype).astype(jnp.float32)
-                   + out.astype(jnp.float32)).astype(dtype)
-        out_refs[block.group][0, pl.ds(column, block.width)] = out
-
-    def run(block: _Block):
-        if vector:
-            return run_vector(block)
-        n0 = pl.multiple_of((pid - block.start) * block.width, block.width)
+    def products(block: _Block, n0):
+        """This program's float32 sums [R, width], the rows' squares [R] (zeros without a norm) and the R rows
+        they are stored at: the 16-row MMA block, or one row on the CUDA cores (`_vector_products`)."""
         w_ref = w_refs[block.weight]
+        if vector:
+            k_starts = [pl.multiple_of((part * steps + i) * sk, sk) for i in range(steps)]
+            acc, squares = _vector_products(x_ref, heads_ref, norm_ref, w_ref, k_starts=k_starts, sk=sk, n0=n0,
+                                            width=block.width, dtype=dtype, head_scaled=head_scaled)
+            return acc[None, :], jnp.full((1,), squares, jnp.float32), pl.ds(0, 1)
 
         def step(i, carry):
             acc, squares = carry
@@ -429,22 +412,26 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
             return acc + tiling.mm(xb, w_ref[pl.ds(k0, sk), pl.ds(n0, block.width)]), squares + xx
 
         zeros = jnp.zeros((BLOCK_ROWS, block.width), jnp.float32), jnp.zeros((BLOCK_ROWS,), jnp.float32)
-        acc, squares = jax.lax.fori_loop(0, steps, step, zeros)
+        return *jax.lax.fori_loop(0, steps, step, zeros), row_index
+
+    def run(block: _Block):
+        n0 = pl.multiple_of((pid - block.start) * block.width, block.width)
+        acc, squares, rows_at = products(block, n0)
         column = pl.multiple_of(block.column + n0, block.width)
         if partial:  # the slice's sums (and, from its first program, the slice's squares) for XLA to add up
-            out_refs[block.group][part, row_index, pl.ds(column, block.width)] = acc
+            out_refs[block.group][part, rows_at, pl.ds(column, block.width)] = acc
             if has_norm:
                 @pl.when(pid == 0)
                 def _():
-                    squares_ref[part, row_index] = squares
+                    squares_ref[part, rows_at] = squares
             return
         if has_norm:
             acc = acc * jax.lax.rsqrt(squares / k_dim + eps)[:, None]
         out = acc.astype(dtype)
         if has_residual:
-            out = (res_ref[row_index, pl.ds(n0, block.width)].astype(dtype).astype(jnp.float32)
+            out = (res_ref[rows_at, pl.ds(n0, block.width)].astype(dtype).astype(jnp.float32)
                    + out.astype(jnp.float32)).astype(dtype)
-        out_refs[block.group][row_index, pl.ds(column, block.width)] = out
+        out_refs[block.group][rows_at, pl.ds(column, block.width)] = out
 
     for block in blocks:
         pl.when((pid >= block.start) & (pid < block.start + block.count))(functools.partial(run, block))
