@@ -31,6 +31,11 @@ One-row calls (batch-1 decode) run on the CUDA cores instead (`ProjectionTiles.c
 with `ONE_ROW_ON_CUDA_CORES`): no 16-row MMA tile padded around one token; each program loads its whole K slice
 first, multiplies elementwise in float32 and sums over K once (`_vector_products`), with the same roundings.
 
+With `weight_rows` the weights come stored [N_i, K] (torch's Linear layout: `model.linear.WEIGHT_ROWS`). A one-row
+call then gives each program whole weight rows (`WEIGHT_ROWS_TILES`: `block_n` output columns, every K contiguous)
+and never splits K, so each program finishes its outputs itself; calls of more rows run the MMA path over the
+blocks transposed.
+
 x may also come as `HeadScaled` (the KDA decode step split over value blocks: float32 values and per-head sums of
 squares): each loaded block is then scaled by its head's 1 / rms and rounded to the weights' dtype before the dot,
 the gated RMSNorm's last step done where o_proj reads its input.
@@ -41,7 +46,7 @@ the gated RMSNorm's last step done where o_proj reads its input.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -105,10 +110,26 @@ ONE_ROW_ON_CUDA_CORES = True
 ONE_ROW_TILES = ProjectionTiles(block_n=64, step_k=64, num_warps=4, num_stages=1, min_programs=1024, k_slices=16,
                                 cuda_cores=True)
 ONE_ROW_ONE_WEIGHT_TILES = ONE_ROW_TILES  # one-row calls of one weight (o_proj), tunable apart
+# One-row calls of weights stored [N, K] (`project(weight_rows=True)`, torch's Linear layout): `block_n` whole
+# weight rows (output columns) per program, read as K steps of `step_k` contiguous elements, K never split, so
+# each program finishes its outputs (norm scale, rounding, residual) and no partial sums go to the next kernel.
+# Why: benchmarks/gemv_layout.py on an H100 (fifty-eighth session), GPU time per link of a dependent chain with
+# one XLA glue kernel each: a Pallas gemv of whole 4 KB rows streamed the KDA input projections' 26.3 MB in 11.5 us
+# against 13.2 for `project` over the [K, N] weights (the model's groups, one-row CUDA-core tiles), 8.4 MB in 5.7
+# against 6.4, 14.9 MB in 7.9 against 8.9; this path (with the norm, the rounding and the model's groups) in 12.5,
+# 6.0 and 8.2. The model stores its weights so with `model.linear.WEIGHT_ROWS` (off until measured there).
+# Of the tiles tried there (one run): 2 rows in K steps of 512 at 4 warps for the input projections (12.53 us for
+# 26.3 MB; 1 row x 2048 12.72, 4 x 512 12.59), 4 x 512 for o_proj (6.02 us for 8.4 MB; 2 x 512 6.22).
+WEIGHT_ROWS_TILES = ProjectionTiles(block_n=2, step_k=512, num_warps=4, num_stages=1, min_programs=1, k_slices=1,
+                                    cuda_cores=True)
+WEIGHT_ROWS_ONE_WEIGHT_TILES = replace(WEIGHT_ROWS_TILES, block_n=4)
 
 
-def default_tiles(weights: int, rows: int) -> ProjectionTiles:
-    """The tiles `project` takes for a call of this many weights and rows when it is given none."""
+def default_tiles(weights: int, rows: int, weight_rows: bool = False) -> ProjectionTiles:
+    """The tiles `project` takes for a call of this many weights and rows when it is given none (`weight_rows`:
+    weights stored [N, K])."""
+    if rows == 1 and weight_rows:
+        return WEIGHT_ROWS_ONE_WEIGHT_TILES if weights == 1 else WEIGHT_ROWS_TILES
     if rows == 1 and ONE_ROW_ON_CUDA_CORES:
         return ONE_ROW_ONE_WEIGHT_TILES if weights == 1 else ONE_ROW_TILES
     return ONE_WEIGHT_TILES if weights == 1 else TILES
@@ -275,7 +296,12 @@ def supported(rows: int, k_dim: int, widths: tuple[int, ...]) -> bool:
             and all(n % 16 == 0 for n in widths))
 
 
-def _check(x, groups, norm_weight, residual):
+def _width(w: jax.Array, weight_rows: bool) -> int:
+    """A weight's output columns: N of [K, N], or of [N, K] with `weight_rows`."""
+    return w.shape[0] if weight_rows else w.shape[1]
+
+
+def _check(x, groups, norm_weight, residual, weight_rows: bool = False):
     if isinstance(x, HeadScaled):
         if x.values.ndim != 2 or x.values.shape[1] % x.head_dim or x.squares.shape[0] != x.values.shape[0] \
                 or (x.squares.shape[1] * x.head_dim) % x.values.shape[1]:
@@ -294,16 +320,18 @@ def _check(x, groups, norm_weight, residual):
         raise ValueError(f"projection: x is {x.dtype}; takes the weights' {dtype}, or float32 rows (rounded to it)")
     for g, group in enumerate(groups):
         for i, w in enumerate(group):
-            if w.ndim != 2 or w.shape[0] != k_dim or w.dtype != dtype:
+            if w.ndim != 2 or w.shape[1 if weight_rows else 0] != k_dim or w.dtype != dtype:
+                need = f"[N, {k_dim}] (weight rows)" if weight_rows else f"[{k_dim}, N]"
                 raise ValueError(f"projection: group {g} weight {i} is {w.dtype}{list(w.shape)}; x {x.dtype}"
-                                 f"{list(x.shape)} needs {dtype}[{k_dim}, N] (the first weight's dtype)")
+                                 f"{list(x.shape)} needs {dtype}{need} (the first weight's dtype)")
     if norm_weight is not None and norm_weight.shape != (k_dim,):
         raise ValueError(f"projection: norm weight {norm_weight.shape} for {k_dim} features")
     if residual is not None:
         if len(groups) != 1 or len(groups[0]) != 1:
             raise ValueError("projection: a residual needs exactly one group of one weight")
-        if residual.shape != (rows, groups[0][0].shape[1]):
-            raise ValueError(f"projection: residual {residual.shape} for output {(rows, groups[0][0].shape[1])}")
+        out = (rows, _width(groups[0][0], weight_rows))
+        if residual.shape != out:
+            raise ValueError(f"projection: residual {residual.shape} for output {out}")
         if residual.dtype not in (dtype, jnp.float32):
             raise ValueError(f"projection: residual {residual.dtype}; takes {dtype} or float32 (rounded to it)")
 
@@ -317,35 +345,43 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def reference(x: jax.Array, groups: tuple[tuple[jax.Array, ...], ...], *, norm_weight: jax.Array | None = None,
-              eps: float = 1e-6, residual: jax.Array | None = None, finish: bool = True) -> tuple[jax.Array, ...]:
+              eps: float = 1e-6, residual: jax.Array | None = None, finish: bool = True,
+              weight_rows: bool = False) -> tuple[jax.Array, ...]:
     """The XLA form of `project`: the norm, one product per weight, each group's outputs concatenated (finished
     arrays whatever `finish` says: a consumer of `project(finish=False)` takes those too)."""
-    _check(x, groups, norm_weight, residual)
+    _check(x, groups, norm_weight, residual, weight_rows)
     if isinstance(x, HeadScaled):
         x = finished(x)
     x = x.astype(groups[0][0].dtype)  # float32 rows: rounded as the kernel loads them
     h = x if norm_weight is None else rms_norm(x, norm_weight, eps)
-    outs = tuple(jnp.concatenate([jnp.dot(h, w) for w in group], axis=-1) if len(group) > 1 else jnp.dot(h, group[0])
+    dot = (lambda w: jax.lax.dot_general(h, w, (((1,), (1,)), ((), ())))) if weight_rows else (lambda w: jnp.dot(h, w))
+    outs = tuple(jnp.concatenate([dot(w) for w in group], axis=-1) if len(group) > 1 else dot(group[0])
                  for group in groups)
     if residual is not None:
         outs = (residual.astype(outs[0].dtype) + outs[0],)
     return outs
 
 
-def _vector_products(x_ref, heads_ref, norm_ref, w_ref, *, k_starts, sk, n0, width, dtype, head_scaled):
+def _vector_products(x_ref, heads_ref, norm_ref, w_ref, *, k_starts, sk, n0, width, dtype, head_scaled,
+                     weight_rows=False):
     """One row's products on the CUDA cores: ([width] float32 sums of x's row 0 (rounded to `dtype` as the MMA path
     rounds it: normed, or head-scaled) times w [K, N] at columns n0.., over the K steps starting at `k_starts`; the
     row's float32 sum of squares over them, 0.0 without a norm). Every load (each step's weight block, x, the norm
     weight or the heads' squares) is issued before any arithmetic, so the program's whole slice is in flight at
     once; the products add up elementwise in a [sk, width] tile, and the only sums across threads (over K, and the
-    squares) come at the end, after the loads."""
-    blocks = [w_ref[pl.ds(k0, sk), pl.ds(n0, width)] for k0 in k_starts]
+    squares) come at the end, after the loads. `weight_rows`: w is [N, K], its blocks [width, sk] (each output's K
+    contiguous), the tile [width, sk]."""
+    if weight_rows:
+        blocks = [w_ref[pl.ds(n0, width), pl.ds(k0, sk)] for k0 in k_starts]
+    else:
+        blocks = [w_ref[pl.ds(k0, sk), pl.ds(n0, width)] for k0 in k_starts]
     xs = [x_ref[0, pl.ds(k0, sk)] for k0 in k_starts]
     if head_scaled:
         head_dim, parts, head_eps = head_scaled
         heads = [heads_ref[0, pl.ds(pl.multiple_of(k0 // head_dim * parts, parts), parts)] for k0 in k_starts]
     norms = [norm_ref[pl.ds(k0, sk)] for k0 in k_starts] if norm_ref is not None else None
-    tile, squares = jnp.zeros((sk, width), jnp.float32), jnp.zeros((sk,), jnp.float32)
+    tile = jnp.zeros((width, sk) if weight_rows else (sk, width), jnp.float32)
+    squares = jnp.zeros((sk,), jnp.float32)
     for i, (block, xv) in enumerate(zip(blocks, xs)):
         if head_scaled:  # float32 values times their head's 1 / rms (a step lies within one head)
             xv = xv * jax.lax.rsqrt(jnp.sum(heads[i]) / head_dim + head_eps)
@@ -355,12 +391,12 @@ def _vector_products(x_ref, heads_ref, norm_ref, w_ref, *, k_starts, sk, n0, wid
                 squares = squares + xv * xv
                 xv = norms[i].astype(jnp.float32) * xv
         xv = xv.astype(dtype).astype(jnp.float32)
-        tile = tile + block.astype(jnp.float32) * xv[:, None]
-    return jnp.sum(tile, axis=0), (jnp.sum(squares) if norms is not None else 0.0)
+        tile = tile + block.astype(jnp.float32) * (xv[None, :] if weight_rows else xv[:, None])
+    return jnp.sum(tile, axis=1 if weight_rows else 0), (jnp.sum(squares) if norms is not None else 0.0)
 
 
 def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm, has_residual, eps, head_scaled,
-            vector=False):
+            vector=False, weight_rows=False):
     x_ref, refs = refs[0], refs[1:]
     heads_ref, refs = (refs[0], refs[1:]) if head_scaled else (None, refs)  # [M, G * P] the heads' squares
     norm_ref = refs[0] if has_norm else None
@@ -402,14 +438,19 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
         if vector:
             k_starts = [pl.multiple_of((part * steps + i) * sk, sk) for i in range(steps)]
             acc, squares = _vector_products(x_ref, heads_ref, norm_ref, w_ref, k_starts=k_starts, sk=sk, n0=n0,
-                                            width=block.width, dtype=dtype, head_scaled=head_scaled)
+                                            width=block.width, dtype=dtype, head_scaled=head_scaled,
+                                            weight_rows=weight_rows)
             return acc[None, :], jnp.full((1,), squares, jnp.float32), pl.ds(0, 1)
 
         def step(i, carry):
             acc, squares = carry
             k0 = pl.multiple_of((part * steps + i) * sk, sk)
             xb, xx = load(k0)
-            return acc + tiling.mm(xb, w_ref[pl.ds(k0, sk), pl.ds(n0, block.width)]), squares + xx
+            if weight_rows:  # [width, sk] of w [N, K], transposed for the dot
+                w_block = w_ref[pl.ds(n0, block.width), pl.ds(k0, sk)].T
+            else:
+                w_block = w_ref[pl.ds(k0, sk), pl.ds(n0, block.width)]
+            return acc + tiling.mm(xb, w_block), squares + xx
 
         zeros = jnp.zeros((BLOCK_ROWS, block.width), jnp.float32), jnp.zeros((BLOCK_ROWS,), jnp.float32)
         return *jax.lax.fori_loop(0, steps, step, zeros), row_index
@@ -440,24 +481,25 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
 def project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...], *,
             norm_weight: jax.Array | None = None, eps: float = 1e-6, residual: jax.Array | None = None,
             tiles: ProjectionTiles | None = None, interpret: bool = False,
-            finish: bool = True) -> tuple[Projected, ...]:
+            finish: bool = True, weight_rows: bool = False) -> tuple[Projected, ...]:
     """x [M, K] (or `HeadScaled` rows) -> one array [M, sum of the group's N] of the weights' dtype per group (see
     the module docstring). Needs `supported(M, K, widths)`. `finish` False (no residual): where K is split, each
     group comes back as its `Partials` (`finished` makes the array of them). Without `tiles`, `default_tiles` picks
     them here, outside the jitted kernel call, so a change of the module's tiles or switches takes effect at the next
-    trace of the caller (inside the jit they would stay as its cache first saw them)."""
+    trace of the caller (inside the jit they would stay as its cache first saw them). `weight_rows`: every weight
+    stored [N_i, K] instead of [K, N_i]."""
     rows = (x.values if isinstance(x, HeadScaled) else x).shape[0]
-    tiles = tiles or default_tiles(sum(len(group) for group in groups), rows)
+    tiles = tiles or default_tiles(sum(len(group) for group in groups), rows, weight_rows)
     return _project(x, groups, norm_weight=norm_weight, eps=eps, residual=residual, tiles=tiles,
-                    interpret=interpret, finish=finish)
+                    interpret=interpret, finish=finish, weight_rows=weight_rows)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret", "finish"))
+@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret", "finish", "weight_rows"))
 def _project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...], *, norm_weight: jax.Array | None,
              eps: float, residual: jax.Array | None, tiles: ProjectionTiles, interpret: bool,
-             finish: bool) -> tuple[Projected, ...]:
+             finish: bool, weight_rows: bool = False) -> tuple[Projected, ...]:
     """`project` with its tiles chosen."""
-    _check(x, groups, norm_weight, residual)
+    _check(x, groups, norm_weight, residual, weight_rows)
     if residual is not None and not finish:
         raise ValueError("projection: a residual is added by finished; project(finish=False) takes none")
     head_scaled = None
@@ -466,7 +508,7 @@ def _project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...
         x, head_squares = x.values, x.squares
     dtype = groups[0][0].dtype
     rows, k_dim = x.shape
-    widths = [(g, sum(w.shape[1] for w in group[:i]), w.shape[1])
+    widths = [(g, sum(_width(w, weight_rows) for w in group[:i]), _width(w, weight_rows))
               for g, group in enumerate(groups) for i, w in enumerate(group)]
     if not supported(rows, k_dim, tuple(n for _, _, n in widths)):
         raise ValueError(f"projection kernel: {rows} rows x {k_dim} features into widths "
@@ -474,16 +516,17 @@ def _project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...
                          "K and widths multiples of 16)")
     vector = tiles.cuda_cores and rows == 1
     sk = tiling.pow2_divisor(k_dim if head_scaled is None else head_scaled[0], tiles.step_k)
-    blocks, slices = _plan(widths, k_dim // sk, tiles)
+    # weight rows on the CUDA cores: whole rows of K per program, so no K split (each program finishes its outputs)
+    blocks, slices = _plan(widths, k_dim // sk, replace(tiles, k_slices=1) if weight_rows and vector else tiles)
     residual_in_kernel = residual is not None and slices == 1  # else XLA adds it after the partial sums
     kernel = functools.partial(_kernel, n_weights=len(widths), n_groups=len(groups), blocks=blocks, rows=rows,
                                k_dim=k_dim, sk=sk, steps=k_dim // sk // slices, has_norm=norm_weight is not None,
                                has_residual=residual_in_kernel, eps=float(eps), head_scaled=head_scaled,
-                               vector=vector)
+                               vector=vector, weight_rows=weight_rows)
     operands = [x, *([] if head_scaled is None else [head_squares]),
                 *([norm_weight] if norm_weight is not None else []), *([residual] if residual_in_kernel else []),
                 *(w for group in groups for w in group)]
-    widths_out = [sum(w.shape[1] for w in group) for group in groups]
+    widths_out = [sum(_width(w, weight_rows) for w in group) for group in groups]
     out_shape = [jax.ShapeDtypeStruct((rows, n), dtype) if slices == 1 else
                  jax.ShapeDtypeStruct((slices, rows, n), jnp.float32) for n in widths_out]
     partial_squares = slices > 1 and norm_weight is not None

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
+from . import linear
 from .config import ModelConfig
 from .errors import CheckpointError
 from .sharding import place
@@ -50,7 +51,8 @@ EXPERT_PARAMS = frozenset(EXPERT_PROJECTIONS.values())
 
 @dataclass(frozen=True)
 class Target:
-    """Where a checkpoint tensor goes. kind: copy | linear (transpose) | conv ([C,1,W] -> [C,W]) | flat (reshape)
+    """Where a checkpoint tensor goes. kind: copy | linear (transpose) | rows (a projection kept [out, in]:
+    `model.linear.WEIGHT_ROWS`; FP8 and packed integer ones dequantized) | conv ([C,1,W] -> [C,W]) | flat (reshape)
     | expert (transpose into slot `expert` of a stacked [E, ...] param) | patch (Conv2d [D,C,p,p] -> [C*p*p, D])
     | packed (MXFP4 expert blocks/scales, uint8, copied as stored)."""
 
@@ -61,6 +63,7 @@ class Target:
 
 IGNORE = Target((), "ignore")
 _SHAPE_HINTS = {"linear": " (after transposing [out, in] to [in, out])",
+                "rows": " (kept [out, in]: model.linear.WEIGHT_ROWS)",
                 "expert": " (after transposing [out, in] to [in, out])",
                 "patch": " (after flattening [out, C, p, p] and transposing to [C*p*p, out])",
                 "packed": " (MXFP4: blocks [experts, out, ceil(in/32), 16], scales [experts, out, ceil(in/32)])"}
@@ -103,6 +106,9 @@ def map_tensor_name(name: str, config: ModelConfig) -> Target | None:
         proj = EXPERT_PROJECTIONS.get(m[1])
         return None if proj is None else Target((layer, "mlp", "experts", f"{proj}_{m[2]}"), "packed")
     parts = tuple(sub.split("."))
+    if linear.WEIGHT_ROWS and len(parts) == 3 and parts[0] == "self_attn" and parts[1] in linear.ROW_MODULES \
+            and parts[2] == "weight":  # an attention projection stored [out, in] as published
+        return Target((layer, *parts), "rows")
     if len(parts) >= 2 and parts[-2] in LINEAR_MODULES and parts[-1] == "weight":
         return Target((layer, *parts[:-1], "kernel"), "linear")
     if len(parts) >= 2 and parts[-2] in LINEAR_MODULES and parts[-1] == "bias":
@@ -139,7 +145,7 @@ def published_name(path: ParamPath, config: ModelConfig | None = None) -> str:
 
 
 def _transformed_shape(target: Target, shape: tuple[int, ...], expected: tuple[int, ...]) -> tuple[int, ...] | None:
-    if target.kind in ("copy", "packed"):
+    if target.kind in ("copy", "packed", "rows"):
         return shape
     if target.kind in ("linear", "expert"):
         return tuple(reversed(shape)) if len(shape) == 2 else None
@@ -271,7 +277,7 @@ def _plan_packed_int(name: str, info: TensorInfo, infos: dict[str, TensorInfo], 
     ([in, out]) and records them in `plan.packed`; returns the problem, or None."""
     bits, group = scheme
     base = name[:-len("_packed")]
-    if target.kind not in ("linear", "expert"):
+    if target.kind not in ("linear", "expert", "rows"):
         return f"dtype mismatch: '{name}' is packed integers, but '{base}' is not a projection"
     if info.dtype != "I32":
         return f"dtype mismatch: '{name}' is {info.dtype}, expected I32 (compressed-tensors pack-quantized)"
@@ -280,7 +286,7 @@ def _plan_packed_int(name: str, info: TensorInfo, infos: dict[str, TensorInfo], 
         return f"dtype mismatch: '{name}' is packed integers but '{base}_scale' (its group scales) is absent"
     if scale.dtype not in FLOAT_SOURCES:
         return f"dtype mismatch: '{base}_scale' is {scale.dtype}, expected a floating-point tensor"
-    in_dim, out_dim = want_shape
+    in_dim, out_dim = want_shape[::-1] if target.kind == "rows" else want_shape
     need_packed, need_scale = (out_dim, -(-in_dim * bits // 32)), (out_dim, -(-in_dim // group))
     if info.shape != need_packed or scale.shape != need_scale:
         return (f"shape mismatch: '{name}' is {list(info.shape)} and '{base}_scale' {list(scale.shape)}; the model's "

@@ -36,6 +36,7 @@ import numpy as np
 from flax import traverse_util
 from tqdm.auto import tqdm
 
+from . import linear
 from .checkpoint import ParamPath, published_name, stream_params
 from .config import ModelConfig
 from .errors import CheckpointError, DayzeroError
@@ -154,7 +155,7 @@ def convert_checkpoint(source: str | os.PathLike, out: str | os.PathLike, dtype:
         json.dump(raw, f, indent=2)
     marker = {"format": FORMAT, "version": FORMAT_VERSION, "dtype": dtype.name, "model_type": config.model_type,
               "source_dtype": config.checkpoint_dtype, "quant_method": config.quant_method, "nbytes": total,
-              "items": items}
+              "weight_rows": linear.WEIGHT_ROWS, "items": items}
     with open(os.path.join(out, MARKER), "w") as f:
         json.dump(marker, f, indent=1)
     return ConvertReport(len(expected), total, len(items), dtype.name, time.perf_counter() - start)
@@ -184,6 +185,12 @@ def read_marker(path: str | os.PathLike) -> dict[str, Any]:
 def _check_against_config(path: str, marker: dict[str, Any], config: ModelConfig,
                           stored: dict[ParamPath, jax.ShapeDtypeStruct]) -> None:
     """Every problem between the stored params (per the marker) and the config's params, raised together."""
+    if bool(marker.get("weight_rows", False)) != linear.WEIGHT_ROWS:
+        layouts = {True: "[out, in]", False: "[in, out]"}
+        raise CheckpointError(f"{path}: the attention projections are stored "
+                              f"{layouts[bool(marker.get('weight_rows', False))]}; this process builds them "
+                              f"{layouts[linear.WEIGHT_ROWS]} (model.linear.WEIGHT_ROWS = {linear.WEIGHT_ROWS}): "
+                              "set it as it was at conversion, or convert the hub checkpoint again")
     listed: dict[str, dict] = {}
     for item in marker["items"]:
         listed.update(item.get("params", {}))

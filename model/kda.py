@@ -9,6 +9,7 @@ gate, beta, the delta-rule scan, a gated RMSNorm and the output projection.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -23,7 +24,7 @@ from dayzero.kernels.kda import reference as kda_reference
 
 from . import sharding
 from .config import ModelConfig
-from .mla import dense
+from .linear import decode_weight, dense, out_features, projection_dense
 from .norms import GatedRMSNorm
 
 # Whether `decode_in_place` hands the projection kernel's split-K partial sums to the decode-step kernel, which adds
@@ -96,18 +97,18 @@ class KimiDeltaAttention(nn.Module):
         cfg = self.config
         heads, head_dim = cfg.kda_num_heads, cfg.kda_head_dim
         dim = cfg.kda_dim
-        self.q_proj, self.k_proj, self.v_proj = (dense(dim, self.dtype) for _ in range(3))
+        self.q_proj, self.k_proj, self.v_proj = (projection_dense(dim, self.dtype) for _ in range(3))
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (
             ShortConv(dim, cfg.kda_conv_size, self.dtype) for _ in range(3))
         self.A_log = self.param("A_log", _a_log_init, (heads,), jnp.float32)
         self.dt_bias = self.param("dt_bias", _dt_bias_init, (dim,), jnp.float32)
-        self.f_a_proj = dense(head_dim, self.dtype)
+        self.f_a_proj = projection_dense(head_dim, self.dtype)
         self.f_b_proj = dense(dim, self.dtype)
-        self.b_proj = dense(heads, self.dtype)
-        self.g_a_proj = dense(head_dim, self.dtype)
+        self.b_proj = projection_dense(heads, self.dtype)
+        self.g_a_proj = projection_dense(head_dim, self.dtype)
         self.g_b_proj = dense(dim, self.dtype)
         self.o_norm = GatedRMSNorm(eps=cfg.rms_norm_eps, param_dtype=self.dtype)
-        self.o_proj = dense(cfg.hidden_size, self.dtype)
+        self.o_proj = projection_dense(cfg.hidden_size, self.dtype)
 
     def _inputs(self, x, conv_state=None, lengths=None):
         """-> q, k, v [B, T, H, K], g [B, T, H, K] f32, beta [B, T, H] f32, conv state [B, 3, dim, W - 1]."""
@@ -168,18 +169,22 @@ class KimiDeltaAttention(nn.Module):
         (row, head) program.
 
         `unfinished`: the first result is (o_proj's output as `project(finish=False)` gives it, x [B, D]) instead of
-        their sum [B, 1, D], for a consumer that adds them up itself (`kernels.moe_front`). `turns`: the cache's
-        "kda_turns" counters (or None), with which a step split over value blocks shifts q's and k's conv inputs in
-        its kernel; then the results end with the counters (kept zero), as a fourth."""
+        their sum [B, 1, D], for a consumer that adds them up itself (`kernels.moe_front`); with the weights stored
+        [out, in] (`linear.WEIGHT_ROWS`: o_proj's kernel finishes its outputs) it is (None, their sum [B, D]).
+        `turns`: the cache's "kda_turns" counters (or None), with which a step split over value blocks shifts q's and
+        k's conv inputs in its kernel; then the results end with the counters (kept zero), as a fourth."""
         cfg = self.config
         rows = x[:, 0]
         weight = lambda module, name="kernel": module.variables["params"][name]
-        inputs = (tuple(weight(p) for p in (self.q_proj, self.k_proj, self.v_proj)),
-                  tuple(weight(p) for p in (self.f_a_proj, self.g_a_proj, self.b_proj)))
+        # the input projections and o_proj share one layout (`linear.WEIGHT_ROWS`)
+        weight_rows = decode_weight(self.q_proj)[1]
+        inputs = (tuple(decode_weight(p)[0] for p in (self.q_proj, self.k_proj, self.v_proj)),
+                  tuple(decode_weight(p)[0] for p in (self.f_a_proj, self.g_a_proj, self.b_proj)))
         if PROJECTIONS_AS_ONE:  # q|k|v|f_a|g_a|b side by side (one XLA fusion finishes them where K is split)
             inputs = (inputs[0] + inputs[1],)
         project = projection.by_kind(projection.choose(rows.shape[0], rows.shape[1],
-                                                       tuple(w.shape[1] for g in inputs for w in g)))
+                                                       tuple(out_features(w, weight_rows) for g in inputs for w in g)))
+        project = functools.partial(project, weight_rows=weight_rows)
         projected = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps,
                             finish=not PROJECTION_PARTIALS)
         qkv, fgb = projected if len(projected) == 2 else (projected[0], None)
@@ -194,8 +199,9 @@ class KimiDeltaAttention(nn.Module):
                 ups = decode_layer.low_rank_ups(fgb, f_b, g_b)
         fits = turns is not None and turns.shape[1] >= rows.shape[0]  # else: the XLA scatter, the counters untouched
         split = decode_layer.value_split(rows.shape[0], cfg.kda_head_dim)
-        o_weight = weight(self.o_proj)
-        o_in_step = O_PROJ_IN_STEP and fits and split > 1 and o_weight.dtype == jnp.dtype(self.dtype)
+        o_weight = decode_weight(self.o_proj)[0]
+        o_in_step = (O_PROJ_IN_STEP and fits and split > 1 and o_weight.dtype == jnp.dtype(self.dtype)
+                     and not weight_rows)  # the step kernel reads o_proj's weight [H * K, D]
         o, conv_cache, state_pool, *counters = decode_layer.decode_step(
             qkv, fgb, tuple(weight(c, "weight") for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)),
             f_b, self.A_log, self.dt_bias, g_b, weight(self.o_norm, "weight"),
@@ -208,6 +214,9 @@ class KimiDeltaAttention(nn.Module):
         turns = tuple(counters) if fits else (() if turns is None else (turns,))
         if o_in_step:  # o is o_proj's output already, one partial sum per head
             update = o
+        elif unfinished and weight_rows:  # o_proj finishes its outputs: the residual added there, no update left
+            (out,) = project(o, ((o_weight,),), residual=rows)
+            return ((None, out), conv_cache, state_pool, *turns)
         elif unfinished:
             (update,) = project(o, ((o_weight,),), finish=False)
         else:  # the residual added in o_proj's kernel

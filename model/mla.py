@@ -11,6 +11,7 @@ to the lower position everywhere).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -24,6 +25,7 @@ from dayzero.kernels import mla_absorb, paged, paged_pallas, projection
 
 from . import rope as rope_lib
 from .config import ModelConfig
+from .linear import decode_weight, dense, projection_dense
 from .norms import LayerNorm, RMSNorm
 
 # Decode steps of up to `projection.CHOOSE_MAX_ROWS` rows run the layer's input norm with the query and latent
@@ -50,12 +52,6 @@ PROJECTION_PARTIALS = True
 # 'latent_rows or writes_latents' passes, and the CPU interpret tests give the cache bit for bit as the write kernel
 # leaves it.
 LATENT_WRITE_IN_ABSORB = True
-
-
-def dense(features: int, dtype, use_bias: bool = False, name: str | None = None) -> nn.Dense:
-    """A linear layer with kernel [in, out] stored in `dtype` (the checkpoint's [out, in] weight transposed)."""
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, name=name,
-                    kernel_init=nn.initializers.normal(0.02))
 
 
 def _rope_split(x: jax.Array, rope_dim: int, cos, sin) -> jax.Array:
@@ -124,15 +120,15 @@ class MLAttention(nn.Module):
         cfg = self.config
         bias = cfg.attention_bias
         if cfg.q_lora_rank is None:
-            self.q_proj = dense(cfg.num_heads * cfg.qk_head_dim, self.dtype)
+            self.q_proj = projection_dense(cfg.num_heads * cfg.qk_head_dim, self.dtype)
         else:
-            self.q_a_proj = dense(cfg.q_lora_rank, self.dtype, use_bias=bias)
+            self.q_a_proj = projection_dense(cfg.q_lora_rank, self.dtype, use_bias=bias)
             self.q_a_layernorm = RMSNorm(eps=1e-6, param_dtype=self.dtype)
             self.q_b_proj = dense(cfg.num_heads * cfg.qk_head_dim, self.dtype)
-        self.kv_a_proj_with_mqa = dense(cfg.kv_lora_rank + cfg.qk_rope_head_dim, self.dtype, use_bias=bias)
+        self.kv_a_proj_with_mqa = projection_dense(cfg.kv_lora_rank + cfg.qk_rope_head_dim, self.dtype, use_bias=bias)
         self.kv_a_layernorm = RMSNorm(eps=1e-6, param_dtype=self.dtype)
         self.kv_b_proj = dense(cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), self.dtype)
-        self.o_proj = dense(cfg.hidden_size, self.dtype, use_bias=bias)
+        self.o_proj = projection_dense(cfg.hidden_size, self.dtype, use_bias=bias)
         if cfg.use_dsa:
             self.indexer = Indexer(cfg, self.dtype)
 
@@ -203,10 +199,10 @@ class MLAttention(nn.Module):
         return self.kv_b_proj.variables["params"]["kernel"]
 
     def _out(self, o, out_project=None):
-        """o [B, T, H * v] -> o_proj(o) [B, T, D], or `out_project(o, o_proj's kernel)`: o_proj by other means (the
-        decode projections with the residual added)."""
+        """o [B, T, H * v] -> o_proj(o) [B, T, D], or `out_project(o, o_proj's weight)`: o_proj by other means (the
+        decode projections with the residual added; the weight as `linear.decode_weight` gives it)."""
         if out_project is not None:
-            return out_project(o, self.o_proj.variables["params"]["kernel"])
+            return out_project(o, decode_weight(self.o_proj)[0])
         return self.o_proj(o)
 
     def _absorbed(self, q_nope, q_rope, latent_cache, layer: int, block_tables, query_positions, indices,
@@ -303,7 +299,7 @@ class MLAttention(nn.Module):
         before its input RMSNorm and out is x + attention(norm(x)): the norm with the query and latent projections
         is one `kernels.projection` call, o_proj with the residual add another; with `unfinished` too, out is
         (o_proj's output as `project(finish=False)` gives it, x [B, D]) for a consumer that adds them up itself
-        (`kernels.moe_front`)."""
+        (`kernels.moe_front`), or with the weights stored [out, in] (`linear.WEIGHT_ROWS`) (None, their sum [B, D])."""
         cfg = self.config
         cos, sin = self._rope(positions)
         projected, out_project = (None, None), None
@@ -313,18 +309,20 @@ class MLAttention(nn.Module):
             if kind == "reference":
                 raise ValueError("MLAttention.step: a norm weight is for the decode projections, which these rows "
                                  f"{x.shape} do not take")
-            project = projection.by_kind(kind)
             first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
             rows = x[:, 0]
-            q, kv = project(rows, ((first.variables["params"]["kernel"],),
-                                   (self.kv_a_proj_with_mqa.variables["params"]["kernel"],)),
-                            norm_weight=norm_weight, eps=cfg.rms_norm_eps, finish=not PROJECTION_PARTIALS)
+            (q_weight, weight_rows), (kv_weight, _) = decode_weight(first), decode_weight(self.kv_a_proj_with_mqa)
+            project = functools.partial(projection.by_kind(kind), weight_rows=weight_rows)  # o_proj's layout too
+            q, kv = project(rows, ((q_weight,), (kv_weight,)), norm_weight=norm_weight, eps=cfg.rms_norm_eps,
+                            finish=not PROJECTION_PARTIALS)
             # partial sums stay unfinished where the next kernel finishes them: the absorb kernel (no query LoRA),
             # the cache write (no rope on the shared key)
             keep = (absorb != "reference" and cfg.q_lora_rank is None, not cfg.mla_use_rope)
             projected = tuple(out if taken and isinstance(out, projection.Partials) else
                               projection.finished(out)[:, None] for out, taken in zip((q, kv), keep))
-            if unfinished:
+            if unfinished and weight_rows:  # o_proj finishes its outputs: the residual added there, no update left
+                out_project = lambda o, w: (None, project(o[:, 0], ((w,),), residual=rows)[0])
+            elif unfinished:
                 out_project = lambda o, w: (project(o[:, 0], ((w,),), finish=False)[0], rows)
             else:
                 out_project = lambda o, w: project(o[:, 0], ((w,),), residual=rows)[0][:, None]

@@ -19,7 +19,7 @@ from flax import traverse_util
 from dayzero import platforms
 from dayzero.kernels import dispatch, mxfp4
 
-from . import sharding
+from . import linear, sharding
 from .checkpoint import ParamPath, load_params
 from .convert import is_converted, restore_converted
 from .config import ModelConfig
@@ -52,12 +52,15 @@ def expected_params(config: ModelConfig, dtype: jnp.dtype) -> dict[ParamPath, ja
     try:
         hash(config)
     except TypeError:  # a field holding a list: trace it every time
-        return dict(_traced_params.__wrapped__(config, dtype))
-    return dict(_traced_params(config, dtype))
+        return dict(_traced_params.__wrapped__(config, dtype, linear.WEIGHT_ROWS))
+    return dict(_traced_params(config, dtype, linear.WEIGHT_ROWS))
 
 
 @functools.lru_cache(maxsize=8)
-def _traced_params(config: ModelConfig, dtype: jnp.dtype) -> tuple[tuple[ParamPath, jax.ShapeDtypeStruct], ...]:
+def _traced_params(config: ModelConfig, dtype: jnp.dtype,
+                   weight_rows: bool) -> tuple[tuple[ParamPath, jax.ShapeDtypeStruct], ...]:
+    """`expected_params` as a tuple; `weight_rows` (`linear.WEIGHT_ROWS`, which the modules read as they are set
+    up) is part of the cache key: it changes the attention projections' params."""
     module = Decoder(config, dtype)
     shapes = jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
     if config.vision is not None:

@@ -19,7 +19,7 @@ from dayzero.kernels.moe_workspace import Workspace
 
 from . import sharding
 from .config import MLP_MOE, ModelConfig
-from .mla import dense
+from .linear import dense
 from .norms import RMSNorm
 
 # Token counts up to which the shared experts run as one expert of the grouped kernels. On the H200 (medium hybrid,

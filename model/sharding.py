@@ -52,6 +52,11 @@ PARAM_RULES: tuple[tuple[str, tuple], ...] = (
     (r"kda/o_proj/kernel", (("tensor", "kda_heads"), None)),                         # [H*K, D]
     (r"mla/(q_proj|q_b_proj|kv_b_proj)/kernel", (None, ("tensor", "mla_heads"))),    # [., H*(nope+rope|nope+v)]
     (r"mla/o_proj/kernel", (("tensor", "mla_heads"), None)),                         # [H*v, D]
+    # the same projections stored [out, in] (`model.linear.WEIGHT_ROWS`)
+    (r"kda/(q|k|v|b)_proj/weight", (("tensor", "kda_heads"),)),                      # [H*K, D], [H, D]
+    (r"kda/o_proj/weight", (None, ("tensor", "kda_heads"))),                         # [D, H*K]
+    (r"mla/q_proj/weight", (("tensor", "mla_heads"),)),                              # [H*(nope+rope), D]
+    (r"mla/o_proj/weight", (None, ("tensor", "mla_heads"))),                         # [D, H*v]
     (r"(mlp|moe/shared_experts)/(gate_proj|up_proj)/kernel", (None, ("tensor", "dim"))),  # [D, I]
     (r"(mlp|moe/shared_experts)/down_proj/kernel", (("tensor", "dim"), None)),            # [I, D]
     (r"moe/experts/\w+", (("expert", "experts"),)),                                  # [E, ...] any format

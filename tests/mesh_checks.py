@@ -28,7 +28,7 @@ import numpy as np
 from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
-from dayzero.model import load_checkpoint, sharding
+from dayzero.model import linear, load_checkpoint, sharding
 from dayzero.model.config import LAYER_KDA, LAYER_MLA, MLP_DENSE, MLP_MOE
 from dayzero.model.model import Model, expected_params
 from dayzero.model.presets import tiny
@@ -100,6 +100,12 @@ def check_hybrid(ids: np.ndarray) -> None:
     check_logits("hybrid fp32", config, numpy_params(config, 0), ids, MESHES)
     config = hybrid_config(quant_method="mxfp4")
     check_logits("hybrid mxfp4", config, numpy_params(config, 1), ids, MESHES[1:2])
+    linear.WEIGHT_ROWS = True  # the attention projections stored [out, in], split by their own rules
+    try:
+        config = hybrid_config()
+        check_logits("hybrid weight-rows", config, numpy_params(config, 2), ids, MESHES[1:2])
+    finally:
+        linear.WEIGHT_ROWS = False
 
 
 def check_checkpoint(path: str, ids: np.ndarray, meshes, expect_quantized: bool) -> None:

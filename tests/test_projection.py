@@ -455,3 +455,70 @@ def test_one_row_on_cuda_cores_lowers_to_triton(monkeypatch):
                                                     residual=r)
     assert count_triton_kernels(scaled, spec(1, 2048, dtype=jnp.float32), spec(1, 64, dtype=jnp.float32), x,
                                 spec(2048, 2048)) == 1
+
+
+ROWS_TILES = projection.ProjectionTiles(block_n=2, step_k=32, num_warps=4, num_stages=1, min_programs=1, k_slices=1,
+                                        cuda_cores=True)
+
+
+@pytest.mark.parametrize("rows,tiles", [(1, ROWS_TILES), (1, None), (4, SMALL)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_weight_rows(seed, rows, tiles, norm):
+    """`project(weight_rows=True)`: the weights stored [N, K] (torch's Linear layout), one row on the CUDA cores with
+    whole weight rows per program (K never split: finished outputs even with `finish=False`) or several rows on the
+    MMA: two groups with the norm on or off, float32 rows rounded as they load, o_proj with the residual and
+    `HeadScaled` rows; each within rounding of the float64 oracle and of the [K, N] path on the same weights."""
+    rng = np.random.default_rng(seed)
+    x, w, norm_weight = _case(rng, rows, 256, (128, 64, 32, 16, 48), jnp.bfloat16)
+    rows_of = lambda gs: tuple(tuple(jnp.asarray(a.T) for a in g) for g in gs)  # the same weights, [N, K]
+    groups = ((w[0], w[1], w[2]), (w[3], w[4]))
+    nw = norm_weight if norm else None
+    noisy = x.astype(jnp.float32) + jnp.asarray(rng.standard_normal(x.shape) * 1e-3, jnp.float32)
+    for xs in (x, noisy):
+        got = projection.project(xs, rows_of(groups), norm_weight=nw, eps=1e-5, tiles=tiles, interpret=True,
+                                 weight_rows=True, finish=False)
+        kn = projection.project(xs, groups, norm_weight=nw, eps=1e-5, interpret=True)
+        xla = projection.reference(xs, rows_of(groups), norm_weight=nw, eps=1e-5, weight_rows=True)
+        for g, k, r, o in zip(got, kn, xla, _oracle(xs.astype(jnp.bfloat16), groups, nw, 1e-5, None)):
+            assert isinstance(g, jax.Array) and g.shape == k.shape == r.shape == o.shape and g.dtype == jnp.bfloat16
+            scale = np.max(np.abs(o))
+            for other in (o, k, r):
+                assert np.max(np.abs(np.asarray(g, np.float64) - np.asarray(other, np.float64))) <= 1e-2 * scale
+    residual = jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16)
+    (got,) = projection.project(x, rows_of(((w[0],),)), residual=residual, tiles=tiles, interpret=True,
+                                weight_rows=True)
+    (oracle,) = _oracle(x, ((w[0],),), None, 0.0, residual)
+    assert np.max(np.abs(np.asarray(got, np.float64) - oracle)) <= 1e-2 * np.max(np.abs(oracle))
+    values = jnp.asarray(rng.standard_normal((rows, 256)) * 4, jnp.float32)
+    squares = jnp.asarray(rng.uniform(0.5, 2.0, (rows, 16)) * 16, jnp.float32)  # 8 heads of 32, 2 parts each
+    scaled = projection.HeadScaled(values, squares, 32, 1e-5, "bfloat16")
+    (got,) = projection.project(scaled, rows_of(((w[0],),)), residual=residual, tiles=tiles, interpret=True,
+                                weight_rows=True)
+    (oracle,) = _oracle(projection.finished(scaled), ((w[0],),), None, 0.0, residual)
+    assert np.max(np.abs(np.asarray(got, np.float64) - oracle)) <= 1e-2 * np.max(np.abs(oracle))
+
+
+def test_weight_rows_names_the_layout_it_needs():
+    """A [K, N] weight handed over as weight rows is refused, naming the [N, K] shape it needs."""
+    x = jnp.ones((1, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"needs bfloat16\[N, 64\] \(weight rows\)"):
+        projection.project(x, ((jnp.ones((64, 32), jnp.bfloat16),),), interpret=True, weight_rows=True)
+    assert projection.default_tiles(6, 1, weight_rows=True) is projection.WEIGHT_ROWS_TILES
+    assert projection.default_tiles(1, 1, weight_rows=True) is projection.WEIGHT_ROWS_ONE_WEIGHT_TILES
+    assert projection.default_tiles(1, 2, weight_rows=True) is projection.ONE_WEIGHT_TILES  # MMA, [N, K] blocks
+
+
+def test_weight_rows_lower_to_triton():
+    """The medium hybrid's one-row KDA input projections, o_proj with the residual and o_proj of head-scaled rows,
+    from weights stored [N, K], each lower to one Triton kernel."""
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    x, norm = spec(1, 2048), spec(2048, dtype=jnp.float32)
+    ws = (spec(2048, 2048),) * 3 + (spec(128, 2048), spec(128, 2048), spec(16, 2048))
+    fn = lambda x, n, *w: projection.project(x, (w[:3], w[3:]), norm_weight=n, eps=1e-5, weight_rows=True)
+    assert count_triton_kernels(fn, x, norm, *ws) == 1
+    out = lambda o, r, w: projection.project(o, ((w,),), residual=r, weight_rows=True)
+    assert count_triton_kernels(out, x, x, spec(2048, 2048)) == 1
+    scaled = lambda v, sq, r, w: projection.project(projection.HeadScaled(v, sq, 128, 1e-5, "bfloat16"), ((w,),),
+                                                    residual=r, weight_rows=True)
+    assert count_triton_kernels(scaled, spec(1, 2048, dtype=jnp.float32), spec(1, 64, dtype=jnp.float32), x,
+                                spec(2048, 2048)) == 1

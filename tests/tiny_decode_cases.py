@@ -38,3 +38,18 @@ def jitted_prefill(model, *step_args):
 @functools.partial(jax.jit, static_argnums=0)
 def _prefill(module, params, *step_args):
     return module.apply({"params": params}, *step_args, method="step")[1]
+
+
+def as_kernels(params):
+    """Params of the [out, in] layout (`model.linear.WEIGHT_ROWS`) -> the same weights in the default layout
+    ("weight" [out, in] of each `linear.ROW_MODULES` projection -> "kernel" [in, out])."""
+    from dayzero.model import linear
+
+    if not isinstance(params, dict):
+        return params
+    out = {}
+    for name, value in params.items():
+        if name in linear.ROW_MODULES and isinstance(value, dict) and getattr(value.get("weight"), "ndim", 0) == 2:
+            value = {("kernel" if k == "weight" else k): (v.T if k == "weight" else v) for k, v in value.items()}
+        out[name] = as_kernels(value)
+    return out

@@ -41,10 +41,9 @@ def _swiglu_want(x, gate, up, down, norm_weight=None, eps=0.0, residual=None):
     return _want(hidden, ((down,),), None, 0.0, residual)[0]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 16])
-@pytest.mark.parametrize("tiles", list(TILES))
-def test_kda_layer_projections(seed, rows, tiles):
-    """The input norm + q|k|v + f_a|g_a|b, and o_proj + the residual, at 2048 features, bf16."""
+def _kda_layer_case(seed, rows):
+    """The medium hybrid's KDA layer projections, bf16 -> (cfg, key, w(i, k, n) a random [k, n] weight, x [rows, D],
+    the input norm's weight, the input projections' groups (q|k|v, f_a|g_a|b))."""
     cfg = medium_hybrid()
     d, dim, hd, heads = cfg.hidden_size, cfg.kda_dim, cfg.kda_head_dim, cfg.kda_num_heads
     key = jax.random.key(seed)
@@ -52,6 +51,15 @@ def test_kda_layer_projections(seed, rows, tiles):
     x = jax.random.normal(jax.random.fold_in(key, 99), (rows, d), jnp.bfloat16)
     norm = jax.random.uniform(jax.random.fold_in(key, 98), (d,), jnp.float32, 0.5, 1.5)
     groups = ((w(0, d, dim), w(1, d, dim), w(2, d, dim)), (w(3, d, hd), w(4, d, hd), w(5, d, heads)))
+    return cfg, key, w, x, norm, groups
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16])
+@pytest.mark.parametrize("tiles", list(TILES))
+def test_kda_layer_projections(seed, rows, tiles):
+    """The input norm + q|k|v + f_a|g_a|b, and o_proj + the residual, at 2048 features, bf16."""
+    cfg, key, w, x, norm, groups = _kda_layer_case(seed, rows)
+    d, dim = cfg.hidden_size, cfg.kda_dim
     t = TILES[tiles]
     got = jax.jit(lambda x, n, g: projection.project(x, g, norm_weight=n, eps=cfg.rms_norm_eps, tiles=t))(
         x, norm, groups)
@@ -205,4 +213,76 @@ def test_one_token_decode_with_projections_on_cuda_cores_on_gpu(monkeypatch):
     assert logits_change(vector, plain) < 2e-2
     for name in plain_cache:
         c, d = np.asarray(vector_cache[name], np.float32), np.asarray(plain_cache[name], np.float32)
+        assert np.abs(c - d).max() <= 2e-2 * max(np.abs(d).max(), 1e-6), name
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("tiles", ["default", "r1_k2048", "r4_k512"])
+def test_kda_layer_projections_from_weight_rows(seed, rows, tiles):
+    """`project(weight_rows=True)`: the KDA layer's input norm + q|k|v + f_a|g_a|b and o_proj + the residual (plain
+    and head-scaled rows) from weights stored [N, K], at 2048 features, bf16: the reference's roundings within
+    bf16 rounding."""
+    cfg, key, w, x, norm, groups = _kda_layer_case(seed, rows)
+    d, dim, hd, heads = cfg.hidden_size, cfg.kda_dim, cfg.kda_head_dim, cfg.kda_num_heads
+    as_rows = lambda gs: tuple(tuple(jnp.asarray(a.T) for a in g) for g in gs)
+    block, step = {"default": (None, None), "r1_k2048": (1, 2048), "r4_k512": (4, 512)}[tiles]
+    t = None if block is None else projection.ProjectionTiles(block_n=block, step_k=step, num_warps=4, num_stages=1,
+                                                              min_programs=1, k_slices=1, cuda_cores=True)
+    call = jax.jit(lambda x, n, g: projection.project(x, g, norm_weight=n, eps=cfg.rms_norm_eps, tiles=t,
+                                                      weight_rows=True))
+    got = call(x, norm, as_rows(groups))
+    for g, want in zip(got, _want(x, groups, norm, cfg.rms_norm_eps, None)):
+        err = np.max(np.abs(np.asarray(g, np.float32) - np.asarray(want)))
+        assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
+    o, res, wo = got[0][:, :dim], jax.random.normal(jax.random.fold_in(key, 97), (rows, d), jnp.bfloat16), w(6, dim, d)
+    out_call = jax.jit(lambda o, r, wo: projection.project(o, ((wo,),), residual=r, tiles=t, weight_rows=True))
+    (out,) = out_call(o, res, wo.T)
+    (want,) = _want(o, ((wo,),), None, 0.0, res)
+    err = np.max(np.abs(np.asarray(out, np.float32) - np.asarray(want)))
+    assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
+    squares = jax.random.uniform(jax.random.fold_in(key, 96), (rows, heads * 8), jnp.float32, 1.0, 30.0)
+    scaled = projection.HeadScaled(o.astype(jnp.float32) * 3.0, squares, hd, cfg.rms_norm_eps, "bfloat16")
+    (out,) = jax.jit(lambda s, r, wo: projection.project(s, ((wo,),), residual=r, tiles=t, weight_rows=True))(
+        scaled, res, wo.T)
+    (want,) = _want(projection.finished(scaled), ((wo,),), None, 0.0, res)
+    err = np.max(np.abs(np.asarray(out, np.float32) - np.asarray(want)))
+    assert err <= 1e-2 * float(jnp.max(jnp.abs(want))), err
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_decode_step_from_weight_rows_on_gpu(monkeypatch, batch):
+    """`model.linear.WEIGHT_ROWS`: the medium hybrid's first four layers (three KDA, one MLA; MXFP4 routed experts)
+    with the attention projections stored [out, in], a one-token decode step against the same weights in the
+    [in, out] layout: the next-token logits and the caches to bf16 rounding."""
+    from dayzero.kernels.paged import BLOCK_SIZE
+    from dayzero.model import Model, linear
+    from dayzero.model.cache import init_cache
+    from medium_prefix_cases import logits_change
+    from tiny_decode_cases import as_kernels
+
+    full, prompt = medium_hybrid(), 9
+    cfg = full.replace(num_layers=4, layer_types=full.layer_types[:4], mlp_types=full.mlp_types[:4],
+                       quant_method="mxfp4")
+    monkeypatch.setattr(linear, "WEIGHT_ROWS", True)
+    rows_model = Model.random(cfg, dtype="bfloat16", seed=0)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (batch, prompt)), jnp.int32)
+    tables = jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
+    slots = jnp.arange(1, batch + 1, dtype=jnp.int32)
+    assert prompt + 1 <= BLOCK_SIZE
+
+    def decode(model):
+        run = lambda *a, **k: jax.jit(lambda p, *a: model.module.apply({"params": p}, *a, method="step", **k))(
+            model.params, *a)
+        cache = init_cache(cfg, num_blocks=batch + 2, num_slots=batch + 1, dtype=jnp.bfloat16)
+        _, cache = run(ids, jnp.broadcast_to(jnp.arange(prompt), (batch, prompt)), jnp.ones((batch, prompt), bool),
+                       cache, tables, slots)
+        return run(ids[:, :1], jnp.full((batch, 1), prompt), jnp.ones((batch, 1), bool), cache, tables, slots,
+                   decode=True)
+
+    rows_logits, rows_cache = decode(rows_model)
+    monkeypatch.setattr(linear, "WEIGHT_ROWS", False)
+    plain_logits, plain_cache = decode(Model(cfg, as_kernels(rows_model.params), rows_model.dtype))
+    assert logits_change(rows_logits, plain_logits) < 2e-2
+    for name in plain_cache:
+        c, d = np.asarray(rows_cache[name], np.float32), np.asarray(plain_cache[name], np.float32)
         assert np.abs(c - d).max() <= 2e-2 * max(np.abs(d).max(), 1e-6), name
