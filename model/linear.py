@@ -1,5 +1,5 @@
-"""The attention layers' projections that the decode projection kernel reads (`kernels.projection`), in one of two
-weight layouts.
+"""The model's linear layers: `dense` (Flax's Dense, kernel [in, out]) and `projection_dense`, which builds the
+attention projections that the decode projection kernel reads (`kernels.projection`) in one of two weight layouts.
 
 - `WEIGHT_ROWS` False: Flax's `nn.Dense`, param "kernel" [in, out] (the checkpoint's [out, in] weight transposed as
   it loads). A one-row projection kernel then reads each program's K slice as runs of `block_n` columns (128 bytes)
