@@ -83,16 +83,31 @@ def kn_blocks_gemv(w: jax.Array, x: jax.Array, *, block_k: int, block_n: int, nu
                              interpret=interpret, name="gemv_kn_blocks")(w, x)
 
 
-def kn_chain(block_k: int, block_n: int, num_warps: int, interpret: bool = False):
+def dependent_chain(link, first_x):
+    """A jitted function of a list of each link's weights: y = link(weights, x) link after link, x starting as
+    first_x(the first link's weights) and taking the previous y's first element times 0 (one small XLA kernel between
+    links, as in read_floor.py's chains); returns the last y."""
+
     @jax.jit
     def chain(weights):
-        x = jnp.ones((weights[0].shape[0],), jnp.float32)
-        y = None
+        x, y = first_x(weights[0]), None
         for w in weights:
-            y = kn_blocks_gemv(w, x, block_k=block_k, block_n=block_n, num_warps=num_warps, interpret=interpret)
-            x = x + y[0, 0] * 0.0
+            y = link(w, x)
+            x = x + (y.reshape(-1)[0] * 0.0).astype(x.dtype)
         return y
+
     return chain
+
+
+def ones_row(k_axis: int, dtype=jnp.float32):
+    """first_x for `dependent_chain`: ones along a weight's K axis."""
+    return lambda w: jnp.ones((w.shape[k_axis],), dtype)
+
+
+def kn_chain(block_k: int, block_n: int, num_warps: int, interpret: bool = False):
+    link = lambda w, x: kn_blocks_gemv(w, x, block_k=block_k, block_n=block_n, num_warps=num_warps,
+                                       interpret=interpret)
+    return dependent_chain(link, ones_row(0))
 
 
 def looped_gemv(w: jax.Array, x: jax.Array, *, rows: int, steps: int, num_warps: int, num_stages: int,
@@ -120,31 +135,17 @@ def looped_gemv(w: jax.Array, x: jax.Array, *, rows: int, steps: int, num_warps:
 
 
 def rows_chain(rows: int, num_warps: int, interpret: bool = False, steps: int = 0, num_stages: int = 1):
-    @jax.jit
-    def chain(weights):
-        x = jnp.ones((weights[0].shape[1],), jnp.float32)
-        y = None
-        for w in weights:
-            if steps:
-                y = looped_gemv(w, x, rows=rows, steps=steps, num_warps=num_warps, num_stages=num_stages,
-                                interpret=interpret)
-            else:
-                y = rows_gemv(w, x, rows=rows, num_warps=num_warps, interpret=interpret)
-            x = x + y[0] * 0.0
-        return y
-    return chain
+    if steps:
+        link = lambda w, x: looped_gemv(w, x, rows=rows, steps=steps, num_warps=num_warps, num_stages=num_stages,
+                                        interpret=interpret)
+    else:
+        link = lambda w, x: rows_gemv(w, x, rows=rows, num_warps=num_warps, interpret=interpret)
+    return dependent_chain(link, ones_row(1))
 
 
 def xla_chain():
-    @jax.jit
-    def chain(weights):
-        x = jnp.ones((weights[0].shape[1],), jnp.bfloat16)
-        y = None
-        for w in weights:
-            y = jnp.dot(w, x, preferred_element_type=jnp.float32)
-            x = x + (y[0] * 0.0).astype(x.dtype)
-        return y
-    return chain
+    return dependent_chain(lambda w, x: jnp.dot(w, x, preferred_element_type=jnp.float32),
+                           ones_row(1, jnp.bfloat16))
 
 
 def projection_chain(interpret: bool = False, rows_tiles: projection.ProjectionTiles | None = None,
@@ -153,19 +154,14 @@ def projection_chain(interpret: bool = False, rows_tiles: projection.ProjectionT
     stored [N, K] (`project(weight_rows=True)`) and those tiles; `norm` False: without the input norm."""
     weight_rows = rows_tiles is not None
 
-    @jax.jit
-    def chain(weights):
-        k = weights[0][0][0].shape[1 if weight_rows else 0]
-        x = jnp.ones((1, k), jnp.bfloat16)
-        norm_weight = jnp.ones((k,), jnp.bfloat16) if norm else None
-        sums = None
-        for groups in weights:
-            outs = projection.project(x, groups, norm_weight=norm_weight, eps=1e-5, finish=False,
-                                      interpret=interpret, weight_rows=weight_rows, tiles=rows_tiles)
-            sums = outs[0].sums if isinstance(outs[0], projection.Partials) else outs[0]
-            x = x + (sums.reshape(-1)[0] * 0.0).astype(x.dtype)
-        return sums
-    return chain
+    def link(groups, x):
+        norm_weight = jnp.ones(x.shape[1:], jnp.bfloat16) if norm else None
+        outs = projection.project(x, groups, norm_weight=norm_weight, eps=1e-5, finish=False, interpret=interpret,
+                                  weight_rows=weight_rows, tiles=rows_tiles)
+        return outs[0].sums if isinstance(outs[0], projection.Partials) else outs[0]
+
+    first_x = lambda groups: jnp.ones((1, groups[0][0].shape[1 if weight_rows else 0]), jnp.bfloat16)
+    return dependent_chain(link, first_x)
 
 
 def split_columns(w: jax.Array) -> tuple[tuple[jax.Array, ...], ...]:

@@ -32,9 +32,9 @@ with `ONE_ROW_ON_CUDA_CORES`): no 16-row MMA tile padded around one token; each 
 first, multiplies elementwise in float32 and sums over K once (`_vector_products`), with the same roundings.
 
 With `weight_rows` the weights come stored [N_i, K] (torch's Linear layout: `model.linear.WEIGHT_ROWS`). A one-row
-call then gives each program whole weight rows (`WEIGHT_ROWS_TILES`: `block_n` output columns, every K contiguous)
-and never splits K, so each program finishes its outputs itself; calls of more rows run the MMA path over the
-blocks transposed.
+call's default tiles (`WEIGHT_ROWS_TILES`) then give each program whole weight rows (`block_n` output columns, every
+K contiguous) and do not split K, so each program finishes its outputs itself; calls of more rows run the MMA path
+over the blocks transposed.
 
 x may also come as `HeadScaled` (the KDA decode step split over value blocks: float32 values and per-head sums of
 squares): each loaded block is then scaled by its head's 1 / rms and rounded to the weights' dtype before the dot,
@@ -296,9 +296,15 @@ def supported(rows: int, k_dim: int, widths: tuple[int, ...]) -> bool:
             and all(n % 16 == 0 for n in widths))
 
 
-def _width(w: jax.Array, weight_rows: bool) -> int:
+def out_width(w: jax.Array, weight_rows: bool) -> int:
     """A weight's output columns: N of [K, N], or of [N, K] with `weight_rows`."""
     return w.shape[0] if weight_rows else w.shape[1]
+
+
+def _weight_block(w_ref, k0, sk, n0, width, weight_rows: bool):
+    """A program's block of weight w at K rows k0.. and output columns n0.., as stored: [sk, width] of [K, N], or
+    [width, sk] of [N, K] with `weight_rows`."""
+    return w_ref[pl.ds(n0, width), pl.ds(k0, sk)] if weight_rows else w_ref[pl.ds(k0, sk), pl.ds(n0, width)]
 
 
 def _check(x, groups, norm_weight, residual, weight_rows: bool = False):
@@ -329,7 +335,7 @@ def _check(x, groups, norm_weight, residual, weight_rows: bool = False):
     if residual is not None:
         if len(groups) != 1 or len(groups[0]) != 1:
             raise ValueError("projection: a residual needs exactly one group of one weight")
-        out = (rows, _width(groups[0][0], weight_rows))
+        out = (rows, out_width(groups[0][0], weight_rows))
         if residual.shape != out:
             raise ValueError(f"projection: residual {residual.shape} for output {out}")
         if residual.dtype not in (dtype, jnp.float32):
@@ -371,17 +377,14 @@ def _vector_products(x_ref, heads_ref, norm_ref, w_ref, *, k_starts, sk, n0, wid
     once; the products add up elementwise in a [sk, width] tile, and the only sums across threads (over K, and the
     squares) come at the end, after the loads. `weight_rows`: w is [N, K], its blocks [width, sk] (each output's K
     contiguous), the tile [width, sk]."""
-    if weight_rows:
-        blocks = [w_ref[pl.ds(n0, width), pl.ds(k0, sk)] for k0 in k_starts]
-    else:
-        blocks = [w_ref[pl.ds(k0, sk), pl.ds(n0, width)] for k0 in k_starts]
+    blocks = [_weight_block(w_ref, k0, sk, n0, width, weight_rows) for k0 in k_starts]
+    k_axis = 1 if weight_rows else 0  # the blocks' K axis: the products sum over it
     xs = [x_ref[0, pl.ds(k0, sk)] for k0 in k_starts]
     if head_scaled:
         head_dim, parts, head_eps = head_scaled
         heads = [heads_ref[0, pl.ds(pl.multiple_of(k0 // head_dim * parts, parts), parts)] for k0 in k_starts]
     norms = [norm_ref[pl.ds(k0, sk)] for k0 in k_starts] if norm_ref is not None else None
-    tile = jnp.zeros((width, sk) if weight_rows else (sk, width), jnp.float32)
-    squares = jnp.zeros((sk,), jnp.float32)
+    tile, squares = jnp.zeros(blocks[0].shape, jnp.float32), jnp.zeros((sk,), jnp.float32)
     for i, (block, xv) in enumerate(zip(blocks, xs)):
         if head_scaled:  # float32 values times their head's 1 / rms (a step lies within one head)
             xv = xv * jax.lax.rsqrt(jnp.sum(heads[i]) / head_dim + head_eps)
@@ -391,8 +394,8 @@ def _vector_products(x_ref, heads_ref, norm_ref, w_ref, *, k_starts, sk, n0, wid
                 squares = squares + xv * xv
                 xv = norms[i].astype(jnp.float32) * xv
         xv = xv.astype(dtype).astype(jnp.float32)
-        tile = tile + block.astype(jnp.float32) * (xv[None, :] if weight_rows else xv[:, None])
-    return jnp.sum(tile, axis=1 if weight_rows else 0), (jnp.sum(squares) if norms is not None else 0.0)
+        tile = tile + block.astype(jnp.float32) * jnp.expand_dims(xv, 1 - k_axis)
+    return jnp.sum(tile, axis=k_axis), (jnp.sum(squares) if norms is not None else 0.0)
 
 
 def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm, has_residual, eps, head_scaled,
@@ -446,11 +449,8 @@ def _kernel(*refs, n_weights, n_groups, blocks, rows, k_dim, sk, steps, has_norm
             acc, squares = carry
             k0 = pl.multiple_of((part * steps + i) * sk, sk)
             xb, xx = load(k0)
-            if weight_rows:  # [width, sk] of w [N, K], transposed for the dot
-                w_block = w_ref[pl.ds(n0, block.width), pl.ds(k0, sk)].T
-            else:
-                w_block = w_ref[pl.ds(k0, sk), pl.ds(n0, block.width)]
-            return acc + tiling.mm(xb, w_block), squares + xx
+            w_block = _weight_block(w_ref, k0, sk, n0, block.width, weight_rows)
+            return acc + tiling.mm(xb, w_block.T if weight_rows else w_block), squares + xx
 
         zeros = jnp.zeros((BLOCK_ROWS, block.width), jnp.float32), jnp.zeros((BLOCK_ROWS,), jnp.float32)
         return *jax.lax.fori_loop(0, steps, step, zeros), row_index
@@ -508,7 +508,7 @@ def _project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...
         x, head_squares = x.values, x.squares
     dtype = groups[0][0].dtype
     rows, k_dim = x.shape
-    widths = [(g, sum(_width(w, weight_rows) for w in group[:i]), _width(w, weight_rows))
+    widths = [(g, sum(out_width(w, weight_rows) for w in group[:i]), out_width(w, weight_rows))
               for g, group in enumerate(groups) for i, w in enumerate(group)]
     if not supported(rows, k_dim, tuple(n for _, _, n in widths)):
         raise ValueError(f"projection kernel: {rows} rows x {k_dim} features into widths "
@@ -516,8 +516,7 @@ def _project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...
                          "K and widths multiples of 16)")
     vector = tiles.cuda_cores and rows == 1
     sk = tiling.pow2_divisor(k_dim if head_scaled is None else head_scaled[0], tiles.step_k)
-    # weight rows on the CUDA cores: whole rows of K per program, so no K split (each program finishes its outputs)
-    blocks, slices = _plan(widths, k_dim // sk, replace(tiles, k_slices=1) if weight_rows and vector else tiles)
+    blocks, slices = _plan(widths, k_dim // sk, tiles)
     residual_in_kernel = residual is not None and slices == 1  # else XLA adds it after the partial sums
     kernel = functools.partial(_kernel, n_weights=len(widths), n_groups=len(groups), blocks=blocks, rows=rows,
                                k_dim=k_dim, sk=sk, steps=k_dim // sk // slices, has_norm=norm_weight is not None,
@@ -526,7 +525,7 @@ def _project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...
     operands = [x, *([] if head_scaled is None else [head_squares]),
                 *([norm_weight] if norm_weight is not None else []), *([residual] if residual_in_kernel else []),
                 *(w for group in groups for w in group)]
-    widths_out = [sum(_width(w, weight_rows) for w in group) for group in groups]
+    widths_out = [sum(n for group, _, n in widths if group == g) for g in range(len(groups))]
     out_shape = [jax.ShapeDtypeStruct((rows, n), dtype) if slices == 1 else
                  jax.ShapeDtypeStruct((slices, rows, n), jnp.float32) for n in widths_out]
     partial_squares = slices > 1 and norm_weight is not None

@@ -185,12 +185,13 @@ def read_marker(path: str | os.PathLike) -> dict[str, Any]:
 def _check_against_config(path: str, marker: dict[str, Any], config: ModelConfig,
                           stored: dict[ParamPath, jax.ShapeDtypeStruct]) -> None:
     """Every problem between the stored params (per the marker) and the config's params, raised together."""
-    if bool(marker.get("weight_rows", False)) != linear.WEIGHT_ROWS:
+    stored_rows = bool(marker.get("weight_rows", False))
+    if stored_rows != linear.WEIGHT_ROWS:
         layouts = {True: "[out, in]", False: "[in, out]"}
-        raise CheckpointError(f"{path}: the attention projections are stored "
-                              f"{layouts[bool(marker.get('weight_rows', False))]}; this process builds them "
-                              f"{layouts[linear.WEIGHT_ROWS]} (model.linear.WEIGHT_ROWS = {linear.WEIGHT_ROWS}): "
-                              "set it as it was at conversion, or convert the hub checkpoint again")
+        raise CheckpointError(f"{path}: the attention projections are stored {layouts[stored_rows]}; this process "
+                              f"builds them {layouts[linear.WEIGHT_ROWS]} (model.linear.WEIGHT_ROWS = "
+                              f"{linear.WEIGHT_ROWS}): set it as it was at conversion, or convert the hub checkpoint "
+                              "again")
     listed: dict[str, dict] = {}
     for item in marker["items"]:
         listed.update(item.get("params", {}))

@@ -24,7 +24,7 @@ from dayzero.kernels.kda import reference as kda_reference
 
 from . import sharding
 from .config import ModelConfig
-from .linear import decode_weight, dense, out_features, projection_dense
+from .linear import decode_weight, dense, projection_dense, unfinished_output
 from .norms import GatedRMSNorm
 
 # Whether `decode_in_place` hands the projection kernel's split-K partial sums to the decode-step kernel, which adds
@@ -183,7 +183,8 @@ class KimiDeltaAttention(nn.Module):
         if PROJECTIONS_AS_ONE:  # q|k|v|f_a|g_a|b side by side (one XLA fusion finishes them where K is split)
             inputs = (inputs[0] + inputs[1],)
         project = projection.by_kind(projection.choose(rows.shape[0], rows.shape[1],
-                                                       tuple(out_features(w, weight_rows) for g in inputs for w in g)))
+                                                       tuple(projection.out_width(w, weight_rows)
+                                                             for g in inputs for w in g)))
         project = functools.partial(project, weight_rows=weight_rows)
         projected = project(rows, inputs, norm_weight=norm_weight, eps=cfg.rms_norm_eps,
                             finish=not PROJECTION_PARTIALS)
@@ -213,18 +214,12 @@ class KimiDeltaAttention(nn.Module):
             interpret=self.decode_layer_kind(x) == "interpret")
         turns = tuple(counters) if fits else (() if turns is None else (turns,))
         if o_in_step:  # o is o_proj's output already, one partial sum per head
-            update = o
-        elif unfinished and weight_rows:  # o_proj finishes its outputs: the residual added there, no update left
-            (out,) = project(o, ((o_weight,),), residual=rows)
-            return ((None, out), conv_cache, state_pool, *turns)
+            out = (o, rows) if unfinished else projection.finished(o, residual=rows)[:, None]
         elif unfinished:
-            (update,) = project(o, ((o_weight,),), finish=False)
+            out = unfinished_output(project, o, o_weight, rows, weight_rows)
         else:  # the residual added in o_proj's kernel
-            (out,) = project(o, ((o_weight,),), residual=rows)
-            return (out[:, None], conv_cache, state_pool, *turns)
-        if unfinished:
-            return ((update, rows), conv_cache, state_pool, *turns)
-        return (projection.finished(update, residual=rows)[:, None], conv_cache, state_pool, *turns)
+            out = project(o, ((o_weight,),), residual=rows)[0][:, None]
+        return (out, conv_cache, state_pool, *turns)
 
     def step(self, x, valid, conv_state, state_pool, slots, layer: int, decode: bool):
         """Continues from slot states: x [B, T, D], valid [B, T] (padding at the end of rows), conv_state

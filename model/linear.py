@@ -70,6 +70,13 @@ def decode_weight(module: nn.Module) -> tuple[jax.Array, bool]:
     return module.variables["params"]["weight" if rows else "kernel"], rows
 
 
-def out_features(weight: jax.Array, rows: bool) -> int:
-    """A `decode_weight`'s output width."""
-    return weight.shape[0] if rows else weight.shape[1]
+
+def unfinished_output(project, o: jax.Array, weight: jax.Array, residual: jax.Array,
+                      weight_rows: bool) -> tuple[Any, jax.Array]:
+    """o_proj's output for a consumer that adds up the update and the residual itself (`kernels.moe_front`):
+    (`project(finish=False)`'s output, residual), or with the weight stored [out, in], whose one-row kernel finishes
+    its outputs, (None, residual + o_proj(o)) with the residual added in the kernel. `project`: the projection
+    callable (`kernels.projection.by_kind`'s) with `weight_rows` bound; o [B, K], residual [B, D]."""
+    if weight_rows:
+        return None, project(o, ((weight,),), residual=residual)[0]
+    return project(o, ((weight,),), finish=False)[0], residual

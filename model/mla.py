@@ -25,7 +25,7 @@ from dayzero.kernels import mla_absorb, paged, paged_pallas, projection
 
 from . import rope as rope_lib
 from .config import ModelConfig
-from .linear import decode_weight, dense, projection_dense
+from .linear import decode_weight, dense, projection_dense, unfinished_output
 from .norms import LayerNorm, RMSNorm
 
 # Decode steps of up to `projection.CHOOSE_MAX_ROWS` rows run the layer's input norm with the query and latent
@@ -320,10 +320,8 @@ class MLAttention(nn.Module):
             keep = (absorb != "reference" and cfg.q_lora_rank is None, not cfg.mla_use_rope)
             projected = tuple(out if taken and isinstance(out, projection.Partials) else
                               projection.finished(out)[:, None] for out, taken in zip((q, kv), keep))
-            if unfinished and weight_rows:  # o_proj finishes its outputs: the residual added there, no update left
-                out_project = lambda o, w: (None, project(o[:, 0], ((w,),), residual=rows)[0])
-            elif unfinished:
-                out_project = lambda o, w: (project(o[:, 0], ((w,),), finish=False)[0], rows)
+            if unfinished:
+                out_project = lambda o, w: unfinished_output(project, o[:, 0], w, rows, weight_rows)
             else:
                 out_project = lambda o, w: project(o[:, 0], ((w,),), residual=rows)[0][:, None]
         elif unfinished:

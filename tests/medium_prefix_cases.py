@@ -8,22 +8,28 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def prefilled_medium_prefix(prompt_len: int, num_blocks: int, num_layers: int = 4, batch: int = 1,
-                            mxfp4: bool = False):
-    """-> (run, decode_args): `run(*decode_args, decode=True)` is the cached decode step of the prompts' next tokens
-    (returns (logits, cache)), jitted anew at each call, so the dispatch choices in force when it is called are the
-    ones it traces with. `batch` prompts (`prompt_len` random tokens each, seed 0) fill the first blocks of a cache
-    of `num_blocks` blocks (at least `batch` times the blocks of one), one KDA slot each; the model is
-    `medium_hybrid`'s first `num_layers` layers (`mxfp4`: its routed experts random packed MXFP4)."""
-    from dayzero.kernels.paged import BLOCK_SIZE
-    from dayzero.model import Model
-    from dayzero.model.cache import init_cache
+def medium_prefix_config(num_layers: int = 4, mxfp4: bool = False):
+    """`medium_hybrid`'s first `num_layers` layers (`mxfp4`: its routed experts MXFP4)."""
     from dayzero.model.presets import medium_hybrid
 
     full = medium_hybrid()
-    cfg = full.replace(num_layers=num_layers, layer_types=full.layer_types[:num_layers],
-                       mlp_types=full.mlp_types[:num_layers], quant_method="mxfp4" if mxfp4 else None)
-    model = Model.random(cfg, dtype="bfloat16", seed=0)
+    return full.replace(num_layers=num_layers, layer_types=full.layer_types[:num_layers],
+                        mlp_types=full.mlp_types[:num_layers], quant_method="mxfp4" if mxfp4 else None)
+
+
+def prefilled_medium_prefix(prompt_len: int, num_blocks: int, num_layers: int = 4, batch: int = 1,
+                            mxfp4: bool = False, model=None):
+    """-> (run, decode_args): `run(*decode_args, decode=True)` is the cached decode step of the prompts' next tokens
+    (returns (logits, cache)), jitted anew at each call, so the dispatch choices in force when it is called are the
+    ones it traces with. `batch` prompts (`prompt_len` random tokens each, seed 0) fill the first blocks of a cache
+    of `num_blocks` blocks (at least `batch` times the blocks of one), one KDA slot each; the model is a random one
+    of `medium_prefix_config(num_layers, mxfp4)`, or `model`."""
+    from dayzero.kernels.paged import BLOCK_SIZE
+    from dayzero.model import Model
+    from dayzero.model.cache import init_cache
+
+    model = model or Model.random(medium_prefix_config(num_layers, mxfp4), dtype="bfloat16", seed=0)
+    cfg = model.config
     cache = init_cache(cfg, num_blocks=num_blocks, num_slots=batch + 1, dtype=jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
     blocks = -(-(prompt_len + 1) // BLOCK_SIZE)  # the prompt and the decoded token

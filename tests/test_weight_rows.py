@@ -16,7 +16,7 @@ from dayzero.model import Model, linear, load_checkpoint
 from dayzero.model.errors import CheckpointError
 from dayzero.model.presets import tiny
 from tiny_checkpoints import relative_error
-from tiny_decode_cases import as_kernels, jitted_prefill
+from tiny_decode_cases import as_kernels, prefilled_decode
 
 ROW_PATHS = {"kimi_linear": ("layers_0", "self_attn", "q_proj"), "deepseek_v32": ("layers_0", "self_attn", "q_a_proj")}
 
@@ -77,18 +77,8 @@ def _decode_config():
 
 def _decode(model, batch, seed):
     """Five-token prompts prefilled, then one decode step of every kernel in interpret mode -> (logits, cache)."""
-    from dayzero.model.cache import init_cache
-
-    cfg = model.config
-    rng = np.random.default_rng(seed)
-    cache = init_cache(cfg, num_blocks=batch + 3, num_slots=batch + 1, dtype=jnp.bfloat16)
-    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, 5)), jnp.int32)
-    tables = jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
-    slots = jnp.arange(1, batch + 1, dtype=jnp.int32)
-    positions, valid = jnp.broadcast_to(jnp.arange(5), (batch, 5)), jnp.ones((batch, 5), bool)
-    cache = jitted_prefill(model, ids, positions, valid, cache, tables, slots)
-    return model.module.apply({"params": model.params}, ids[:, :1], jnp.full((batch, 1), 5),
-                              jnp.ones((batch, 1), bool), cache, tables, slots, method="step", decode=True)
+    step, args = prefilled_decode(model.config, seed, batch, model=model)
+    return step(*args, decode=True)
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def prefilled_decode(cfg, seed: int, batch: int):
-    """A random bf16 model of `cfg` with `batch` 5-token prompts in its cache -> (step, args): `step(*args,
-    decode=True)` is the cached decode step of each prompt's next token (returns (logits, cache))."""
+def prefilled_decode(cfg, seed: int, batch: int, model=None):
+    """A random bf16 model of `cfg` (or `model`, of that config) with `batch` 5-token prompts in its cache ->
+    (step, args): `step(*args, decode=True)` is the cached decode step of each prompt's next token (returns (logits,
+    cache))."""
     from dayzero.model import Model
     from dayzero.model.cache import init_cache
 
-    model = Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
+    model = model or Model.random(cfg, dtype="bfloat16", seed=seed % 1000)
     rng = np.random.default_rng(seed)
     cache = init_cache(cfg, num_blocks=batch + 3, num_slots=batch + 1, dtype=jnp.bfloat16)
     ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, 5)), jnp.int32)

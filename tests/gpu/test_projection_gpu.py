@@ -254,34 +254,19 @@ def test_decode_step_from_weight_rows_on_gpu(monkeypatch, batch):
     """`model.linear.WEIGHT_ROWS`: the medium hybrid's first four layers (three KDA, one MLA; MXFP4 routed experts)
     with the attention projections stored [out, in], a one-token decode step against the same weights in the
     [in, out] layout: the next-token logits and the caches to bf16 rounding."""
-    from dayzero.kernels.paged import BLOCK_SIZE
     from dayzero.model import Model, linear
-    from dayzero.model.cache import init_cache
-    from medium_prefix_cases import logits_change
+    from medium_prefix_cases import logits_change, medium_prefix_config, prefilled_medium_prefix
     from tiny_decode_cases import as_kernels
 
-    full, prompt = medium_hybrid(), 9
-    cfg = full.replace(num_layers=4, layer_types=full.layer_types[:4], mlp_types=full.mlp_types[:4],
-                       quant_method="mxfp4")
-    monkeypatch.setattr(linear, "WEIGHT_ROWS", True)
-    rows_model = Model.random(cfg, dtype="bfloat16", seed=0)
-    ids = jnp.asarray(np.random.default_rng(0).integers(3, cfg.vocab_size, (batch, prompt)), jnp.int32)
-    tables = jnp.arange(1, batch + 1, dtype=jnp.int32)[:, None]
-    slots = jnp.arange(1, batch + 1, dtype=jnp.int32)
-    assert prompt + 1 <= BLOCK_SIZE
-
     def decode(model):
-        run = lambda *a, **k: jax.jit(lambda p, *a: model.module.apply({"params": p}, *a, method="step", **k))(
-            model.params, *a)
-        cache = init_cache(cfg, num_blocks=batch + 2, num_slots=batch + 1, dtype=jnp.bfloat16)
-        _, cache = run(ids, jnp.broadcast_to(jnp.arange(prompt), (batch, prompt)), jnp.ones((batch, prompt), bool),
-                       cache, tables, slots)
-        return run(ids[:, :1], jnp.full((batch, 1), prompt), jnp.ones((batch, 1), bool), cache, tables, slots,
-                   decode=True)
+        run, args = prefilled_medium_prefix(9, num_blocks=batch + 1, batch=batch, model=model)
+        return run(*args, decode=True)
 
+    monkeypatch.setattr(linear, "WEIGHT_ROWS", True)
+    rows_model = Model.random(medium_prefix_config(4, mxfp4=True), dtype="bfloat16", seed=0)
     rows_logits, rows_cache = decode(rows_model)
     monkeypatch.setattr(linear, "WEIGHT_ROWS", False)
-    plain_logits, plain_cache = decode(Model(cfg, as_kernels(rows_model.params), rows_model.dtype))
+    plain_logits, plain_cache = decode(Model(rows_model.config, as_kernels(rows_model.params), rows_model.dtype))
     assert logits_change(rows_logits, plain_logits) < 2e-2
     for name in plain_cache:
         c, d = np.asarray(rows_cache[name], np.float32), np.asarray(plain_cache[name], np.float32)
