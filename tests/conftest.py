@@ -90,3 +90,12 @@ def kimi_k25(tmp_path_factory):
     print(f"kimi_k25 weights: seed={value} (replay with DAYZERO_TEST_SEED={value})")
     model = build_kimi_k25(seed=value, feature_gain=20.0, attention_gain=10.0)
     return save_kimi_k25(model, tmp_path_factory.mktemp("ckpt") / "kimi_k25"), model
+
+
+@pytest.fixture
+def in_out_layout(monkeypatch):
+    """The attention projections stored [in, out] (`model.linear.WEIGHT_ROWS` off), for a test that names that
+    layout (its "kernel" params, o_proj's partial sums, the FP8 projections dequantized on the device)."""
+    from dayzero.model import linear
+
+    monkeypatch.setattr(linear, "WEIGHT_ROWS", False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from dayzero.model import load_checkpoint
 from dayzero.model.cli import forward_main, presets_main
@@ -16,6 +17,7 @@ def test_compare_checkpoint_agrees(checkpoints, token_ids):
     assert len(report.rows) == 5 and report.rows[-1].name.endswith("final norm")
 
 
+@pytest.mark.usefixtures("in_out_layout")
 def test_compare_finds_the_layer_that_parts(checkpoints, token_ids):
     ids, _ = token_ids
     path = checkpoints["kimi_linear"]

@@ -102,6 +102,7 @@ def test_deepseek_v32_mxfp4_experts_stay_packed(checkpoints, tmp_path, seed):
     np.testing.assert_array_equal(np.asarray(conv(ids)), np.asarray(hub(ids)))
 
 
+@pytest.mark.usefixtures("in_out_layout")
 def test_fp8_weights_are_stored_dequantized(checkpoints, tmp_path):
     fp8 = tmp_path / "fp8"
     assert fp8_checkpoint(checkpoints["deepseek_v3"], fp8) > 5
@@ -112,6 +113,7 @@ def test_fp8_weights_are_stored_dequantized(checkpoints, tmp_path):
     assert_same_params(conv, load_checkpoint(fp8, progress=False))
 
 
+@pytest.mark.usefixtures("in_out_layout")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_fp8_experts_dequantized_on_the_device_as_on_the_host(checkpoints, tmp_path, dtype):
     """FP8 projections, routed experts included, travel to the device as float8 bytes with their block scales

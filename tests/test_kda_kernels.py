@@ -496,6 +496,7 @@ def test_decode_layer_lowers_to_triton():
     assert count_triton_kernels(in_step, spec((2, 2, 16), jnp.int32), spec((2048, 2048), jnp.bfloat16), *args) == 1
 
 
+@pytest.mark.usefixtures("in_out_layout")
 def test_model_decode_layer_path_equals_step(seed, monkeypatch):
     """KimiDeltaAttention at decode: the one-kernel path (`decode_in_place`, interpret mode; the input norm, the
     projections and the residual add by XLA, then by `kernels.projection` in interpret mode) against the layer's
@@ -566,6 +567,7 @@ def test_model_decode_layer_path_equals_step(seed, monkeypatch):
     assert _rel_err(fused, plain) < 3e-2
 
 
+@pytest.mark.usefixtures("in_out_layout")
 def test_model_decode_with_value_split(seed, monkeypatch):
     """KimiDeltaAttention.decode_in_place with the step split over value blocks (`decode_layer.VALUE_SPLIT`, interpret
     mode) and o_proj through the projection kernel (interpret mode, finishing the heads' norm as it loads) or XLA:

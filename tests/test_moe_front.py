@@ -173,6 +173,7 @@ def _assert_step_close(plain, plain_cache, got, got_cache, tag=None):
         assert np.abs(d - c).max() <= 0.02 * max(np.abs(c).max(), 1e-6), (tag, name)
 
 
+@pytest.mark.usefixtures("in_out_layout")
 @pytest.mark.parametrize("projections,batch", [("reference", 1), ("interpret", 1), ("interpret", 4)])
 def test_model_decode_with_the_front(seed, monkeypatch, projections, batch):
     """The decoder's cached decode step of one row (or 4: the front makes no router choice then) with the KDA decode
@@ -244,6 +245,7 @@ def test_model_decode_with_the_front_choosing(seed, monkeypatch):
     assert not np.any(np.asarray(chosen_cache["moe_turns"]))
 
 
+@pytest.mark.usefixtures("in_out_layout")
 def test_model_decode_with_o_proj_in_the_kda_step(seed, monkeypatch):
     """`model.kda.O_PROJ_IN_STEP` (every kernel in interpret mode, one row, the KDA step split in 2 value blocks per
     head): the KDA layers' o_proj runs in their step kernel and its per-head partial sums go to the front kernel

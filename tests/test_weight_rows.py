@@ -27,6 +27,7 @@ def _at(params, path):
     return params
 
 
+@pytest.mark.usefixtures("in_out_layout")
 @pytest.mark.parametrize("kind", ["kimi_linear", "deepseek_v32"])
 def test_hub_checkpoint_loads_as_weight_rows(checkpoints, token_ids, monkeypatch, kind):
     """With the switch on, a published checkpoint's attention projections load as "weight" [out, in] (the others
@@ -57,6 +58,7 @@ def test_sharding_rules_split_weight_rows_on_their_heads():
     assert layout("kda/f_a_proj/weight") == ()
 
 
+@pytest.mark.usefixtures("in_out_layout")
 def test_converted_checkpoint_names_its_layout(checkpoints, tmp_path, monkeypatch):
     """A converted checkpoint records the layout it was made with; loading it under the other names the switch."""
     from dayzero.model.convert import convert_checkpoint
@@ -110,6 +112,7 @@ def test_decode_step_from_weight_rows(seed, monkeypatch, batch):
         assert np.abs(c - d).max() <= 3e-2 * max(np.abs(d).max(), 1e-6), name
 
 
+@pytest.mark.usefixtures("in_out_layout")
 def test_params_of_the_other_layout_fail_by_name(monkeypatch):
     """Params made under one layout, applied under the other: Flax names the missing param."""
     cfg = tiny()
