@@ -117,7 +117,7 @@ ONE_ROW_ONE_WEIGHT_TILES = ONE_ROW_TILES  # one-row calls of one weight (o_proj)
 # one XLA glue kernel each: a Pallas gemv of whole 4 KB rows streamed the KDA input projections' 26.3 MB in 11.5 us
 # against 13.2 for `project` over the [K, N] weights (the model's groups, one-row CUDA-core tiles), 8.4 MB in 5.7
 # against 6.4, 14.9 MB in 7.9 against 8.9; this path (with the norm, the rounding and the model's groups) in 12.5,
-# 6.0 and 8.2. The model stores its weights so with `model.linear.WEIGHT_ROWS` (off until measured there).
+# 6.0 and 8.2. The model stores its weights so (`model.linear.WEIGHT_ROWS`, on: measured in the model there).
 # Of the tiles tried there (one run): 2 rows in K steps of 512 at 4 warps for the input projections (12.53 us for
 # 26.3 MB; 1 row x 2048 12.72, 4 x 512 12.59), 4 x 512 for o_proj (6.02 us for 8.4 MB; 2 x 512 6.22).
 WEIGHT_ROWS_TILES = ProjectionTiles(block_n=2, step_k=512, num_warps=4, num_stages=1, min_programs=1, k_slices=1,
@@ -287,6 +287,25 @@ def _plan(widths: list[tuple[int, int, int]], k_steps: int, tiles: ProjectionTil
     while slices * 2 <= tiles.k_slices and k_steps % (slices * 2) == 0 and start * slices < tiles.min_programs:
         slices *= 2
     return tuple(blocks), slices
+
+
+def _slicing(rows: int, k_dim: int, head_dim: int | None, groups, tiles: ProjectionTiles, weight_rows: bool):
+    """A call's layout: (its weights as (group, column in the group, N), the K step, the program blocks, the K
+    slices) for x [rows, k_dim] (`HeadScaled` rows of heads of `head_dim`: a K step lies within one head)."""
+    widths = [(g, sum(out_width(w, weight_rows) for w in group[:i]), out_width(w, weight_rows))
+              for g, group in enumerate(groups) for i, w in enumerate(group)]
+    sk = tiling.pow2_divisor(head_dim or k_dim, tiles.step_k)
+    return (widths, sk, *_plan(widths, k_dim // sk, tiles))
+
+
+def splits_k(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...], *,
+             tiles: ProjectionTiles | None = None, weight_rows: bool = False) -> bool:
+    """Whether the kernel's `project(x, groups, tiles=, weight_rows=)` splits K: with `finish=False` its groups come
+    back as `Partials`, and a residual is added after the kernel (by XLA) instead of in it. Shapes only."""
+    values = x.values if isinstance(x, HeadScaled) else x
+    tiles = tiles or default_tiles(sum(len(group) for group in groups), values.shape[0], weight_rows)
+    head_dim = x.head_dim if isinstance(x, HeadScaled) else None
+    return _slicing(*values.shape, head_dim, groups, tiles, weight_rows)[3] > 1
 
 
 def supported(rows: int, k_dim: int, widths: tuple[int, ...]) -> bool:
@@ -508,15 +527,12 @@ def _project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...
         x, head_squares = x.values, x.squares
     dtype = groups[0][0].dtype
     rows, k_dim = x.shape
-    widths = [(g, sum(out_width(w, weight_rows) for w in group[:i]), out_width(w, weight_rows))
-              for g, group in enumerate(groups) for i, w in enumerate(group)]
+    widths, sk, blocks, slices = _slicing(rows, k_dim, head_scaled and head_scaled[0], groups, tiles, weight_rows)
     if not supported(rows, k_dim, tuple(n for _, _, n in widths)):
         raise ValueError(f"projection kernel: {rows} rows x {k_dim} features into widths "
                          f"{[n for _, _, n in widths]} not supported (rows a power of two <= {MAX_ROWS}, "
                          "K and widths multiples of 16)")
     vector = tiles.cuda_cores and rows == 1
-    sk = tiling.pow2_divisor(k_dim if head_scaled is None else head_scaled[0], tiles.step_k)
-    blocks, slices = _plan(widths, k_dim // sk, tiles)
     residual_in_kernel = residual is not None and slices == 1  # else XLA adds it after the partial sums
     kernel = functools.partial(_kernel, n_weights=len(widths), n_groups=len(groups), blocks=blocks, rows=rows,
                                k_dim=k_dim, sk=sk, steps=k_dim // sk // slices, has_norm=norm_weight is not None,

@@ -170,7 +170,8 @@ class KimiDeltaAttention(nn.Module):
 
         `unfinished`: the first result is (o_proj's output as `project(finish=False)` gives it, x [B, D]) instead of
         their sum [B, 1, D], for a consumer that adds them up itself (`kernels.moe_front`); with the weights stored
-        [out, in] (`linear.WEIGHT_ROWS`: o_proj's kernel finishes its outputs) it is (None, their sum [B, D]).
+        [out, in] (`linear.WEIGHT_ROWS`) where o_proj's kernel does not split K (one row) it is (None, their sum [B, D])
+        (`linear.unfinished_output`).
         `turns`: the cache's "kda_turns" counters (or None), with which a step split over value blocks shifts q's and
         k's conv inputs in its kernel; then the results end with the counters (kept zero), as a fourth."""
         cfg = self.config

@@ -5,8 +5,8 @@ attention projections that the decode projection kernel reads (`kernels.projecti
   it loads). A one-row projection kernel then reads each program's K slice as runs of `block_n` columns (128 bytes)
   strided by the weight's width, and splits K so that enough programs stream it (float32 partial sums that the
   next kernel adds up).
-- `WEIGHT_ROWS` True: `RowDense`, param "weight" [out, in] as published (torch's Linear layout), so each output's K
-  is contiguous: the kernel reads whole rows, never splits K and finishes its outputs itself
+- `WEIGHT_ROWS` True (the default): `RowDense`, param "weight" [out, in] as published (torch's Linear layout), so
+  each output's K is contiguous: the one-row kernel reads whole rows, never splits K and finishes its outputs itself
   (`project(weight_rows=True)`).
 
 Which modules take the layout: `ROW_MODULES` (KDA's q/k/v, f_a/g_a/b and o_proj; MLA's q_proj or q_a_proj,
@@ -24,12 +24,19 @@ import flax.linen as nn
 import jax
 from flax.linen.dtypes import promote_dtype
 
-# Whether `ROW_MODULES` store their weights [out, in] (`RowDense`). Off until measured in the model: the one-row
-# kernel over whole weight rows beat today's [K, N] tiles at the kernel level on an H100 (benchmarks/gemv_layout.py,
-# fifty-eighth session: the KDA input projections 13.13 -> 12.53 us, o_proj 6.43 -> 6.02, the MLA input
-# projections 8.81 -> 8.19, GPU time per link with one XLA kernel between links), and its outputs come finished (no
-# partial slices for the KDA step or the MoE front to add up). benchmarks/NOTES_serving.md has the A/B to run.
-WEIGHT_ROWS = False
+from dayzero.kernels import projection
+
+# Whether `ROW_MODULES` store their weights [out, in] (`RowDense`). Why on: the one-row kernel over whole weight
+# rows beat the [K, N] tiles at the kernel level on an H100 (benchmarks/gemv_layout.py, fifty-eighth session: the KDA
+# input projections 13.13 -> 12.53 us, o_proj 6.43 -> 6.02, the MLA input projections 8.81 -> 8.19, GPU time per link
+# with one XLA kernel between links), its outputs come finished (no partial slices for the KDA step or the MoE front to
+# add up), and in the model (decode_profile.py --experts mxfp4, H100, fifty-ninth session, A/B on one machine) the
+# batch-1 step's GPU kernels took 0.798 / 0.798 / 0.794 ms per token against 0.815 / 0.815 / 0.815 (pipelined 0.774 /
+# 0.778 / 0.777 against 0.798 / 0.794 / 0.795). At 16 rows it cost 2.150 / 2.145 against 2.135 / 2.134 ms while
+# o_proj's partial sums were added up by an XLA kernel before the front (15 kernels per token more); they now go to
+# the front as in the other layout (`unfinished_output`), and a second machine read batch 1 0.795 against 0.813 ms
+# and batch 16 2.137 against 2.143.
+WEIGHT_ROWS = True
 # The attention projections `projection_dense` builds, by their published names.
 ROW_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj", "o_proj", "q_a_proj",
                          "kv_a_proj_with_mqa"})
@@ -74,9 +81,11 @@ def decode_weight(module: nn.Module) -> tuple[jax.Array, bool]:
 def unfinished_output(project, o: jax.Array, weight: jax.Array, residual: jax.Array,
                       weight_rows: bool) -> tuple[Any, jax.Array]:
     """o_proj's output for a consumer that adds up the update and the residual itself (`kernels.moe_front`):
-    (`project(finish=False)`'s output, residual), or with the weight stored [out, in], whose one-row kernel finishes
-    its outputs, (None, residual + o_proj(o)) with the residual added in the kernel. `project`: the projection
-    callable (`kernels.projection.by_kind`'s) with `weight_rows` bound; o [B, K], residual [B, D]."""
-    if weight_rows:
+    (`project(finish=False)`'s output, residual); or, with the weight stored [out, in] where the kernel does not
+    split K (one row: whole weight rows per program), (None, residual + o_proj(o)) with the residual added in the
+    kernel. Where K is split (the MMA path of several rows) the partial sums go to the consumer in either layout,
+    so that no XLA kernel adds them up in between. `project`: the projection callable (`kernels.projection.by_kind`'s)
+    with `weight_rows` bound; o [B, K] (or `HeadScaled`), residual [B, D]."""
+    if weight_rows and not projection.splits_k(o, ((weight,),), weight_rows=True):
         return None, project(o, ((weight,),), residual=residual)[0]
     return project(o, ((weight,),), finish=False)[0], residual

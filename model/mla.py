@@ -299,7 +299,8 @@ class MLAttention(nn.Module):
         before its input RMSNorm and out is x + attention(norm(x)): the norm with the query and latent projections
         is one `kernels.projection` call, o_proj with the residual add another; with `unfinished` too, out is
         (o_proj's output as `project(finish=False)` gives it, x [B, D]) for a consumer that adds them up itself
-        (`kernels.moe_front`), or with the weights stored [out, in] (`linear.WEIGHT_ROWS`) (None, their sum [B, D])."""
+        (`kernels.moe_front`), or with the weights stored [out, in] (`linear.WEIGHT_ROWS`) where o_proj's kernel does
+        not split K (None, their sum [B, D]): `linear.unfinished_output`."""
         cfg = self.config
         cos, sin = self._rope(positions)
         projected, out_project = (None, None), None

@@ -100,12 +100,14 @@ def check_hybrid(ids: np.ndarray) -> None:
     check_logits("hybrid fp32", config, numpy_params(config, 0), ids, MESHES)
     config = hybrid_config(quant_method="mxfp4")
     check_logits("hybrid mxfp4", config, numpy_params(config, 1), ids, MESHES[1:2])
-    linear.WEIGHT_ROWS = True  # the attention projections stored [out, in], split by their own rules
+    default = linear.WEIGHT_ROWS  # the attention projections in the other layout too, split by its own rules
+    linear.WEIGHT_ROWS = not default
     try:
         config = hybrid_config()
-        check_logits("hybrid weight-rows", config, numpy_params(config, 2), ids, MESHES[1:2])
+        check_logits(f"hybrid {'weight-rows' if linear.WEIGHT_ROWS else 'in-out'}", config, numpy_params(config, 2),
+                     ids, MESHES[1:2])
     finally:
-        linear.WEIGHT_ROWS = False
+        linear.WEIGHT_ROWS = default
 
 
 def check_checkpoint(path: str, ids: np.ndarray, meshes, expect_quantized: bool) -> None:
@@ -120,12 +122,14 @@ def check_checkpoint(path: str, ids: np.ndarray, meshes, expect_quantized: bool)
         key = "w_gate_blocks" if expect_quantized else "w_gate"
         assert set(experts) >= {key}, sorted(experts)
         tensor = dict(mesh.shape)["tensor"]
+        rows = linear.WEIGHT_ROWS  # the attention projections' layout: "weight" [out, in] or "kernel" [in, out]
+        attention = lambda name: layer1["self_attn"][name]["weight" if rows else "kernel"]  # noqa: E731
         expected = [
             (experts[key], P("expert")),
             (layer1["self_attn"]["q_b_proj"]["kernel"], P(None, "tensor") if tensor > 1 else P()),
             (layer1["self_attn"]["kv_b_proj"]["kernel"], P(None, "tensor") if tensor > 1 else P()),
-            (layer1["self_attn"]["o_proj"]["kernel"], P("tensor") if tensor > 1 else P()),
-            (layer1["self_attn"]["q_a_proj"]["kernel"], P()),
+            (attention("o_proj"), (P(None, "tensor") if rows else P("tensor")) if tensor > 1 else P()),
+            (attention("q_a_proj"), P()),
             (layer1["self_attn"]["indexer"]["wq_b"]["kernel"], P()),
             (layer1["mlp"]["gate"]["weight"], P()),
             (layer1["mlp"]["shared_experts"]["down_proj"]["kernel"], P("tensor") if tensor > 1 else P()),
@@ -177,8 +181,9 @@ def check_fallback() -> None:
     spec4 = lambda path: sharding.param_spec(path, shapes[path].shape, config, mesh4)  # noqa: E731
     assert sharding.expert_parallel_size(config, mesh4) == 2
     assert spec4(("layers_1", "mlp", "experts", "w_gate")) == P("expert")
-    assert spec4(("layers_0", "self_attn", "q_proj", "kernel")) == P()  # 3 KDA heads
-    assert spec4(("layers_1", "self_attn", "o_proj", "kernel")) == P()  # 3 MLA heads
+    weight = "weight" if linear.WEIGHT_ROWS else "kernel"  # the attention projections' layout
+    assert spec4(("layers_0", "self_attn", "q_proj", weight)) == P()  # 3 KDA heads
+    assert spec4(("layers_1", "self_attn", "o_proj", weight)) == P()  # 3 MLA heads
     assert spec4(("layers_0", "mlp", "gate_proj", "kernel")) == P(None, "tensor")  # intermediate 80
     assert spec4(("lm_head",)) == P(None, "tensor")  # vocab 320
     assert spec(("layers_0", "self_attn", "A_log")) == P()  # 3 KDA heads over tensor=2

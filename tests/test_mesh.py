@@ -62,12 +62,13 @@ def _ok_lines(run, group: str) -> list[str]:
 
 def test_hybrid_logits_on_meshes(mesh_runs):
     """Tiny KDA + MLA/DSA + MoE hybrid: fp32 experts on expert=8, expert=2 x tensor=4, data=2 x expert=4, MXFP4
-    experts on expert=2 x tensor=4, the attention projections stored [out, in] on expert=2 x tensor=4; every param
-    on its rule's sharding; logits within 1e-5 of one device."""
+    experts on expert=2 x tensor=4, the attention projections in the layout other than the default
+    (`model.linear.WEIGHT_ROWS`) on expert=2 x tensor=4; every param on its rule's sharding; logits within 1e-5 of
+    one device."""
     lines = _ok_lines(mesh_runs, "models")
     assert sum("hybrid fp32 logits" in line for line in lines) == 3, lines
     assert sum("hybrid mxfp4 logits" in line for line in lines) == 1, lines
-    assert sum("hybrid weight-rows logits" in line for line in lines) == 1, lines  # `model.linear.WEIGHT_ROWS`
+    assert sum("hybrid in-out logits" in line for line in lines) == 1, lines  # the [in, out] layout
     assert any("fall back to replicated" in line for line in lines), lines
 
 

@@ -508,6 +508,28 @@ def test_weight_rows_names_the_layout_it_needs():
     assert projection.default_tiles(1, 2, weight_rows=True) is projection.ONE_WEIGHT_TILES  # MMA, [N, K] blocks
 
 
+@pytest.mark.parametrize("weight_rows", [True, False])
+def test_splits_k_says_what_project_returns(weight_rows):
+    """`splits_k` (shapes only) is whether `project(finish=False)` returns `Partials`, for plain and head-scaled rows
+    at 1 and 16 rows of the medium hybrid's o_proj, the default tiles and tiles that never split."""
+    spec = lambda *shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype)
+    weight = spec(2048, 2048)
+    seen = set()
+    for rows in (1, 16):
+        scaled = projection.HeadScaled(spec(rows, 2048, dtype=jnp.float32), spec(rows, 32, dtype=jnp.float32), 128,
+                                       1e-5, "bfloat16")
+        for x in (spec(rows, 2048), scaled):
+            for tiles in (None, dataclasses.replace(projection.TILES, k_slices=1)):
+                (out,) = jax.eval_shape(lambda x, w: projection.project(x, ((w,),), tiles=tiles, finish=False,
+                                                                         weight_rows=weight_rows), x, weight)
+                split = projection.splits_k(x, ((weight,),), tiles=tiles, weight_rows=weight_rows)
+                assert split == isinstance(out, projection.Partials), (rows, type(x).__name__, tiles)
+                seen.add(split)
+    assert seen == {True, False}
+    assert not projection.splits_k(spec(1, 2048), ((weight,),), weight_rows=True)  # whole rows: K never split
+    assert projection.splits_k(spec(16, 2048), ((weight,),), weight_rows=True)  # the MMA path's K slices
+
+
 def test_weight_rows_lower_to_triton():
     """The medium hybrid's one-row KDA input projections, o_proj with the residual and o_proj of head-scaled rows,
     from weights stored [N, K], each lower to one Triton kernel."""

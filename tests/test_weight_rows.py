@@ -87,8 +87,9 @@ def _decode(model, batch, seed):
 def test_decode_step_from_weight_rows(seed, monkeypatch, batch):
     """The cached decode step (interpret mode) of a model with its attention projections stored [out, in] runs
     every projection kernel call with `weight_rows` (one row: whole rows on the CUDA cores; two: the MMA path),
-    hands the MoE front kernel o_proj's output with the residual added (no update to finish), and gives the logits
-    and caches of the same weights in the [in, out] layout, to bf16 rounding."""
+    hands the MoE front kernel o_proj's output with the residual added where K is not split (one row: no update to
+    finish) and its partial sums where it is (two rows, the KDA layers' o_proj), and gives the logits and caches of
+    the same weights in the [in, out] layout, to bf16 rounding."""
     cfg = _decode_config()
     monkeypatch.setenv("DAYZERO_KERNELS", "interpret")
     monkeypatch.setattr(linear, "WEIGHT_ROWS", True)
@@ -99,8 +100,11 @@ def test_decode_step_from_weight_rows(seed, monkeypatch, batch):
     monkeypatch.setattr(moe_front, "front", lambda update, *a, **k: updates.append(update) or front(update, *a, **k))
     rows_logits, rows_cache = _decode(rows_model, batch, seed)
     assert len(calls) == 2 * cfg.num_layers and all(calls), calls  # each layer's input projections and o_proj
-    # o_proj adds the residual itself: the MoE front kernel gets no partial sums to finish
-    assert len(updates) == cfg.mlp_types.count("moe") and all(u is None for u in updates)
+    # one row: o_proj adds the residual itself, the MoE front kernel gets no partial sums to finish; two (the MMA
+    # path, K split): the partial sums go to the front as in the [in, out] layout, no XLA kernel adding them up
+    assert len(updates) == cfg.mlp_types.count("moe")
+    assert all(u is None or isinstance(u, projection.Partials) for u in updates), updates
+    assert not any(updates) if batch == 1 else any(isinstance(u, projection.Partials) for u in updates)
     monkeypatch.setattr(linear, "WEIGHT_ROWS", False)
     calls.clear()
     plain_logits, plain_cache = _decode(Model(cfg, as_kernels(rows_model.params), rows_model.dtype), batch, seed)
