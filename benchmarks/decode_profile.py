@@ -352,13 +352,14 @@ def main(argv=None) -> int:
                         help="set a dayzero module constant for this run (repeatable; true/false/ints parsed), "
                              "e.g. model.mla.DECODE_PROJECTIONS=false or kernels.projection.CHOOSE_MAX_ROWS=16")
     parser.add_argument("--projection-tiles", action="append", default=[],
-                        metavar="[one.|row.|rowone.]FIELD=VALUE",
+                        metavar="[one.|row.|rowone.|wrow.|wrowone.]FIELD=VALUE",
                         help="the projection kernel's default ProjectionTiles field for calls of several weights "
                              "(kernels.projection.TILES), or with 'one.' of one weight (ONE_WEIGHT_TILES: o_proj), "
                              "or with 'row.' / 'rowone.' of one-row calls of several weights / one weight on the "
                              "CUDA cores (ONE_ROW_TILES / ONE_ROW_ONE_WEIGHT_TILES, with "
-                             "kernels.projection.ONE_ROW_ON_CUDA_CORES), "
-                             "e.g. one.k_slices=16 (repeatable)")
+                             "kernels.projection.ONE_ROW_ON_CUDA_CORES), or with 'wrow.' / 'wrowone.' of one-row "
+                             "calls over weights stored [out, in] (WEIGHT_ROWS_TILES / WEIGHT_ROWS_ONE_WEIGHT_TILES, "
+                             "with model.linear.WEIGHT_ROWS), e.g. one.k_slices=16 or wrow.block_n=4 (repeatable)")
     args = parser.parse_args(argv)
     if args.unrolled_decode is None:  # the engine's default, resolved here so the results line names it
         args.unrolled_decode = unrolled_by_default(jax.default_backend())
@@ -366,7 +367,8 @@ def main(argv=None) -> int:
     for target, _, text in (pair.partition("=") for pair in args.projection_tiles):
         prefix, _, rest = target.partition(".")
         constant, field = {"one": ("ONE_WEIGHT_TILES", rest), "row": ("ONE_ROW_TILES", rest),
-                                       "rowone": ("ONE_ROW_ONE_WEIGHT_TILES", rest)}.get(
+                           "rowone": ("ONE_ROW_ONE_WEIGHT_TILES", rest), "wrow": ("WEIGHT_ROWS_TILES", rest),
+                           "wrowone": ("WEIGHT_ROWS_ONE_WEIGHT_TILES", rest)}.get(
             prefix, ("TILES", target)) if rest else ("TILES", target)
         extra[f"projection_{target}"] = value = parse_value(text)
         setattr(projection, constant, dataclasses.replace(getattr(projection, constant), **{field: value}))
