@@ -298,14 +298,19 @@ def _slicing(rows: int, k_dim: int, head_dim: int | None, groups, tiles: Project
     return (widths, sk, *_plan(widths, k_dim // sk, tiles))
 
 
+def _call_tiles(x: jax.Array | HeadScaled, groups, weight_rows: bool) -> ProjectionTiles:
+    """`default_tiles` for a call of x [M, K] (or `HeadScaled` rows) and these groups of weights."""
+    rows = (x.values if isinstance(x, HeadScaled) else x).shape[0]
+    return default_tiles(sum(len(group) for group in groups), rows, weight_rows)
+
+
 def splits_k(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...], *,
              tiles: ProjectionTiles | None = None, weight_rows: bool = False) -> bool:
     """Whether the kernel's `project(x, groups, tiles=, weight_rows=)` splits K: with `finish=False` its groups come
     back as `Partials`, and a residual is added after the kernel (by XLA) instead of in it. Shapes only."""
     values = x.values if isinstance(x, HeadScaled) else x
-    tiles = tiles or default_tiles(sum(len(group) for group in groups), values.shape[0], weight_rows)
     head_dim = x.head_dim if isinstance(x, HeadScaled) else None
-    return _slicing(*values.shape, head_dim, groups, tiles, weight_rows)[3] > 1
+    return _slicing(*values.shape, head_dim, groups, tiles or _call_tiles(x, groups, weight_rows), weight_rows)[3] > 1
 
 
 def supported(rows: int, k_dim: int, widths: tuple[int, ...]) -> bool:
@@ -507,8 +512,7 @@ def project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...]
     them here, outside the jitted kernel call, so a change of the module's tiles or switches takes effect at the next
     trace of the caller (inside the jit they would stay as its cache first saw them). `weight_rows`: every weight
     stored [N_i, K] instead of [K, N_i]."""
-    rows = (x.values if isinstance(x, HeadScaled) else x).shape[0]
-    tiles = tiles or default_tiles(sum(len(group) for group in groups), rows, weight_rows)
+    tiles = tiles or _call_tiles(x, groups, weight_rows)
     return _project(x, groups, norm_weight=norm_weight, eps=eps, residual=residual, tiles=tiles,
                     interpret=interpret, finish=finish, weight_rows=weight_rows)
 

@@ -26,16 +26,11 @@ from flax.linen.dtypes import promote_dtype
 
 from dayzero.kernels import projection
 
-# Whether `ROW_MODULES` store their weights [out, in] (`RowDense`). Why on: the one-row kernel over whole weight
-# rows beat the [K, N] tiles at the kernel level on an H100 (benchmarks/gemv_layout.py, fifty-eighth session: the KDA
-# input projections 13.13 -> 12.53 us, o_proj 6.43 -> 6.02, the MLA input projections 8.81 -> 8.19, GPU time per link
-# with one XLA kernel between links), its outputs come finished (no partial slices for the KDA step or the MoE front to
-# add up), and in the model (decode_profile.py --experts mxfp4, H100, fifty-ninth session, A/B on one machine) the
-# batch-1 step's GPU kernels took 0.798 / 0.798 / 0.794 ms per token against 0.815 / 0.815 / 0.815 (pipelined 0.774 /
-# 0.778 / 0.777 against 0.798 / 0.794 / 0.795). At 16 rows it cost 2.150 / 2.145 against 2.135 / 2.134 ms while
-# o_proj's partial sums were added up by an XLA kernel before the front (15 kernels per token more); they now go to
-# the front as in the other layout (`unfinished_output`), and a second machine read batch 1 0.795 against 0.813 ms
-# and batch 16 2.137 against 2.143.
+# Whether `ROW_MODULES` store their weights [out, in] (`RowDense`). On: the one-row kernel over whole weight rows
+# streams faster than over [K, N] blocks (benchmarks/gemv_layout.py) and hands the KDA step and the MoE front
+# finished rows instead of 16 partial slices; in the model (decode_profile.py --experts mxfp4, H100, fifty-ninth
+# session, A/B on one machine) the batch-1 step's GPU kernels took 0.795 against 0.813 ms per token and batch 16
+# 2.137 against 2.143. benchmarks/NOTES_serving.md has the runs.
 WEIGHT_ROWS = True
 # The attention projections `projection_dense` builds, by their published names.
 ROW_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj", "o_proj", "q_a_proj",
@@ -75,7 +70,6 @@ def decode_weight(module: nn.Module) -> tuple[jax.Array, bool]:
     (`project(weight_rows=)`): a `RowDense`'s "weight", or a Dense's "kernel" [in, out]."""
     rows = isinstance(module, RowDense)
     return module.variables["params"]["weight" if rows else "kernel"], rows
-
 
 
 def unfinished_output(project, o: jax.Array, weight: jax.Array, residual: jax.Array,

@@ -31,7 +31,7 @@ def _at(params, path):
 @pytest.mark.parametrize("kind", ["kimi_linear", "deepseek_v32"])
 def test_hub_checkpoint_loads_as_weight_rows(checkpoints, token_ids, monkeypatch, kind):
     """With the switch on, a published checkpoint's attention projections load as "weight" [out, in] (the others
-    stay "kernel" [in, out]) and the model's logits equal those of the default layout's load."""
+    stay "kernel" [in, out]) and the model's logits equal those of the [in, out] layout's load."""
     ids, _ = token_ids
     plain = load_checkpoint(checkpoints[kind], dtype="float32", progress=False)
     plain_logits = plain(ids)  # (applied under the layout it was loaded with)

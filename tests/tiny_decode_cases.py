@@ -42,7 +42,7 @@ def _prefill(module, params, *step_args):
 
 
 def as_kernels(params):
-    """Params of the [out, in] layout (`model.linear.WEIGHT_ROWS`) -> the same weights in the default layout
+    """Params of the [out, in] layout (`model.linear.WEIGHT_ROWS` on) -> the same weights in the [in, out] layout
     ("weight" [out, in] of each `linear.ROW_MODULES` projection -> "kernel" [in, out])."""
     from dayzero.model import linear
 
