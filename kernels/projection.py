@@ -46,7 +46,7 @@ the gated RMSNorm's last step done where o_proj reads its input.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -118,11 +118,14 @@ ONE_ROW_ONE_WEIGHT_TILES = ONE_ROW_TILES  # one-row calls of one weight (o_proj)
 # against 13.2 for `project` over the [K, N] weights (the model's groups, one-row CUDA-core tiles), 8.4 MB in 5.7
 # against 6.4, 14.9 MB in 7.9 against 8.9; this path (with the norm, the rounding and the model's groups) in 12.5,
 # 6.0 and 8.2. The model stores its weights so (`model.linear.WEIGHT_ROWS`, on: measured in the model there).
-# Of the tiles tried there (one run): 2 rows in K steps of 512 at 4 warps for the input projections (12.53 us for
-# 26.3 MB; 1 row x 2048 12.72, 4 x 512 12.59), 4 x 512 for o_proj (6.02 us for 8.4 MB; 2 x 512 6.22).
-WEIGHT_ROWS_TILES = ProjectionTiles(block_n=2, step_k=512, num_warps=4, num_stages=1, min_programs=1, k_slices=1,
+# Tiles: 4 rows in K steps of 512 at 4 warps. In that chain 2 rows had looked as good (12.53 us for 26.3 MB, 4 rows
+# 12.59), but in the model, where the layer input comes as float32 sums and every program reads all of it and the
+# norm weight beside its rows, 4 rows halve that side traffic: decode_profile.py --experts mxfp4 --batches 1 on one
+# H100 (sixtieth session), GPU kernels 0.783-0.785 ms per token against 0.795 x2 with 2 rows and 0.815-0.818 with
+# 8; 4 rows with K steps of 256 / 1024 or 8 warps 0.786-0.790. o_proj (one weight) 4 rows too (8: 0.797).
+WEIGHT_ROWS_TILES = ProjectionTiles(block_n=4, step_k=512, num_warps=4, num_stages=1, min_programs=1, k_slices=1,
                                     cuda_cores=True)
-WEIGHT_ROWS_ONE_WEIGHT_TILES = replace(WEIGHT_ROWS_TILES, block_n=4)
+WEIGHT_ROWS_ONE_WEIGHT_TILES = WEIGHT_ROWS_TILES  # one-weight calls (o_proj), tunable apart
 
 
 def default_tiles(weights: int, rows: int, weight_rows: bool = False) -> ProjectionTiles:

@@ -89,11 +89,13 @@ def test_latent_write_with_its_norm_on_gpu(monkeypatch, rows):
     assert np.count_nonzero(np.any(got != 0, axis=-1)) == rows
 
 
+@pytest.mark.usefixtures("in_out_layout")
 @pytest.mark.parametrize("batch", [1, 2])
 def test_model_decode_with_projection_partials_on_gpu(monkeypatch, batch):
     """`model.mla.PROJECTION_PARTIALS`: the medium hybrid's first four layers (an MLA layer last: no query LoRA, no
     rope), the MLA input projections' K-split partial sums finished by the absorb kernel and the latent cache write
-    as they load them, against XLA finishing them: the logits to bf16 rounding, both kernels given the sums."""
+    as they load them, against XLA finishing them: the logits to bf16 rounding, both kernels given the sums. In the
+    [in, out] layout: over weight rows the one-row kernel never splits K, so at batch 1 no sums would reach them."""
     from dayzero.model import mla
     from medium_prefix_cases import prefilled_medium_prefix
     from mla_decode_cases import spy_unfinished_consumers
