@@ -301,19 +301,23 @@ def _slicing(rows: int, k_dim: int, head_dim: int | None, groups, tiles: Project
     return (widths, sk, *_plan(widths, k_dim // sk, tiles))
 
 
+def _row_shape(x: jax.Array | HeadScaled) -> tuple[int, int, int | None]:
+    """(M, K, head_dim) of x [M, K], or of `HeadScaled` rows (head_dim None for plain rows)."""
+    if isinstance(x, HeadScaled):
+        return (*x.values.shape, x.head_dim)
+    return (*x.shape, None)
+
+
 def _call_tiles(x: jax.Array | HeadScaled, groups, weight_rows: bool) -> ProjectionTiles:
     """`default_tiles` for a call of x [M, K] (or `HeadScaled` rows) and these groups of weights."""
-    rows = (x.values if isinstance(x, HeadScaled) else x).shape[0]
-    return default_tiles(sum(len(group) for group in groups), rows, weight_rows)
+    return default_tiles(sum(len(group) for group in groups), _row_shape(x)[0], weight_rows)
 
 
 def splits_k(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...], *,
              tiles: ProjectionTiles | None = None, weight_rows: bool = False) -> bool:
     """Whether the kernel's `project(x, groups, tiles=, weight_rows=)` splits K: with `finish=False` its groups come
     back as `Partials`, and a residual is added after the kernel (by XLA) instead of in it. Shapes only."""
-    values = x.values if isinstance(x, HeadScaled) else x
-    head_dim = x.head_dim if isinstance(x, HeadScaled) else None
-    return _slicing(*values.shape, head_dim, groups, tiles or _call_tiles(x, groups, weight_rows), weight_rows)[3] > 1
+    return _slicing(*_row_shape(x), groups, tiles or _call_tiles(x, groups, weight_rows), weight_rows)[3] > 1
 
 
 def supported(rows: int, k_dim: int, widths: tuple[int, ...]) -> bool:
@@ -528,13 +532,13 @@ def _project(x: jax.Array | HeadScaled, groups: tuple[tuple[jax.Array, ...], ...
     _check(x, groups, norm_weight, residual, weight_rows)
     if residual is not None and not finish:
         raise ValueError("projection: a residual is added by finished; project(finish=False) takes none")
+    rows, k_dim, head_dim = _row_shape(x)
     head_scaled = None
     if isinstance(x, HeadScaled):
         head_scaled = (x.head_dim, x.parts, float(x.eps))
         x, head_squares = x.values, x.squares
     dtype = groups[0][0].dtype
-    rows, k_dim = x.shape
-    widths, sk, blocks, slices = _slicing(rows, k_dim, head_scaled and head_scaled[0], groups, tiles, weight_rows)
+    widths, sk, blocks, slices = _slicing(rows, k_dim, head_dim, groups, tiles, weight_rows)
     if not supported(rows, k_dim, tuple(n for _, _, n in widths)):
         raise ValueError(f"projection kernel: {rows} rows x {k_dim} features into widths "
                          f"{[n for _, _, n in widths]} not supported (rows a power of two <= {MAX_ROWS}, "
