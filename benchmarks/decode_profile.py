@@ -182,7 +182,7 @@ def call_host_ms(engine: Engine, rows: StepRows, repeats: int) -> dict[str, floa
                 called_put = time.perf_counter()
                 *out, runner.cache = runner_module._DECODE(
                     engine.model.module, engine.model.params, runner.cache, arrays, layout, previous, greedy,
-                    runner.unrolled_decode)
+                    runner.unrolled_decode, runner.dispatch_steps(rows))
                 done = time.perf_counter()
                 times[kind].append(done - (called if kind == "waited" else called_put))
                 if kind == "fresh":

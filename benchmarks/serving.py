@@ -100,6 +100,9 @@ def main(argv=None) -> int:
                         help="the routed experts' format (mxfp4: random packed experts, the MXFP4 kernels)")
     parser.add_argument("--decode-steps", type=int, default=EngineConfig.decode_steps,
                         help="decode steps per dispatch (the engine option)")
+    parser.add_argument("--no-trim-decode-steps", action="store_true",
+                        help="every decode dispatch runs all its steps, even where each row's last ones are padding "
+                        "(the engine option trim_decode_steps off)")
     parser.add_argument("--no-overlap-decode", action="store_true",
                         help="read each decode dispatch's tokens before launching the next (the engine option)")
     parser.add_argument("--no-overlap-prefill", action="store_true",
@@ -145,7 +148,8 @@ def main(argv=None) -> int:
         max_num_seqs=64, max_model_len=args.long_prompt + 256, max_prefill_tokens=4096, max_prefill_rows=16,
         prefill_len_buckets=(128, 2048, 4096), num_snapshots=8, enable_prefix_caching=False, seed=0,
         decode_steps=args.decode_steps, overlap_decode=not args.no_overlap_decode,
-        overlap_prefill=not args.no_overlap_prefill, unrolled_decode=args.unrolled_decode))
+        overlap_prefill=not args.no_overlap_prefill, unrolled_decode=args.unrolled_decode,
+        trim_decode_steps=not args.no_trim_decode_steps))
     rng = np.random.default_rng(0)
     res = {}
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -206,7 +210,8 @@ def main(argv=None) -> int:
               f"weights could reach)")
     line = (f"- {datetime.date.today()} serving.py, {device.device_kind}, commit {git_commit()}, jax {jax.__version__}"
             f" (routed experts {args.experts}; kernels: {kernel_choice()}; {args.decode_steps} decode steps per "
-            f"dispatch, overlapped: {not args.no_overlap_decode}, first decode ahead of the prefill's token: "
+            f"dispatch, trimmed to the longest row: {not args.no_trim_decode_steps}, "
+            f"overlapped: {not args.no_overlap_decode}, first decode ahead of the prefill's token: "
             f"{not (args.no_overlap_decode or args.no_overlap_prefill)}; steps unrolled: {args.unrolled_decode}; "
             f"XLA options added {xla_options or 'none'}; module constants set {constants or 'none'}; "
             f"XLA environment {xla_environment()}): "

@@ -169,6 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None, help="default 4096 (256 for the embedded preset)")
     parser.add_argument("--max-prefill-tokens", type=int, default=None, help="default 512 (128 for the preset)")
     parser.add_argument("--decode-steps", type=int, default=4, help="decode steps per device dispatch")
+    parser.add_argument("--no-trim-decode-steps", action="store_true",
+                        help="run every decode dispatch's --decode-steps steps, even where all its rows need fewer "
+                             "(fewer compiled functions: one step count)")
     parser.add_argument("--no-overlap-decode", action="store_true",
                         help="read each decode dispatch's tokens before launching the next")
     parser.add_argument("--no-overlap-prefill", action="store_true",
@@ -186,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--image goes with --prompt (in a JSONL file, give an \"image\" field)")
     options = dict(max_num_seqs=args.max_num_seqs, seed=args.seed, decode_steps=args.decode_steps,
                    overlap_decode=not args.no_overlap_decode, overlap_prefill=not args.no_overlap_prefill,
-                   unrolled_decode=args.unrolled_decode,
+                   unrolled_decode=args.unrolled_decode, trim_decode_steps=not args.no_trim_decode_steps,
                    max_model_len=args.max_model_len or (4096 if args.model else 256),
                    max_prefill_tokens=args.max_prefill_tokens or (512 if args.model else 128))
     with platforms.compilation_cache.counting() as cache_use:

@@ -58,6 +58,9 @@ class EngineConfig:
     prefill_len_buckets: tuple[int, ...] | None = None  # tokens per prefill row (default: powers of two from 32)
     block_buckets: tuple[int, ...] | None = None        # blocks per row gathered (default: powers of four)
     decode_steps: int = 4  # decode steps per dispatch (sampled on the device; stop checks after each dispatch)
+    # a decode dispatch runs only as many steps as its longest row takes (a request's last tokens, a stop near the
+    # model length), each count from 1 to decode_steps compiled apart, instead of always decode_steps
+    trim_decode_steps: bool = True
     overlap_decode: bool = True  # launch the next decode dispatch before reading this one's tokens
     overlap_prefill: bool = True  # with overlap_decode: a prompt's first decode launched before its token is read
     # a dispatch's decode steps compiled as straight-line code, not an XLA loop; None: where the model runs on a GPU
@@ -91,7 +94,7 @@ class Engine:
         hybrid = LAYER_KDA in mcfg.layer_types
         num_slots = config.max_num_seqs + 1
         self.runner = ModelRunner(model, num_blocks, num_slots, config.num_snapshots if hybrid else 0,
-                                  config.block_size, config.unrolled_decode)
+                                  config.block_size, config.unrolled_decode, config.trim_decode_steps)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_prefill_tokens, config.max_prefill_rows,
                             config.max_model_len, config.block_size, config.enable_prefix_caching,
@@ -430,17 +433,22 @@ class Engine:
 
     def warmup(self) -> int:
         """Compiles every bucketed prefill and decode shape now (rows of padding only: nothing is written but the
-        scratch block and slot), decode shapes in their all-greedy and sampling variants, the layout of each
+        scratch block and slot), decode shapes in their all-greedy and sampling variants and for every step count a
+        dispatch may run (`trim_decode_steps`: 1 to `decode_steps`), the layout of each
         prefill bucket's tokens for each decode bucket (`overlap_prefill`), and the KDA slot and snapshot functions
         (compiled, not run), so serving never compiles. Returns how many of them this engine had not needed yet."""
         before = self.runner.num_compilations
         shapes = [(False, r, t, b) for r in self.prefill_row_buckets for t in self.prefill_len_buckets
                   for b in self.block_buckets]
         shapes += [(True, r, 1, b) for r in self.decode_buckets for b in self.block_buckets]
+        counts = range(1, self.config.decode_steps + 1) if self.config.trim_decode_steps else (0,)
         for decode, n_rows, n_tok, n_blk in shapes:
-            for sampled in (False, True) if decode else (False,):  # decode: an all-greedy and a sampling variant
+            variants = [(s, n) for s in (False, True) for n in counts] if decode else [(False, 0)]
+            for sampled, n_steps in variants:  # decode: all-greedy and sampling, each step count
                 rows = self._padding(n_rows, n_tok, n_blk, decode)
                 rows.temperature[0] = 1.0 if sampled else 0.0
+                if decode:
+                    rows.steps[0] = n_steps  # a padding row (invalid): only the dispatch's step count follows it
                 self.runner.run(rows, decode)
         if self.config.overlap_decode and self.config.overlap_prefill:  # a decode launched ahead of a prefill's tokens
             for n_prefill in self.prefill_row_buckets:

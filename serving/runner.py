@@ -135,15 +135,18 @@ def _step(module, params, cache, arrays: dict, layout: tuple, decode: bool):
     return tokens, logprobs, cache
 
 
-def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_greedy: bool, unrolled: bool = False):
-    """n = keys.shape[1] decode steps in one dispatch: each step samples a token that is the next step's input.
-    Row b runs rows["steps"][b] of them; its later steps are padding (no cache or state change). Row b's first
+def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_greedy: bool, unrolled: bool = False,
+            n_steps: int | None = None):
+    """`n_steps` (static; None: all n = keys.shape[1]) decode steps in one dispatch: each step samples a token that
+    is the next step's input. Row b runs rows["steps"][b] <= n_steps of them; its later steps are padding (no cache or
+    state change), and the columns past `n_steps` of the outputs are zeros. Row b's first
     input is previous.reshape(-1)[feed[b]] where feed[b] >= 0 (previous: an earlier decode dispatch's tokens
     [B, n] int32, still on the device), else tokens[b, 0]. `all_greedy` (static): every row is greedy, so no
     sampling path is compiled in. `unrolled` (static): the n steps as straight-line code instead of a loop (no XLA
     while loop: on a GPU, one launch of the whole dispatch rather than the loop body's kernels launched from the host
-    each step; compiles about n times the code). `arrays`, `layout`: the rows as `pack_rows` sends them. Returns
-    (tokens [B, n], logprobs [B, n], cache)."""
+    each step; compiles about n_steps times the code). `arrays`, `layout`: the rows as `pack_rows` sends them.
+    Returns (tokens [B, n], logprobs [B, n], cache): n columns whatever `n_steps`, so the next dispatch's `previous`
+    has one shape."""
     rows = unpack_rows(arrays, layout)
 
     def one(carry, xs):
@@ -157,11 +160,13 @@ def _decode(module, params, cache, arrays: dict, layout: tuple, previous, all_gr
         return (cache, new[:, None].astype(tokens.dtype), positions + 1), (new, logprobs)
 
     n = rows["keys"].shape[1]
+    n_steps = n if n_steps is None else n_steps
     fed = previous.reshape(-1)[jnp.maximum(rows["feed"], 0)].astype(rows["tokens"].dtype)
     first = jnp.where((rows["feed"] >= 0)[:, None], fed[:, None], rows["tokens"])
-    xs = (jnp.arange(n, dtype=jnp.int32), jnp.swapaxes(rows["keys"], 0, 1))
+    xs = (jnp.arange(n_steps, dtype=jnp.int32), jnp.swapaxes(rows["keys"][:, :n_steps], 0, 1))
     (cache, _, _), (tokens, logprobs) = jax.lax.scan(one, (cache, first, rows["positions"]), xs, unroll=unrolled)
-    return tokens.T, logprobs.T, cache
+    pad = ((0, 0), (0, n - n_steps))
+    return jnp.pad(tokens.T, pad), jnp.pad(logprobs.T, pad), cache
 
 
 def _prefill_as_previous(tokens, shape: tuple[int, int]):
@@ -185,7 +190,7 @@ def _restore(cache, snaps, slot, snap):
 
 # Module-level jits: engines over equal modules (same config and dtype) share compiled steps.
 _STEP = dispatch.PlatformJit(_step, static_argnums=(0, 4, 5), donate_argnums=(2,))
-_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6, 7), donate_argnums=(2,))
+_DECODE = dispatch.PlatformJit(_decode, static_argnums=(0, 4, 6, 7, 8), donate_argnums=(2,))
 _PREFILL_AS_PREVIOUS = jax.jit(_prefill_as_previous, static_argnums=(1,))
 _RESET = jax.jit(_reset, donate_argnums=(0,))
 _SAVE = jax.jit(_save, donate_argnums=(1,))
@@ -219,12 +224,14 @@ class ModelRunner:
     (`Model.mesh`), the cache and snapshots live on their `sharding.CACHE_RULES` shardings (KDA heads over
     `tensor`; latents and indexer keys replicated) and the step inputs are replicated over the mesh.
     `unrolled_decode`: decode dispatches compiled as straight-line steps (`_decode`'s `unrolled`); None: where the
-    model runs on a GPU (`unrolled_by_default`)."""
+    model runs on a GPU (`unrolled_by_default`). `trim_decode_steps`: a decode dispatch runs as many steps as its
+    longest row takes (`dispatch_steps`; each count compiled apart), not always all its keys' steps."""
 
     def __init__(self, model: Model, num_blocks: int, num_slots: int, num_snapshots: int, block_size: int = 64,
-                 unrolled_decode: bool | None = None):
+                 unrolled_decode: bool | None = None, trim_decode_steps: bool = True):
         self.model = model
         self.block_size = block_size
+        self.trim_decode_steps = trim_decode_steps
         self.unrolled_decode = (unrolled_by_default(model.platform) if unrolled_decode is None
                                 else unrolled_decode)
         self.has_kda = LAYER_KDA in model.config.layer_types
@@ -256,21 +263,28 @@ class ModelRunner:
         """Launches one dispatch and returns device arrays without waiting (JAX dispatch is asynchronous).
         `previous` (decode): the sampled tokens of the dispatch just before, still on the device, which `rows.feed`
         indexes: a decode dispatch's [B, n] of this one's shape, or a prefill step's [P] (token p read as [p, 0])."""
-        steps = rows.keys.shape[1] if decode else 0
+        steps = self.dispatch_steps(rows) if decode else 0
         greedy = decode and bool(np.all(rows.temperature < sampling.GREEDY_EPS))  # decode compiles both variants
-        self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1], steps,
-                          greedy))
+        self._shapes.add(("decode" if decode else "prefill", rows.tokens.shape, rows.block_tables.shape[1],
+                          rows.keys.shape[1] if decode else 0, steps, greedy))
         with platforms.activate(self.model.placement):  # the model's device in use: dispatch picks its kernels
             arrays, layout = pack_rows(rows)
             arrays = jax.device_put(arrays, self._inputs)  # None stays None
             if decode:
                 previous = self._previous(previous, rows.keys.shape[:2])
                 tokens, logprobs, self.cache = _DECODE(self.model.module, self.model.params, self.cache, arrays,
-                                                       layout, previous, greedy, self.unrolled_decode)
+                                                       layout, previous, greedy, self.unrolled_decode, steps)
             else:
                 tokens, logprobs, self.cache = _STEP(self.model.module, self.model.params, self.cache, arrays,
                                                      layout, False)
         return tokens, logprobs
+
+    def dispatch_steps(self, rows: StepRows) -> int:
+        """The steps a decode dispatch of `rows` runs: all n of its keys [B, n, 2], or with `trim_decode_steps` as
+        many as its longest row takes (`rows.steps`; at least 1). The steps past that would be padding in every
+        row, each costing a whole step of the device: a request's last dispatch often has fewer tokens to make."""
+        n = rows.keys.shape[1]
+        return min(max(int(rows.steps.max(initial=0)), 1), n) if self.trim_decode_steps else n
 
     def _previous(self, previous: jax.Array | None, shape: tuple[int, int]) -> jax.Array:
         """`previous` for a decode dispatch of `shape` [B, n]: zeros where there is none, a prefill's [P] tokens

@@ -178,6 +178,40 @@ def test_multi_step_decode_matches_single_steps(models):
     assert stopped.token_ids == outs[1][1].token_ids[:outs[1][1].token_ids.index(stop) + 1]
 
 
+def test_dispatch_runs_only_the_steps_its_rows_take(models, monkeypatch):
+    """`trim_decode_steps`: a decode dispatch whose rows all take fewer than `decode_steps` steps (a request's last
+    tokens) runs only as many as its longest row, with the same tokens and logprobs as running them all (seeded
+    sampling, greedy, dispatches launched ahead and waited for); without it every dispatch runs all."""
+    from dayzero.serving import runner as runner_module
+
+    model = models["kimi_linear"]
+    prompts = [[9, 8, 7, 6, 5], [3, 4, 5]]
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, seed=5, ignore_eos=True, logprobs=True),
+              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=True)]
+    ran, decode = [], runner_module._DECODE  # each decode dispatch's steps
+    monkeypatch.setattr(runner_module, "_DECODE", lambda *args: ran.append(args[8]) or decode(*args))
+    outs, counts = {}, {}
+    for trim, overlap in ((False, True), (True, True), (True, False)):
+        engine = Engine(model, None, config(decode_steps=4, trim_decode_steps=trim, overlap_decode=overlap))
+        outs[trim, overlap] = [engine.generate(prompt_token_ids=[p], sampling_params=q)[0]
+                               for p, q in zip(prompts, params)]
+        counts[trim, overlap] = ran[:]
+        ran.clear()
+    # 5 and 6 decode tokens after the prefill's: 4 + 1 and 4 + 2 steps, or 4 + 4 and 4 + 4 untrimmed
+    assert counts[False, True] == [4, 4, 4, 4]
+    assert counts[True, True] == counts[True, False] == [4, 1, 4, 2]
+    for key in ((True, True), (True, False)):
+        for got, want in zip(outs[key], outs[False, True]):
+            assert got.token_ids == want.token_ids and len(got.token_ids) in (6, 7), key
+            np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6, err_msg=str(key))
+    rows = runner_module.StepRows.padding(3, 1, 4, decode_steps=4)
+    rows.steps[:] = [2, 3, 0]
+    assert Engine(model, None, config()).runner.dispatch_steps(rows) == 3
+    assert Engine(model, None, config(trim_decode_steps=False)).runner.dispatch_steps(rows) == 4
+    rows.steps[:] = 0  # padding only (as warm-up sends): one step
+    assert Engine(model, None, config()).runner.dispatch_steps(rows) == 1
+
+
 def test_unrolled_decode_matches_the_loop(models, monkeypatch):
     """`unrolled_decode` compiles a dispatch's steps as straight-line code (no while loop in the lowered function)
     and gives the loop's tokens and logprobs: greedy and seeded sampling, max_tokens not a multiple of the steps."""
@@ -290,7 +324,9 @@ def test_decode_launched_ahead_of_a_prefill(models):
     outs = {}
     for name, options in (("waited", dict(overlap_decode=False)), ("decode only", dict(overlap_prefill=False)),
                           ("ahead", {})):
-        engine = Engine(model, None, config(seed=0, **options))
+        # every dispatch runs all its steps: warm-up then compiles a quarter of the decode functions (the stress
+        # test below checks warm-up with the step counts of `trim_decode_steps`)
+        engine = Engine(model, None, config(seed=0, trim_decode_steps=False, **options))
         after_prefill = []  # per dispatch ahead tried after a prefill step: launched or not
         original = engine._dispatch_ahead
 
@@ -324,8 +360,10 @@ def test_stress_no_leaks_no_recompilation(models):
     model = models["kimi_linear"]
     seed = int(np.random.default_rng().integers(1 << 31))
     rng = np.random.default_rng(seed)
+    # 2 steps per dispatch: warm-up compiles each decode shape for 1 and 2 steps (`trim_decode_steps`), half of
+    # what the default 4 would take on the CPU
     engine = Engine(model, None, config(max_num_seqs=8, max_prefill_rows=4, num_blocks=24, num_snapshots=8,
-                                        seed=seed, max_model_len=192))
+                                        seed=seed, max_model_len=192, decode_steps=2))
     prefixes = [rng.integers(3, 190, 64).tolist() for _ in range(3)]
 
     def random_request():

@@ -24,7 +24,7 @@ def test_jsonl_input_with_a_bad_line(tmp_path, capsys):
         {"prompt_token_ids": [], "max_tokens": 2},
         {"prompt_token_ids": [9, 9], "max_tokens": 1, "temperature": 0.5, "seed": 3}]) + "\n")
     out = tmp_path / "out.jsonl"
-    assert main(["--input", str(src), "--output", str(out), "--no-progress"]) == 0
+    assert main(["--input", str(src), "--output", str(out), "--no-progress", "--no-trim-decode-steps"]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [len(r["token_ids"]) for r in rows] == [2, 0, 1]
     assert rows[1]["finish_reason"] == "error" and "empty" in rows[1]["error"]

@@ -195,10 +195,12 @@ def test_decode_step_with_the_dense_mlp_in_projection_kernels_on_gpu(monkeypatch
         assert np.abs(c - d).max() <= 2e-2 * max(np.abs(d).max(), 1e-6), name
 
 
+@pytest.mark.usefixtures("in_out_layout")
 def test_one_token_decode_with_projections_on_cuda_cores_on_gpu(monkeypatch):
     """The medium hybrid's first four layers (three KDA, one MLA; MXFP4 routed experts), a one-token decode step with
     `projection.ONE_ROW_ON_CUDA_CORES` (every one-row projection on the CUDA cores) against the MMA tiles, each
-    traced with the path it names: the next-token logits and the caches to bf16 rounding."""
+    traced with the path it names: the next-token logits and the caches to bf16 rounding. The attention projections
+    stored [in, out], the layout that switch serves (weight rows always run their one-row calls on the CUDA cores)."""
     from medium_prefix_cases import logits_change, prefilled_medium_prefix
 
     run, args = prefilled_medium_prefix(9, num_blocks=2, num_layers=4, batch=1, mxfp4=True)
