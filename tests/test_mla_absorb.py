@@ -51,8 +51,10 @@ def test_absorb_queries(seed, rows, dtype):
 @pytest.mark.parametrize("rows,squares", [(1, True), (3, False), (16, True), (32, False)])
 def test_absorb_queries_finishes_partial_sums(seed, rows, squares):
     """q as the query projection's K-split `projection.Partials` (with the norm's squares or without): each program
-    finishes the columns it reads as `projection.finished` does, so q_latent and q_rope equal bit for bit those of
-    the finished q; the XLA form takes them too."""
+    finishes the columns it reads as `projection.finished` does, so q_latent and q_rope equal those of the finished
+    q; the XLA form takes them too. Equal to rounding, not always bit for bit: XLA may contract the norm's
+    sum / k + eps into one FMA in one program and not in the other (at the tests' optimization level,
+    tests/conftest.py), which can move a row's scale by an ulp and so some of its bf16 values by one rounding."""
     from dayzero.kernels import projection
 
     rng = np.random.default_rng(seed)
@@ -64,11 +66,16 @@ def test_absorb_queries_finishes_partial_sums(seed, rows, squares):
     got = mla_absorb.absorb_queries(parts, w, **kw, interpret=True)
     want = mla_absorb.absorb_queries(projection.finished(parts), w, **kw, interpret=True)
     assert got[0].dtype == jnp.bfloat16
+
+    def same_to_rounding(g, r):  # a few values one bf16 rounding apart at most (seed 3526623398: 20 of 8192)
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert np.abs(g - r).max() <= 2.0 ** -7 * np.abs(r).max() and np.mean(g != r) < 0.05, (seed, rows)
+
     for g, r in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+        same_to_rounding(g, r)
     for g, r in zip(mla_absorb.absorb_reference(parts, w, **kw), mla_absorb.absorb_reference(
             projection.finished(parts), w, **kw)):
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+        same_to_rounding(g, r)
 
 
 def _split_case(rng, rows, splits, heads_p, dtype):
