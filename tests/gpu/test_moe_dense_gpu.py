@@ -55,7 +55,7 @@ def _layer(key, n_experts, hidden, inter, dtype):
 # "pairs": pair_partials; "mlp": fused_mlp (the whole MLP in one kernel, float32 atomics); "combine": atomic_combine
 # (the down kernel's weighted combine by float32 atomics); "mlp_chains": fused_mlp with 4 accumulator chains
 @pytest.mark.parametrize("fused", [False, "fused", "epilogue", "pairs", "mlp", "combine", "mlp_chains"])
-def test_grouped_matches_ragged_dot(seed, shape, n_tokens, dtype, skewed, fused):
+def test_grouped_matches_the_float32_oracle(seed, shape, n_tokens, dtype, skewed, fused):
     n_experts, top_k, hidden, inter = shape
     key = jax.random.key(seed)
     weights = _layer(key, n_experts, hidden, inter, dtype)
