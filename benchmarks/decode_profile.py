@@ -164,7 +164,7 @@ def call_host_ms(engine: Engine, rows: StepRows, repeats: int) -> dict[str, floa
     from dayzero.serving.sampling import GREEDY_EPS
 
     runner = engine.runner
-    greedy = bool(np.all(rows.temperature < GREEDY_EPS))
+    greedy, steps = bool(np.all(rows.temperature < GREEDY_EPS)), runner.dispatch_steps(rows)
     times = {"put": [], "fresh": [], "ready": [], "same": [], "waited": []}
     with platforms.activate(engine.model.placement):
         packed, layout = runner_module.pack_rows(rows)
@@ -182,7 +182,7 @@ def call_host_ms(engine: Engine, rows: StepRows, repeats: int) -> dict[str, floa
                 called_put = time.perf_counter()
                 *out, runner.cache = runner_module._DECODE(
                     engine.model.module, engine.model.params, runner.cache, arrays, layout, previous, greedy,
-                    runner.unrolled_decode, runner.dispatch_steps(rows))
+                    runner.unrolled_decode, steps)
                 done = time.perf_counter()
                 times[kind].append(done - (called if kind == "waited" else called_put))
                 if kind == "fresh":

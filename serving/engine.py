@@ -441,7 +441,7 @@ class Engine:
         shapes = [(False, r, t, b) for r in self.prefill_row_buckets for t in self.prefill_len_buckets
                   for b in self.block_buckets]
         shapes += [(True, r, 1, b) for r in self.decode_buckets for b in self.block_buckets]
-        counts = range(1, self.config.decode_steps + 1) if self.config.trim_decode_steps else (0,)
+        counts = self.runner.decode_step_counts(self.config.decode_steps)
         for decode, n_rows, n_tok, n_blk in shapes:
             variants = [(s, n) for s in (False, True) for n in counts] if decode else [(False, 0)]
             for sampled, n_steps in variants:  # decode: all-greedy and sampling, each step count

@@ -279,6 +279,11 @@ class ModelRunner:
                                                      layout, False)
         return tokens, logprobs
 
+    def decode_step_counts(self, decode_steps: int) -> tuple[int, ...]:
+        """The step counts a decode dispatch of `decode_steps` keys may run (`dispatch_steps`), each compiled apart:
+        1 to `decode_steps` with `trim_decode_steps`, else `decode_steps` alone."""
+        return tuple(range(1, decode_steps + 1)) if self.trim_decode_steps else (decode_steps,)
+
     def dispatch_steps(self, rows: StepRows) -> int:
         """The steps a decode dispatch of `rows` runs: all n of its keys [B, n, 2], or with `trim_decode_steps` as
         many as its longest row takes (`rows.steps`; at least 1). The steps past that would be padding in every
