@@ -3,10 +3,12 @@
 
     python3 benchmarks/engine_host.py [--batches 1,16,64] [--tokens 256] [--repeats 7] [--results ...]
 
-The engine waits for each dispatch before it schedules the next, so this time adds to every decode dispatch's
-device time: at batch 64 with 4 steps per dispatch, each millisecond here is 0.25 ms of ITL. A stand-in runner
-returns fixed tokens at once, so only host work is timed (the tiny preset; model size does not matter here).
-Runs on any machine; the host's CPU is what it measures. Median of `--repeats` runs per batch size.
+With `EngineConfig.overlap_decode` (the default) the engine launches the next decode dispatch before it reads this
+one's tokens, so this time hides behind the device's while it is shorter than a dispatch's device time; past that
+(or with overlap off, where it adds to every dispatch) each millisecond here is 0.25 ms of ITL at 4 steps per
+dispatch. A stand-in runner returns fixed tokens at once, so only host work is timed (the tiny preset; model
+size does not matter here). Runs on any machine; the host's CPU is what it measures. Median of `--repeats` runs
+per batch size.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def main(argv=None) -> int:
         print(f"batch {batch} (median of {args.repeats}): {results[f'B{batch}']}")
     line = (f"- {datetime.date.today()} engine_host.py, host CPU {host_cpu()} "
             f"(device replaced by an instant stand-in), commit {git_commit()}, {args.tokens} new tokens, "
-            f"{EngineConfig().decode_steps} decode steps per dispatch, median of {args.repeats} runs: {json.dumps(results)}\n")
+            f"{EngineConfig().decode_steps} decode steps per dispatch, median of {args.repeats} runs: "
+            f"{json.dumps(results)}\n")
     append_line(args.results, line)
     return 0
 
