@@ -434,9 +434,9 @@ class Engine:
     def warmup(self) -> int:
         """Compiles every bucketed prefill and decode shape now (rows of padding only: nothing is written but the
         scratch block and slot), decode shapes in their all-greedy and sampling variants and for every step count a
-        dispatch may run (`trim_decode_steps`: 1 to `decode_steps`), the layout of each
-        prefill bucket's tokens for each decode bucket (`overlap_prefill`), and the KDA slot and snapshot functions
-        (compiled, not run), so serving never compiles. Returns how many of them this engine had not needed yet."""
+        dispatch may run (`trim_decode_steps`: 1 to `decode_steps`), the layout of each prefill bucket's tokens for
+        each decode bucket (`overlap_prefill`), and the KDA slot and snapshot functions (compiled, not run), so
+        serving never compiles. Returns how many of them this engine had not needed yet."""
         before = self.runner.num_compilations
         shapes = [(False, r, t, b) for r in self.prefill_row_buckets for t in self.prefill_len_buckets
                   for b in self.block_buckets]

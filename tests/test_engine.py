@@ -206,10 +206,11 @@ def test_dispatch_runs_only_the_steps_its_rows_take(models, monkeypatch):
             np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6, err_msg=str(key))
     rows = runner_module.StepRows.padding(3, 1, 4, decode_steps=4)
     rows.steps[:] = [2, 3, 0]
-    assert Engine(model, None, config()).runner.dispatch_steps(rows) == 3
+    trimmed = Engine(model, None, config()).runner
+    assert trimmed.dispatch_steps(rows) == 3
     assert Engine(model, None, config(trim_decode_steps=False)).runner.dispatch_steps(rows) == 4
     rows.steps[:] = 0  # padding only (as warm-up sends): one step
-    assert Engine(model, None, config()).runner.dispatch_steps(rows) == 1
+    assert trimmed.dispatch_steps(rows) == 1
 
 
 def test_unrolled_decode_matches_the_loop(models, monkeypatch):
