@@ -51,7 +51,9 @@ from .pallas import _delta_step, _l2normalize, _params
 # 2026-12-01), and the medium hybrid's decode step measured faster with it (benchmarks/NOTES_serving.md).
 GPU_VERIFIED = True
 # The model's launch width (`model.kda.KimiDeltaAttention.decode_in_place` passes it): 4 warps measured fastest on the
-# H200 at batch 1, 16 and 64 against 2 and 8 (benchmarks/kda_decode_layer.py, NOTES_serving.md).
+# H200 at batch 1, 16 and 64 against 2 and 8 (benchmarks/kda_decode_layer.py, NOTES_serving.md); in the whole decode
+# step on an H100 (2026-12-07, decode_profile.py --experts mxfp4) 8 warps still lose: 0.803-0.806 against 0.785 ms
+# of kernels per token at batch 1, 2.187 against 2.134 at batch 16.
 NUM_WARPS = 4
 # Decode calls of at most `VALUE_SPLIT_MAX_ROWS` rows run each head as VALUE_SPLIT // rows programs of value columns
 # (`decode_step(value_split=)`; ~128 programs for the medium hybrid's 16 heads): at batch 1 its 16 programs leave the
