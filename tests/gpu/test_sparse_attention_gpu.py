@@ -169,7 +169,8 @@ def gpu_dsa_config() -> ModelConfig:
 
 def positions_apart(cached, full, bound: float, seed: int) -> str:
     """What a failed cached-vs-full comparison says: the seed, and which decode positions (axis 1 of the [B, P, V]
-    logits) are over `bound`: a top-k selection that flips at one position moves a few of them, a wrong kernel all."""
+    logits) are over `bound`. A top-k selection that flips at one position moves that position most (the positions
+    after it only through the next layer's cache entries of its token); a kernel that computes wrong moves them all."""
     errors = np.array([rel_err(cached[:, p], full[:, p]) for p in range(full.shape[1])])
     over = np.flatnonzero(errors >= bound)
     return (f"seed {seed}: cached vs full {rel_err(cached, full):.2e}; {len(over)} of {len(errors)} positions over "
