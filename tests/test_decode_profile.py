@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import sys
+import decode_profile
+import gpu_trace
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-
-import decode_profile  # noqa: E402
-import gpu_trace  # noqa: E402
 
 HLO = """
   %input_reduce_fusion.98 = bf16[2048]{0} fusion(%a), kind=kCustom, calls=%r.98, metadata={op_name="jit(_decode)/while/body/eval_jaxpr/Decoder.step/layers_0.step/self_attn.step/self_attn._inputs/v_proj/dot_general" deduplicated_name="input_reduce_fusion.96" scheduling_name="x"}

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+import engine_host
 
-import engine_host  # noqa: E402
-
-from dayzero.model import Model  # noqa: E402
-from dayzero.model.presets import tiny  # noqa: E402
-from dayzero.serving import EngineConfig  # noqa: E402
+from dayzero.model import Model
+from dayzero.model.presets import tiny
+from dayzero.serving import EngineConfig
 
 
 @pytest.mark.parametrize("batch, new_tokens", [(1, 9), (3, 6)])

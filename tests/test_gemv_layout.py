@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-
-import gemv_layout  # noqa: E402
-from dayzero.kernels import projection  # noqa: E402
+import gemv_layout
+from dayzero.kernels import projection
 
 
 def test_each_gemv_variant_computes_the_product():

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+import grid_barrier
 
-import grid_barrier  # noqa: E402
 
 DIM, PHASES = 64, 3
 

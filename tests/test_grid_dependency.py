@@ -5,9 +5,6 @@ benchmarks/launch_overlap.py.)"""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +14,6 @@ from jax.experimental import pallas as pl
 
 from dayzero.kernels import dispatch, grid_dependency, tiles
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 _PTX = ("griddepcontrol.launch_dependents", "griddepcontrol.wait")
 

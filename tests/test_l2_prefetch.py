@@ -5,8 +5,6 @@ later kernel's time is a benchmark: benchmarks/l2_prefetch.py; that it leaves re
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +13,6 @@ import pytest
 from jax.experimental import pallas as pl
 
 from dayzero.kernels import l2_prefetch, tiles
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
 def _copy_with_prefetch(x_ref, w_ref, o_ref, *, chunk):

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import sys
+import ncu_summary
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-
-import ncu_summary  # noqa: E402
 
 RAW = '''"ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread",\
 "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",\

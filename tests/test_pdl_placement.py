@@ -3,15 +3,10 @@ its summary of the timer values (no GPU needed)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-
-import pdl_placement  # noqa: E402
+import pdl_placement
 
 
 def _asm(ir: str) -> list[str]:

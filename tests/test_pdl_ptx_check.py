@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-
-import pdl_ptx_check  # noqa: E402
+import pdl_ptx_check
 
 
 def test_counts_each_instruction_in_the_files_that_hold_one(tmp_path):

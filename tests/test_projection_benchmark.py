@@ -3,14 +3,10 @@ XLA's GEMM tile choices from a compiled HLO module (synthetic HLO text)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+import projection as projection_benchmark
 
-import projection as projection_benchmark  # noqa: E402
 
 HLO = """
   %gemm_fusion_dot.12 = bf16[16,6144]{1,0} fusion(%a, %b), kind=kCustom, calls=%x, backend_config={"operation_queue_id":"0","fusion_backend_config":{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"16","block_n":"64","block_k":"256","split_k":"8","num_stages":"4","num_warps":"4","num_ctas":"1"}}}

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-
-import read_floor  # noqa: E402
+import read_floor
 
 
 def test_buffers_are_whole_rows_and_the_chain_outsizes_l2():

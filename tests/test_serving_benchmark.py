@@ -3,16 +3,11 @@ generates whose compilations are counted."""
 
 from __future__ import annotations
 
-import os
-import sys
+import serving as serving_benchmark
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-
-import serving as serving_benchmark  # noqa: E402
-
-from dayzero.model import Model  # noqa: E402
-from dayzero.model.presets import tiny  # noqa: E402
-from dayzero.serving import Engine, EngineConfig, SamplingParams  # noqa: E402
+from dayzero.model import Model
+from dayzero.model.presets import tiny
+from dayzero.serving import Engine, EngineConfig, SamplingParams
 
 
 def test_timed_generate_repeats_after_a_warm_up_and_counts_compilations():

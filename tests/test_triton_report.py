@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
-
-import triton_report  # noqa: E402
-from dayzero.kernels.kda import pallas as kda_pallas  # noqa: E402
+import triton_report
+from dayzero.kernels.kda import pallas as kda_pallas
 
 
 def _chunk_shapes(T=300, H=2, D=32):
