@@ -87,7 +87,8 @@ class Indexer(nn.Module):
     def select(self, x, q_latent, cos, sin, key_cache, key_scales, layer: int, block_tables,
                query_positions) -> jax.Array:
         """Top-k keys per query among the cached keys of `layer` ([L, N, 64, Di], FP8 scales [L, N, 64, 1] or None)
-        -> indices [B, T, index_topk] int32 (key positions, -1 = none)."""
+        -> indices [B, T, index_topk] int32 (key positions, -1 = none), also sown as "index_selection" in the
+        "intermediates" collection when it is mutable (a cached decode's selections against the full forward's)."""
         cfg = self.config
         batch, length, _ = x.shape
         q = self.wq_b(q_latent).reshape(batch, length, cfg.index_n_heads, cfg.index_head_dim)
@@ -96,9 +97,11 @@ class Indexer(nn.Module):
         if cfg.index_fp8:
             q, q_scales = fp8_indexer.rotate_and_quantize(q)
         weights = self.weights_proj(x.astype(jnp.float32)) * cfg.index_n_heads ** -0.5
-        return indexer_kernels.indexer_topk(q, weights, query_positions, key_cache, layer, block_tables,
-                                            cfg.index_topk, scale=cfg.index_head_dim ** -0.5, q_scales=q_scales,
-                                            key_scales=key_scales)
+        indices = indexer_kernels.indexer_topk(q, weights, query_positions, key_cache, layer, block_tables,
+                                               cfg.index_topk, scale=cfg.index_head_dim ** -0.5, q_scales=q_scales,
+                                               key_scales=key_scales)
+        self.sow("intermediates", "index_selection", indices)
+        return indices
 
     def __call__(self, x, q_latent, cos, sin, positions):
         """Whole sequences (key s at position s) -> indices [B, T, index_topk]."""

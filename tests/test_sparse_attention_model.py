@@ -9,11 +9,11 @@ towards the lower position in every path (reference and kernels), so its cached 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsa_cases import first_flip, full_and_cached
 from tiny_checkpoints import build_hf_model, relative_error, save_hf_model
 from dayzero.kernels import dispatch
 from dayzero.model import Model, load_checkpoint
@@ -36,26 +36,9 @@ def hf_cached_and_full(hf_model, ids):
 
 
 def dayzero_full_and_cached(model: Model, seq: np.ndarray):
-    """(full-forward logits, cached logits) [B, T - PROMPT, V] for seq [B, T]: prefill PROMPT tokens through `step`,
-    then one token per decode step at its position, through the paged cache with scattered blocks."""
-    batch, total = seq.shape
-    module = model.module
-    full = jax.jit(lambda p, ids: module.apply({"params": p}, ids))(model.params, jnp.asarray(seq))
-
-    def step(decode):
-        return jax.jit(lambda p, cache, tok, pos: module.apply(
-            {"params": p}, tok, pos, jnp.ones(tok.shape, bool), cache, jnp.asarray(TABLES),
-            jnp.zeros((batch,), jnp.int32), decode, method="step"))
-
-    prefill, decode = step(False), step(True)
-    cache = init_cache(model.config, num_blocks=8, num_slots=1, dtype=model.dtype)
-    positions = np.broadcast_to(np.arange(PROMPT), (batch, PROMPT))
-    logits, cache = prefill(model.params, cache, jnp.asarray(seq[:, :PROMPT]), jnp.asarray(positions))
-    cached = [logits]
-    for t in range(PROMPT, total - 1):
-        logits, cache = decode(model.params, cache, jnp.asarray(seq[:, t:t + 1]), jnp.full((batch, 1), t))
-        cached.append(logits)
-    return np.asarray(full)[:, PROMPT - 1:-1], np.stack([np.asarray(c) for c in cached], 1)
+    """(full-forward logits, cached logits) [B, T - PROMPT, V] for seq [B, T] (`full_and_cached` with PROMPT tokens
+    prefilled, in scattered blocks)."""
+    return full_and_cached(model, seq, PROMPT, TABLES)[:2]
 
 
 def one_head_dsa(tmp_path_factory, **overrides):
@@ -116,5 +99,12 @@ def test_fp8_indexer_decode_equals_full_forward(one_layer, seed, monkeypatch):
     cache = init_cache(model.config, num_blocks=2, num_slots=1, dtype=model.dtype)
     assert cache["index_keys"].dtype == jnp.float8_e4m3fn and cache["index_scales"].shape == (1, 2, 64, 1)
     seq = np.random.default_rng(seed).integers(3, 200, (2, PROMPT + 6))
-    full, cached = dayzero_full_and_cached(model, seq)
+    full, cached, full_sel, cached_sel = full_and_cached(model, seq, PROMPT, TABLES)
     assert relative_error(cached, full) < 1e-5, f"fp8: cached vs full (seed={seed})"
+    # the selections both runs sow (what the GPU test reads to tell a near-tie flip from a wrong cache)
+    expected = (2, PROMPT + 5, model.config.index_topk)
+    assert [s.shape for s in full_sel] == [s.shape for s in cached_sel] == [expected], (full_sel, cached_sel)
+    assert first_flip(full_sel, cached_sel) is None, f"fp8: selections differ (seed={seed})"
+    swapped = [s.copy() for s in cached_sel]
+    swapped[0][1, 7, -1] += 1  # another key than the last (largest) one token 7 selects
+    assert first_flip(full_sel, swapped) == (7, 0)
