@@ -69,7 +69,7 @@ class Drift:
 
 def forward_intermediates(model: Model, token_ids) -> dict:
     """The "intermediates" collection of one jitted forward pass of `token_ids` [B, T]: the MXFP4 workspace's
-    counters (`Decoder`) and each MoE layer's routed experts (`MoE`)."""
+    counters (`Decoder`), each MoE layer's routed experts (`MoE`) and each DSA layer's top-k keys (`Indexer`)."""
     forward = jax.jit(lambda params, ids: model.module.apply({"params": params}, ids, mutable=["intermediates"])[1])
     with platforms.activate(model.placement):
         state = forward(model.params, jnp.asarray(token_ids, jnp.int32))

@@ -7,8 +7,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tiny_checkpoints import relative_error
 from dayzero.model import Model
 from dayzero.model.cache import init_cache
+from dayzero.model.config import LAYER_MLA, MLP_DENSE, MLP_MOE, ModelConfig, RopeConfig
+
+
+def kernel_sized_dsa_config() -> ModelConfig:
+    """A small deepseek_v32-like config whose dims the Triton kernels take (every dot dimension >= 16)."""
+    return ModelConfig(
+        model_type="deepseek_v32", vocab_size=256, hidden_size=128, num_layers=2, layer_types=(LAYER_MLA,) * 2,
+        mlp_types=(MLP_DENSE, MLP_MOE), intermediate_size=256, num_heads=16, q_lora_rank=64, kv_lora_rank=64,
+        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rope=RopeConfig(theta=10000.0),
+        index_n_heads=16, index_head_dim=32, index_topk=48, num_experts=4, num_experts_per_token=2,
+        moe_intermediate_size=64, num_shared_experts=1, max_position_embeddings=1024)
 
 
 def index_selections(state: dict) -> list[np.ndarray]:
@@ -19,11 +31,12 @@ def index_selections(state: dict) -> list[np.ndarray]:
     return [np.sort(np.asarray(found[k]["self_attn"]["indexer"]["index_selection"][0]), axis=-1) for k in layers]
 
 
-def full_and_cached(model: Model, seq, prompt: int, tables):
+def full_and_cached(model: Model, seq, prompt: int, tables, decode_shift: int = 0):
     """seq [B, T] through the full forward, and through `step`: a prefill of its first `prompt` tokens, then one token
     per decode step at its position, in the paged cache's blocks `tables` [B, n] (block 0 unused).
     -> (full logits, cached logits) [B, T - prompt, V] float, predicting tokens prompt..T-1, and each DSA layer's
-    selections of both runs (`index_selections`, [B, T - 1, k]: tokens 0..T-2)."""
+    selections of both runs (`index_selections`, [B, T - 1, k]: tokens 0..T-2). `decode_shift` != 0 plants a bug for
+    the checkers' own tests: each decode token is written and read that many positions late."""
     module = model.module
     seq, tables = jnp.asarray(seq, jnp.int32), jnp.asarray(tables, jnp.int32)
     batch, total = seq.shape
@@ -41,7 +54,7 @@ def full_and_cached(model: Model, seq, prompt: int, tables):
                                       jnp.broadcast_to(jnp.arange(prompt), (batch, prompt)))
     cached, cached_sel = [logits], [index_selections(chosen)]
     for t in range(prompt, total - 1):
-        (logits, cache), chosen = decode(model.params, cache, seq[:, t:t + 1], jnp.full((batch, 1), t))
+        (logits, cache), chosen = decode(model.params, cache, seq[:, t:t + 1], jnp.full((batch, 1), t + decode_shift))
         cached.append(logits)
         cached_sel.append(index_selections(chosen))
     full_sel = [layer[:, :total - 1] for layer in index_selections(state)]
@@ -58,3 +71,30 @@ def first_flip(full_sel: list[np.ndarray], cached_sel: list[np.ndarray]) -> tupl
         return None
     token = int(np.flatnonzero(differs.any(axis=0))[0])
     return token, int(np.flatnonzero(differs[:, token])[0])
+
+
+def assert_cached_matches_full(full, cached, full_sel, cached_sel, prompt: int, seed: int, bound: float = 1e-4,
+                               flipped_bound: float = 0.25):
+    """The cached decode equals the full forward (`full_and_cached`'s outputs) up to top-k flips.
+
+    Where both runs select the same keys for every token, the logits agree to `bound`. A near-tie in the top k can
+    flip between the runs, which compute their inputs with different kernels (a one-ulp difference can flip an e4m3
+    rounding of the FP8 indexer's queries or keys): a flipped key at token t moves the logits from position t on,
+    and nothing before it, since attention is causal. So the logits must agree to
+    `bound` before the first flip, that flip must be a near-tie (each batch row differs in at most two keys there),
+    and no position may move by `flipped_bound` or more. (On the CPU, one-ulp weight noise flipped keys that moved
+    the logits by 0.004 and 0.04; decode tokens written and read one position late swapped 3-7 keys per row at the
+    first decode token and moved the logits by 0.36.)"""
+    flip = first_flip(full_sel, cached_sel)
+    compared = full.shape[1] if flip is None else max(flip[0] - (prompt - 1), 0)  # logit j is at position prompt-1+j
+    errors = np.array([relative_error(cached[:, p], full[:, p]) for p in range(full.shape[1])])
+    over = np.flatnonzero(errors[:compared] >= bound)
+    where = (f"seed {seed}: first selection flip at (token, layer) {flip}; {len(over)} of {compared} positions "
+             f"before it over {bound:g} (at {over.tolist()[:8]}; worst {errors.max():.2e} at {int(errors.argmax())})")
+    assert len(over) == 0, where
+    if flip is not None:
+        token, layer = flip
+        a, b = full_sel[layer][:, token], cached_sel[layer][:, token]
+        swapped = [len(np.setdiff1d(x, y)) for x, y in zip(a, b)]
+        assert max(swapped) <= 2, f"{where}; keys swapped per batch row there: {swapped}"
+        assert errors.max() < flipped_bound, where

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsa_cases import first_flip, full_and_cached
+from dsa_cases import assert_cached_matches_full, first_flip, full_and_cached, kernel_sized_dsa_config
 from tiny_checkpoints import build_hf_model, relative_error, save_hf_model
 from dayzero.kernels import dispatch
 from dayzero.model import Model, load_checkpoint
@@ -108,3 +108,16 @@ def test_fp8_indexer_decode_equals_full_forward(one_layer, seed, monkeypatch):
     swapped = [s.copy() for s in cached_sel]
     swapped[0][1, 7, -1] += 1  # another key than the last (largest) one token 7 selects
     assert first_flip(full_sel, swapped) == (7, 0)
+
+
+def test_cached_vs_full_checker_catches_a_misplaced_decode(seed, monkeypatch):
+    """`assert_cached_matches_full`, which the GPU test relies on to tell a near-tie flip from a bug, at the GPU test's
+    model size (16 index heads, top 48): it passes the model's own cached decode and fails a planted bug, each decode
+    token written and read one position late (3-11 keys swapped per row at the first decode token over 28 seeds)."""
+    monkeypatch.delenv(dispatch.ENV_OVERRIDE, raising=False)
+    rng = np.random.default_rng(seed)
+    model = Model.random(kernel_sized_dsa_config(), dtype="float32", seed=int(rng.integers(1000)))
+    seq, prompt, tables = rng.integers(3, 256, (2, 106)), 100, np.array([[7, 2, 9], [4, 8, 1]])
+    assert_cached_matches_full(*full_and_cached(model, seq, prompt, tables), prompt, seed)
+    with pytest.raises(AssertionError, match="keys swapped"):
+        assert_cached_matches_full(*full_and_cached(model, seq, prompt, tables, decode_shift=1), prompt, seed)

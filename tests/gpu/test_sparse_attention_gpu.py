@@ -9,12 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dsa_cases import first_flip, full_and_cached
+from dsa_cases import assert_cached_matches_full, full_and_cached, kernel_sized_dsa_config
 from dayzero.kernels import attention, dispatch, fp8_indexer, indexer, paged
 from dayzero.kernels.indexer_pallas import IndexerKernelConfig
 from dayzero.kernels.sparse_mla import SparseMLAConfig
 from dayzero.model import Model
-from dayzero.model.config import LAYER_MLA, MLP_DENSE, MLP_MOE, ModelConfig, RopeConfig
 
 pytestmark = pytest.mark.skipif(not any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices()),
                                 reason="no GPU on this machine")
@@ -157,45 +156,11 @@ def test_sparse_mla_decode_16_heads(rng, dense, dtype, tuning):
     test_sparse_mla(rng, 1, dense, dtype, SMALL_HEAD_TUNINGS[tuning], heads=16)
 
 
-def gpu_dsa_config() -> ModelConfig:
-    """A small deepseek_v32-like config whose dims the Triton kernels take (every dot dimension >= 16)."""
-    return ModelConfig(
-        model_type="deepseek_v32", vocab_size=256, hidden_size=128, num_layers=2, layer_types=(LAYER_MLA,) * 2,
-        mlp_types=(MLP_DENSE, MLP_MOE), intermediate_size=256, num_heads=16, q_lora_rank=64, kv_lora_rank=64,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, rope=RopeConfig(theta=10000.0),
-        index_n_heads=16, index_head_dim=32, index_topk=48, num_experts=4, num_experts_per_token=2,
-        moe_intermediate_size=64, num_shared_experts=1, max_position_embeddings=1024)
-
-
-def assert_cached_matches_full(full, cached, full_sel, cached_sel, prompt: int, seed: int, bound: float = 1e-4,
-                               flipped_bound: float = 0.5):
-    """The cached decode equals the full forward (`full_and_cached`'s outputs) up to top-k flips.
-
-    Where both runs select the same keys for every token, the logits agree to `bound`. A near-tie in the top k can
-    flip between the runs, which compute their inputs with different kernels (a one-ulp difference can flip an e4m3
-    rounding of the FP8 indexer's queries or keys): a flipped key at token t moves the logits from position t on
-    (by ~0.1 in this small model), and nothing before it, since attention is causal. So the logits must agree to
-    `bound` before the first flip, that flip must be a near-tie (each batch row differs in at most two keys there),
-    and no position may move by more than `flipped_bound` (a cache read wrong moves the logits by ~1)."""
-    flip = first_flip(full_sel, cached_sel)
-    compared = full.shape[1] if flip is None else max(flip[0] - (prompt - 1), 0)  # logit j is at position prompt-1+j
-    errors = np.array([rel_err(cached[:, p], full[:, p]) for p in range(full.shape[1])])
-    over = np.flatnonzero(errors[:compared] >= bound)
-    where = (f"seed {seed}: first selection flip at (token, layer) {flip}; {len(over)} of {compared} positions "
-             f"before it over {bound:g} (at {over.tolist()[:8]}; worst {errors.max():.2e} at {int(errors.argmax())})")
-    assert len(over) == 0, where
-    if flip is not None:
-        token, layer = flip
-        a, b = full_sel[layer][:, token], cached_sel[layer][:, token]
-        swapped = [len(np.setdiff1d(x, y)) for x, y in zip(a, b)]
-        assert max(swapped) <= 2, f"{where}; keys swapped per batch row there: {swapped}"
-        assert errors.max() < flipped_bound, where
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 def test_dsa_model_decode_equals_full_forward(rng, seed, monkeypatch, fp8):
     monkeypatch.delenv(dispatch.ENV_OVERRIDE, raising=False)
-    model = Model.random(gpu_dsa_config().replace(index_fp8=fp8), dtype="float32", seed=int(rng.integers(1000)))
+    config = kernel_sized_dsa_config().replace(index_fp8=fp8)
+    model = Model.random(config, dtype="float32", seed=int(rng.integers(1000)))
     prompt, total, batch = 100, 140, 2
     seq = jnp.asarray(rng.integers(3, 256, (batch, total)), jnp.int32)
     tables = jnp.asarray([[7, 2, 9], [4, 8, 1]], jnp.int32)
