@@ -190,6 +190,7 @@ def measure_dayzero(tunings: dict, decode: bool = True, res: dict | None = None)
 
     rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
                              / jnp.linalg.norm(b.astype(jnp.float32).ravel()))
+    best_name = None  # the first T tries every tuning; the later ones run its best
     for T in PREFILL_T:
         q, k, v, g, beta, _ = inputs(1, T, jax.random.key(T))
         h0 = jnp.zeros((1, H, D, D), jnp.float32)

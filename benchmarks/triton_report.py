@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import re
 import subprocess
@@ -488,9 +489,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
-    try:
-        import triton  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("triton") is None:
         raise SystemExit("needs the triton package: pip install triton==3.6.0")
     print("| case | kernel | warps | stages | registers | spill bytes (st/ld) | stack | shared | layout conversions "
           "| barriers | SASS instructions |\n|---|---|---|---|---|---|---|---|---|---|---|")
