@@ -86,11 +86,28 @@ def workspace_counters(intermediates: dict) -> tuple[int, int] | None:
     return hits, misses
 
 
+def sown_per_layer(intermediates: dict, path: tuple[str, ...]) -> list[np.ndarray]:
+    """The first value sown at `path` (module names, then the entry's name) under each decoder layer, sorted along its
+    last axis, in layer order; layers without that entry are left out."""
+    layers = sorted((k for k in intermediates if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
+    found = []
+    for layer in layers:
+        entry = intermediates[layer]
+        for name in path:
+            entry = entry.get(name, {})
+        if entry:
+            found.append(np.sort(np.asarray(entry[0]), axis=-1))
+    return found
+
+
 def routed_experts(intermediates: dict) -> list[np.ndarray]:
     """Each MoE layer's routed experts [B * T, k] int32, sorted along k, in layer order."""
-    layers = sorted((k for k in intermediates if k.startswith("layers_")), key=lambda k: int(k.split("_")[1]))
-    found = (intermediates[k].get("mlp", {}).get("routed_experts") for k in layers)
-    return [np.sort(np.asarray(f[0]), axis=-1) for f in found if f]
+    return sown_per_layer(intermediates, ("mlp", "routed_experts"))
+
+
+def index_selections(intermediates: dict) -> list[np.ndarray]:
+    """Each DSA layer's top-k key positions [B, T, k] int32 (-1 = none), sorted along k, in layer order."""
+    return sown_per_layer(intermediates, ("self_attn", "indexer", "index_selection"))
 
 
 def route_changes(a: list[np.ndarray], b: list[np.ndarray]) -> int:
