@@ -66,6 +66,19 @@ def timed_generate(engine: Engine, prompts, params, repeats: int = 1):
     return runs
 
 
+def batch_figures(runs, batch: int) -> dict:
+    """A batch size's figures from `timed_generate`'s runs: ITL (each request's mean gap, decode dispatches coming in
+    bursts; the median over a run's requests, then over runs; ms), every run's ITL, the median run's tokens/s, and
+    the median TTFT over every run's requests (ms; at batch 1 a run holds one sample): the price, if any, of
+    launching the first decode before the prefill's token is read."""
+    itls = [float(np.median([o.mean_itl for o in outs])) for outs, _, _ in runs]
+    outs, wall, _ = runs[int(np.argsort(itls)[len(itls) // 2])]
+    return {f"itl_B{batch}_ms": round(float(np.median(itls)) * 1e3, 3),
+            f"itl_B{batch}_runs_ms": [round(t * 1e3, 3) for t in itls],
+            f"tok_s_B{batch}": round(sum(len(o.token_ids) for o in outs) / wall, 1),
+            f"ttft_B{batch}_ms": round(float(np.median([o.ttft for run, _, _ in runs for o in run])) * 1e3, 2)}
+
+
 def peer_ratios(ours: dict, peer: dict) -> dict:
     """The peer's batch-16 ITL over ours and over the batch-16 bandwidth floor ({} without a peer figure): the second
     bounds the first for any engine reading these weights, so a peer that runs fast makes a ratio target out of reach
@@ -165,21 +178,14 @@ def main(argv=None) -> int:
     for batch in batches:
         prompts = [rng.integers(3, config.vocab_size, 128).tolist() for _ in range(batch)]
         runs = timed_generate(engine, prompts, params, args.repeats)
-        # per-request mean ITL (decode dispatches come in bursts), the median over requests, then over runs
-        itls = [float(np.median([o.mean_itl for o in outs])) for outs, _, _ in runs]
-        itl = float(np.median(itls))
-        outs, wall, _ = runs[int(np.argsort(itls)[len(itls) // 2])]  # the median run's tokens/s
-        tokens = sum(len(o.token_ids) for o in outs)
+        figures = batch_figures(runs, batch)
+        res.update(figures)
         if any(compiled for _, _, compiled in runs):
             compiled_while_timed[f"B{batch}"] = sum(compiled for _, _, compiled in runs)
-        res[f"itl_B{batch}_ms"] = round(itl * 1e3, 3)
-        res[f"itl_B{batch}_runs_ms"] = [round(t * 1e3, 3) for t in itls]
-        res[f"tok_s_B{batch}"] = round(tokens / wall, 1)
-        # the median run's median TTFT: the price, if any, of launching the first decode before the token is read
-        res[f"ttft_B{batch}_ms"] = round(float(np.median([o.ttft for o in outs])) * 1e3, 2)
-        print(f"batch {batch}: ITL (median of per-request means, median of {len(runs)} runs "
-              f"{[round(t * 1e3, 3) for t in itls]}) {itl * 1e3:.2f} ms, {tokens / wall:.1f} tokens/s overall, "
-              f"decode-only {batch / itl:.1f} tokens/s, TTFT (median request) {res[f'ttft_B{batch}_ms']} ms")
+        itl, itls = figures[f"itl_B{batch}_ms"], figures[f"itl_B{batch}_runs_ms"]
+        print(f"batch {batch}: ITL (median of per-request means, median of {len(runs)} runs {itls}) {itl:.2f} ms, "
+              f"{figures[f'tok_s_B{batch}']} tokens/s overall, decode-only {batch / itl * 1e3:.1f} tokens/s, "
+              f"TTFT (median request of all runs) {figures[f'ttft_B{batch}_ms']} ms")
         if batch in args.trace_batches:  # the same generate again, traced: where the ITL goes on the GPU
             events = traced_events(lambda: engine.generate(prompt_token_ids=prompts, sampling_params=params))
             traces[batch] = busy_summary(gpu_kernels(events))

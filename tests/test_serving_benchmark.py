@@ -65,3 +65,20 @@ def test_set_module_constants_sets_and_names_them(monkeypatch):
         serving_benchmark.set_module_constants(["model.moe.SHARED_GATE_UP_IN_FRONT"])
     assert serving_benchmark.peer_ratios({"itl_B1_ms": 0.9, "bandwidth_floor_b16_ms": 0.7},
                                          {"hf_B16_P1024_itl_ms": 44.0}) == {}  # batch 16 not timed
+
+
+def test_batch_figures_take_ttft_over_every_run_and_tokens_per_second_from_the_median_run():
+    from types import SimpleNamespace as Out
+
+    def run(itls_s, ttfts_s, wall_s):  # one timed run: (outputs, wall seconds, compilations); 4 tokens a request
+        return [Out(mean_itl=i, ttft=t, token_ids=[1, 2, 3, 4]) for i, t in zip(itls_s, ttfts_s)], wall_s, 0
+
+    runs = [run([1e-3], [0.010], 2.0), run([3e-3], [0.050], 4.0), run([2e-3], [0.060], 1.0)]
+    figures = serving_benchmark.batch_figures(runs, 1)
+    assert figures["itl_B1_ms"] == 2.0 and figures["itl_B1_runs_ms"] == [1.0, 3.0, 2.0]
+    assert figures["tok_s_B1"] == 4.0  # the median-ITL run (the third): 4 tokens in 1 s
+    assert figures["ttft_B1_ms"] == 50.0  # the median of the three runs' single requests, not the median run's 60
+    two = [run([1e-3, 5e-3], [0.001, 0.002], 1.0), run([2e-3, 2e-3], [0.003, 0.100], 1.0)]
+    figures = serving_benchmark.batch_figures(two, 2)
+    assert figures["itl_B2_runs_ms"] == [3.0, 2.0] and figures["itl_B2_ms"] == 2.5
+    assert figures["ttft_B2_ms"] == 2.5 and figures["tok_s_B2"] == 8.0
