@@ -69,11 +69,19 @@ class Drift:
 
 def forward_intermediates(model: Model, token_ids) -> dict:
     """The "intermediates" collection of one jitted forward pass of `token_ids` [B, T]: the MXFP4 workspace's
-    counters (`Decoder`), each MoE layer's routed experts (`MoE`) and each DSA layer's top-k keys (`Indexer`)."""
-    forward = jax.jit(lambda params, ids: model.module.apply({"params": params}, ids, mutable=["intermediates"])[1])
+    counters (`Decoder`) and each MoE layer's routed experts (`MoE`). The DSA layers' top-k keys (`Indexer`'s
+    "index_selection", [B, T, k] a layer: gigabytes at a long T) are dropped inside the jit, never copied out."""
+    def forward(params, ids):
+        state = model.module.apply({"params": params}, ids, mutable=["intermediates"])[1]
+        return _without(state.get("intermediates", {}), "index_selection")
+
     with platforms.activate(model.placement):
-        state = forward(model.params, jnp.asarray(token_ids, jnp.int32))
-    return jax.device_get(state.get("intermediates", {}))
+        return jax.device_get(jax.jit(forward)(model.params, jnp.asarray(token_ids, jnp.int32)))
+
+
+def _without(tree: dict, name: str) -> dict:
+    """`tree` (nested dicts) without its entries called `name`, at any depth."""
+    return {k: _without(v, name) if isinstance(v, dict) else v for k, v in tree.items() if k != name}
 
 
 def workspace_counters(intermediates: dict) -> tuple[int, int] | None:
